@@ -1,0 +1,43 @@
+"""hyper_parallel: a graph compiler that parallelizes PyTorch training.
+
+Write an ordinary single-device model, a declarative plan and a device mesh; ``parallelize`` returns
+the same model compiled into a per-rank program whose collectives are explicit graph nodes, with the
+loss and gradients one device would compute.
+"""
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .api import ParallelModule, parallelize
+from .layout import Layout, TensorLayout
+from .mesh import init_device_mesh
+from .plan import ParallelPlan, parallelize_module, shard_module
+from .styles import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ColwiseParallel",
+    "Layout",
+    "ParallelModule",
+    "ParallelPlan",
+    "ParallelStyle",
+    "Partial",
+    "PrepareModuleInput",
+    "PrepareModuleInputOutput",
+    "PrepareModuleOutput",
+    "Replicate",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "Shard",
+    "TensorLayout",
+    "init_device_mesh",
+    "parallelize",
+    "parallelize_module",
+    "shard_module",
+]

@@ -1,0 +1,249 @@
+"""``parallelize(model, plan, mesh)``: the user's entry point, and the module it returns.
+
+The returned object *is* the user's model (its class is swapped for a subclass that also derives
+from :class:`ParallelModule`, the way FSDP2 extends modules), so attribute access, ``isinstance``
+and ``state_dict()`` keys are unchanged; its parameters become DTensors holding this rank's shards.
+The first call with a given input signature (shapes, dtypes, non-tensor values) compiles:
+
+    capture (fake global-shape tensors) → plan constraints → propagate → lower → passes →
+    partition → SPMD check → dumps
+
+and later calls with the same signature run the cached program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.nn.utils import stateless
+
+from . import compat
+from .capture import CapturedGraph, capture
+from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
+from .lower import lower
+from .passes import PassContext, run_passes
+from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
+from .propagation.engine import PropagationReport, normalize_placement, propagate
+from .runtime.program import CompiledProgram, flatten_placeholders
+from .spmd import check_spmd
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CompiledEntry:
+    """One compiled input signature: the program plus what the dumps and reports show."""
+
+    captured: CapturedGraph
+    program: CompiledProgram
+    report: PropagationReport
+    summary: dict
+
+
+class _ParallelState:
+    def __init__(self, resolved: ResolvedPlan, mesh, original_cls, dump_dir, disable_passes):
+        self.resolved = resolved
+        self.mesh = mesh
+        self.original_cls = original_cls
+        self.dump_dir = dump_dir
+        self.disable_passes = frozenset(disable_passes)
+        self.cache: dict[Any, CompiledEntry] = {}
+
+
+class ParallelModule(nn.Module):
+    """Mixin added to the user's model class by :func:`parallelize`."""
+
+    _hp: _ParallelState
+
+    def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
+        state = self._hp
+        flat, in_spec = pytree.tree_flatten((args, kwargs))
+        key = (in_spec, tuple(_signature(x) for x in flat))
+        entry = state.cache.get(key)
+        if entry is None:
+            entry = _compile(self, state, args, kwargs, flat)
+            state.cache[key] = entry
+        return _run(self, entry, flat)
+
+    # --- what users and tests read -----------------------------------------------------------
+    def compile_summary(self) -> dict:
+        """The summary of the most recent compilation (collectives by kind/axis, fallbacks, ...)."""
+        if not self._hp.cache:
+            raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
+        return list(self._hp.cache.values())[-1].summary
+
+    def compiled_programs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        """(forward, backward) GraphModules of the most recent compilation, for inspection."""
+        entry = list(self._hp.cache.values())[-1]
+        return entry.program.forward_gm, entry.program.backward_gm
+
+
+def _signature(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
+    return ("const", type(x).__name__, repr(x))
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Any = None,
+    mesh=None,
+    *,
+    dump_dir: str | None = None,
+    disable_passes: tuple[str, ...] = (),
+) -> nn.Module:
+    """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
+
+    ``plan`` is a :class:`ParallelPlan`, the same as a nested dict, or None to use only the entries
+    recorded by ``shard_module``/``parallelize_module``. The model's parameters are distributed now
+    (from rank 0's values, so every rank starts identical); compilation happens on the first call.
+    """
+    if mesh is None:
+        raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
+    if isinstance(model, ParallelModule):
+        raise ValueError("this model is already parallelized; call parallelize on the original model once")
+    recorded = collect_recorded_plan(model)
+    full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
+    resolved = resolve_plan(full_plan, model, mesh)
+    _check_unsupported(full_plan)
+    _distribute_parameters(model, resolved, mesh)
+    dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
+    original_cls = type(model)
+    model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
+    model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
+    return model
+
+
+def _check_unsupported(plan) -> None:
+    for key in ("fully_shard", "recompute", "swap", "pipeline"):
+        if getattr(plan, key, None):
+            raise ValueError(
+                f"ParallelPlan.{key} is not supported yet by this build of hyper_parallel; "
+                f"remove the '{key}' entry (tensor_parallel, layouts and inputs are supported)"
+            )
+
+
+def _distribute_parameters(model: nn.Module, resolved: ResolvedPlan, mesh) -> None:
+    for fqn, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        placements = resolved.param_placements[fqn]
+        owner_name, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        placements = tuple(normalize_placement(p, tensor.dim()) for p in placements)
+        dt = distribute_tensor(tensor.detach(), mesh, placements)
+        if isinstance(tensor, nn.Parameter):
+            owner.register_parameter(name, nn.Parameter(dt, requires_grad=tensor.requires_grad))
+        else:
+            persistent = name not in owner._non_persistent_buffers_set
+            owner.register_buffer(name, dt, persistent=persistent)
+
+
+def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:
+    """Layouts of the user's tensor inputs: plan.inputs, else Shard(0) over the data-parallel axes."""
+    return {
+        path: resolved.input_placements(path, x.dim())
+        for path, x in zip(paths, flat)
+        if isinstance(x, torch.Tensor)
+    }
+
+
+def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
+    shape = list(local_shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh.size(axis)
+    return tuple(shape)
+
+
+def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) -> CompiledEntry:
+    mesh = state.mesh
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dumper = Dumper(state.dump_dir, rank)
+    paths = [p for p in _flat_paths((args, kwargs))]
+    input_placements = _input_placements(state.resolved, paths, flat)
+    resolved = dataclasses.replace(state.resolved, inputs={**state.resolved.inputs, **input_placements})
+
+    # Capture on fake tensors of the *global* shapes: single-device semantics, no real memory.
+    fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        fake_flat = [
+            torch.empty(_global_shape(x.shape, input_placements[p], mesh), dtype=x.dtype)
+            if isinstance(x, torch.Tensor) else x
+            for p, x in zip(paths, flat)
+        ]
+        fake_state = {
+            fqn: nn.Parameter(torch.empty(t.shape, dtype=t.dtype), requires_grad=t.requires_grad)
+            for fqn, t in module.named_parameters()
+        }
+        fake_state.update({fqn: torch.empty(t.shape, dtype=t.dtype) for fqn, t in module.named_buffers()})
+    fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
+    module.__class__, parallel_cls = state.original_cls, module.__class__
+    try:
+        with stateless._reparametrize_module(module, fake_state):
+            captured = capture(module, fake_args, fake_kwargs, state.resolved.modules)
+    finally:
+        module.__class__ = parallel_cls
+    dumper.graph("captured", captured.gm)
+
+    report = propagate(captured, resolved, mesh)
+    local = lower(captured, mesh)
+    dumper.graph("lowered", local)
+    local = run_passes(
+        local, PassContext(mesh=mesh, disable_passes=state.disable_passes, on_pass=dumper.graph)
+    )
+    dumper.text("layouts.tsv", layout_table(local))
+    flatten_placeholders(local, captured)
+    program = CompiledProgram.from_joint(local, captured)
+    dumper.graph("forward", program.forward_gm)
+    dumper.graph("backward", program.backward_gm)
+
+    axis_of_group = group_axis_names(mesh)
+    colls = {
+        "forward": collectives(program.forward_gm, axis_of_group),
+        "backward": collectives(program.backward_gm, axis_of_group),
+    }
+    digest = check_spmd(colls)
+    summary = {
+        "collectives": {name: collective_summary(c) for name, c in colls.items()},
+        "collectives_per_step": collective_summary(colls["forward"] + colls["backward"]),
+        "fallbacks": report.fallbacks,
+        "plan_redistributions": report.boundaries,
+        "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
+        "spmd_hash": digest,
+        "inputs": {p: [str(pl) for pl in v] for p, v in input_placements.items()},
+    }
+    dumper.json("summary.json", summary)
+    if rank == 0:
+        log.info("[compile] %s", summary["collectives_per_step"])
+    return CompiledEntry(captured, program, report, summary)
+
+
+def _flat_paths(tree) -> list[str]:
+    from .capture import _flat_paths as paths
+
+    return paths(tree)
+
+
+def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
+    captured = entry.captured
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    primals = []
+    for info in captured.inputs:
+        if info.kind == "param":
+            p = params[info.name]
+            primals.append(p.to_local() if isinstance(p, DTensor) else p)
+        elif info.kind == "buffer":
+            b = buffers[info.name]
+            primals.append(b.to_local() if isinstance(b, DTensor) else b)
+        elif info.kind == "input":
+            primals.append(flat[info.index])
+    outs = entry.program(*primals)
+    return pytree.tree_unflatten(list(outs), captured.out_spec)

@@ -1,0 +1,257 @@
+"""Capture: a model and example inputs → one joint forward+loss+backward aten graph.
+
+``torch.export.export(strict=False)`` traces the model (keeping ``nn_module_stack`` and source lines
+on every node); ``aot_export_joint_with_descriptors`` then retraces that program into a functional
+joint graph whose placeholders and outputs carry descriptors (which parameter, which user input,
+which output's tangent, which parameter's gradient). Backward nodes keep their forward module in
+``fwd_nn_module_stack``, so plan entries apply to both directions.
+
+Modules with planned input/output layouts get ``hyper_parallel::boundary`` annotations for the
+duration of the export only (see annotations.py); no hook survives capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from . import compat
+from .annotations import boundary, boundary_key
+
+aten = torch.ops.aten
+
+# Loss kernels whose "mean" reduction divides by the numel of the tensor they run on. On a shard
+# that is the local numel, so they are captured decomposed into explicit ops (whose constants are
+# the global sizes) instead of trusted to a sharding rule.
+IMPLICIT_MEAN_OPS = (
+    aten.mse_loss.default,
+    aten.mse_loss_backward.default,
+    aten.l1_loss.default,
+    aten.smooth_l1_loss.default,
+    aten.smooth_l1_loss_backward.default,
+    aten.huber_loss.default,
+    aten.huber_loss_backward.default,
+    aten.binary_cross_entropy.default,
+    aten.binary_cross_entropy_backward.default,
+    aten.binary_cross_entropy_with_logits.default,
+    aten.soft_margin_loss.default,
+    aten.soft_margin_loss_backward.default,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputInfo:
+    """What one placeholder of the joint graph is."""
+
+    kind: str  # "param" | "buffer" | "input" | "tangent"
+    name: str  # parameter/buffer FQN, user-input path (e.g. "input_ids"), or "tangent of <output>"
+    index: int  # flat user-input index, output index for tangents, or -1
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputInfo:
+    """What one output slot of the joint graph is."""
+
+    kind: str  # "output" | "grad" | "none"
+    name: str  # output path (e.g. "loss") or the parameter FQN whose gradient this is
+    index: int  # flat user-output index or -1
+
+
+@dataclasses.dataclass
+class CapturedGraph:
+    """The joint graph plus everything needed to call it like the original module."""
+
+    gm: torch.fx.GraphModule
+    inputs: list[InputInfo]  # one per placeholder, in order
+    outputs: list[OutputInfo]  # one per output slot, in order
+    in_spec: pytree.TreeSpec  # of (args, kwargs) as the user calls the model
+    out_spec: pytree.TreeSpec  # of the model's return value
+    num_user_outputs: int
+    input_paths: list[str]  # readable path of every flat user input
+    output_paths: list[str]  # readable path of every flat user output
+
+
+def _path_str(path) -> str:
+    text = pytree.keystr(path)
+    # "[0][1]['input_ids']" → "input_ids" for the common kwargs case
+    return text.replace("[1]['", "", 1).rstrip("]'") if text.startswith("[1]['") else text
+
+
+def _flat_paths(tree) -> list[str]:
+    leaves, _ = pytree.tree_flatten_with_path(tree)
+    return [_path_str(p) for p, _ in leaves]
+
+
+@contextlib.contextmanager
+def _boundary_annotations(model: nn.Module, boundaries: Mapping[str, Any]):
+    """Wrap the planned inputs/outputs of the given modules in boundary ops while the block runs.
+
+    ``boundaries`` maps module FQN → an object with ``inputs`` (tuple, one entry per positional
+    input, None = unconstrained), ``kwarg_inputs`` (dict) and ``outputs`` (tuple per flat output).
+    """
+    handles = []
+    modules = dict(model.named_modules())
+
+    def pre_hook(fqn, cons):
+        def hook(module, args, kwargs):
+            args = tuple(
+                boundary(a, boundary_key(fqn, "in", i))
+                if i < len(cons.inputs) and cons.inputs[i] is not None and isinstance(a, torch.Tensor)
+                else a
+                for i, a in enumerate(args)
+            )
+            kwargs = {
+                k: boundary(v, boundary_key(fqn, "kw", k))
+                if k in cons.kwarg_inputs and isinstance(v, torch.Tensor)
+                else v
+                for k, v in kwargs.items()
+            }
+            return args, kwargs
+
+        return hook
+
+    def post_hook(fqn, cons):
+        def hook(module, args, kwargs, output):
+            leaves, spec = pytree.tree_flatten(output)
+            leaves = [
+                boundary(o, boundary_key(fqn, "out", i))
+                if i < len(cons.outputs) and cons.outputs[i] is not None and isinstance(o, torch.Tensor)
+                else o
+                for i, o in enumerate(leaves)
+            ]
+            return pytree.tree_unflatten(leaves, spec)
+
+        return hook
+
+    try:
+        for fqn, cons in boundaries.items():
+            module = modules[fqn]
+            if any(c is not None for c in cons.inputs) or cons.kwarg_inputs:
+                handles.append(
+                    module.register_forward_pre_hook(pre_hook(fqn, cons), with_kwargs=True)
+                )
+            if any(c is not None for c in cons.outputs):
+                handles.append(module.register_forward_hook(post_hook(fqn, cons), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def capture(
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    boundaries: Mapping[str, Any] | None = None,
+) -> CapturedGraph:
+    """Trace ``model(*args, **kwargs)`` into a joint forward/backward aten graph.
+
+    ``args``/``kwargs`` may be real or fake tensors with the *global* shapes; the joint graph
+    describes single-device semantics, propagation and lowering make it distributed.
+    """
+    with _boundary_annotations(model, boundaries or {}):
+        try:
+            exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        except Exception as exc:  # re-raised with the fix a user needs most often
+            raise type(exc)(
+                f"torch.export could not capture {type(model).__name__}: {exc}\n"
+                "hyper_parallel needs a model that torch.export.export(model, args, kwargs, "
+                "strict=False) accepts (no data-dependent Python control flow on tensor values)."
+            ) from exc
+    program = exported.module()
+    with contextlib.ExitStack() as stack:
+        with fx_traceback.preserve_node_meta():
+            joint = compat.aot_export_joint_with_descriptors(
+                stack, program, tuple(args), dict(kwargs),
+                decompositions=compat.decompositions_for(IMPLICIT_MEAN_OPS),
+            )
+    gm = joint.graph_module
+
+    user_inputs_tree = (tuple(args), dict(kwargs))
+    input_paths = _flat_paths(user_inputs_tree)
+    inputs: list[InputInfo] = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        desc = node.meta["desc"]
+        if isinstance(desc, compat.ParamAOTInput):
+            inputs.append(InputInfo("param", desc.target, -1))
+        elif isinstance(desc, compat.BufferAOTInput):
+            inputs.append(InputInfo("buffer", desc.target, -1))
+        elif isinstance(desc, compat.PlainAOTInput):
+            inputs.append(InputInfo("input", input_paths[desc.idx], desc.idx))
+        elif isinstance(desc, compat.TangentAOTInput) and isinstance(
+            desc.output, compat.PlainAOTOutput
+        ):
+            inputs.append(InputInfo("tangent", f"tangent of output {desc.output.idx}", desc.output.idx))
+        else:
+            raise NotImplementedError(
+                f"capture: unsupported joint-graph input {desc!r} (placeholder {node.name}); "
+                "input mutations and subclass inputs are not supported yet"
+            )
+
+    output_node = gm.graph.output_node()
+    outputs: list[OutputInfo] = []
+    num_user_outputs = 0
+    for desc in output_node.meta["desc"]:
+        if isinstance(desc, compat.PlainAOTOutput):
+            outputs.append(OutputInfo("output", str(desc.idx), desc.idx))
+            num_user_outputs += 1
+        elif isinstance(desc, compat.GradAOTOutput):
+            grad_of = desc.grad_of
+            if isinstance(grad_of, compat.ParamAOTInput):
+                outputs.append(OutputInfo("grad", grad_of.target, -1))
+            else:
+                outputs.append(OutputInfo("none", repr(grad_of), -1))
+        elif desc is None:
+            outputs.append(OutputInfo("none", "", -1))
+        else:
+            raise NotImplementedError(f"capture: unsupported joint-graph output {desc!r}")
+
+    # Readable output paths ("loss", "logits", "[0]") from the exported program's output structure.
+    out_spec = joint.out_spec
+    dummy = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
+    output_paths = _flat_paths(dummy)
+    outputs = [
+        dataclasses.replace(o, name=output_paths[o.index]) if o.kind == "output" else o
+        for o in outputs
+    ]
+    return CapturedGraph(
+        gm=gm,
+        inputs=inputs,
+        outputs=outputs,
+        in_spec=pytree.tree_flatten(user_inputs_tree)[1],
+        out_spec=out_spec,
+        num_user_outputs=num_user_outputs,
+        input_paths=input_paths,
+        output_paths=output_paths,
+    )
+
+
+def module_fqn_of(node: torch.fx.Node) -> str:
+    """The FQN of the innermost module a joint-graph node belongs to ("" = root, forward or backward)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _normalize_fqn(path)
+
+
+def _normalize_fqn(path: str) -> str:
+    # export writes list indices as "layers.0" or "layers[0]" depending on the container; normalise.
+    return path.replace("[", ".").replace("]", "").replace("L['self'].", "").lstrip(".")
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The user's source line that produced a node (last frame of its stack trace), or ""."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(trace) - 1, -1, -1):
+        if trace[i].lstrip().startswith("File "):
+            where = trace[i].strip()
+            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+            return f"{where}: {code}" if code else where
+    return trace[-1].strip() if trace else ""

@@ -1,0 +1,195 @@
+"""Lowering: joint graph + layouts → the per-rank local joint graph with explicit collectives.
+
+Reads ``node.meta["hp_layout"]`` (propagation/engine.py). Writes a new GraphModule over *local*
+tensors with the same placeholders (``primals_*``, ``tangents_*``) and the same output slots, in
+which every layout change is an explicit ``torch.ops._c10d_functional`` collective followed by its
+``wait_tensor``. Each new node carries in ``meta``: ``hp_source`` (the joint-graph node it comes
+from), ``hp_role`` ("compute" or "redistribute"), ``hp_layout`` of its source for compute nodes,
+``hp_redistribute`` ("S(0) -> R") for communication, and the source's ``stack_trace`` and module
+stacks, so dumps and errors point at the user's code.
+
+How: the joint graph is interpreted once under ``make_fx`` with every value a DTensor wrapping a
+local fake tensor. Before each op its arguments are redistributed to the layouts propagation chose
+(DTensor's ``redistribute_local_tensor`` emits the collectives; it is traced, not executed), then the
+op runs through DTensor's dispatch, which computes it on the local shards (with shape arguments of
+view/expand/new_* ops rewritten to local sizes). DTensor's choice must agree with ours; a mismatch is
+an internal error, never a silent difference.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from . import compat
+from .annotations import BOUNDARY, BOUNDARY_GRAD
+from .capture import CapturedGraph
+from .propagation.engine import _describe, _fmt
+
+log = logging.getLogger(__name__)
+
+_COPIED_META = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr")
+
+
+def local_shape(spec) -> tuple[int, ...]:
+    shape, _ = compat.compute_local_shape_and_global_offset(
+        spec.tensor_meta.shape, spec.mesh, spec.placements
+    )
+    return tuple(shape)
+
+
+def _redistribute(dt: DTensor, target, source_node_name: str) -> DTensor:
+    """Move ``dt`` to ``target``'s placements, tracing the collectives this needs."""
+    current = dt._spec
+    if current.placements == target.placements:
+        return dt
+    local = dt._local_tensor
+    placements = list(current.placements)
+    with fx_traceback.annotate(
+        {"hp_source": source_node_name, "hp_role": "redistribute",
+         "hp_redistribute": f"{_fmt(current.placements)} -> {_fmt(target.placements)}"}
+    ):
+        # Partial(avg) is reduced as a sum of pre-divided shards: backends without an average
+        # reduction (gloo) need it, and dividing by a power of two first is exact.
+        for axis, p in enumerate(placements):
+            if isinstance(p, Partial) and p.reduce_op == "avg" and target.placements[axis] != p:
+                local = local / current.mesh.size(axis)
+                placements[axis] = Partial("sum")
+        src = compat.DTensorSpec(current.mesh, tuple(placements), tensor_meta=current.tensor_meta)
+        dst = compat.DTensorSpec(target.mesh, target.placements, tensor_meta=current.tensor_meta)
+        if src.placements != dst.placements:
+            local = compat.redistribute_local_tensor(local, src, dst)
+    return compat.dtensor_from_spec(local, dst)
+
+
+def _check_agrees(node, got, want) -> None:
+    if isinstance(want, compat.DTensorSpec):
+        if not isinstance(got, DTensor) or got._spec.placements != want.placements:
+            have = _fmt(got._spec.placements) if isinstance(got, DTensor) else type(got).__name__
+            raise AssertionError(
+                f"lowering: DTensor computed {have} for {_describe(node)} but propagation chose "
+                f"{_fmt(want.placements)}"
+            )
+    elif isinstance(want, (tuple, list)):
+        for g, w in zip(got, want):
+            if w is not None:
+                _check_agrees(node, g, w)
+
+
+def _wrap_replicated(value, mesh, node):
+    spec = node.meta["hp_layout"].output
+    if isinstance(value, torch.Tensor):
+        return compat.dtensor_from_spec(value, spec)
+    if isinstance(value, (tuple, list)):
+        return type(value)(
+            compat.dtensor_from_spec(v, s) if isinstance(v, torch.Tensor) else v
+            for v, s in zip(value, spec)
+        )
+    return value
+
+
+class _LocalInterpreter:
+    def __init__(self, captured: CapturedGraph, mesh):
+        self.captured = captured
+        self.mesh = mesh
+
+    def __call__(self, primals, tangents):
+        graph = self.captured.gm.graph
+        env: dict[torch.fx.Node, object] = {}
+        flat_inputs = list(primals) + list(tangents)
+        for node, local in zip(graph.find_nodes(op="placeholder"), flat_inputs):
+            env[node] = compat.dtensor_from_spec(local, node.meta["hp_layout"].output)
+        result = None
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                continue
+            layout = node.meta["hp_layout"]
+            if node.op == "output":
+                result = self.outputs(node, env)
+                continue
+            if node.op == "get_attr":
+                env[node] = _wrap_replicated(getattr(self.captured.gm, node.target), self.mesh, node)
+                continue
+            env[node] = self.call(node, layout, env)
+        return result
+
+    def call(self, node, layout, env):
+        if node.target is operator.getitem:
+            parent, idx = node.args
+            return env[parent][idx]
+        if node.target in (BOUNDARY, BOUNDARY_GRAD):
+            return _redistribute(env[node.args[0]], layout.output, node.name)
+
+        flat, tree = pytree.tree_flatten((node.args, node.kwargs))
+        wanted = iter(layout.inputs)
+        values = []
+        for a in flat:
+            if isinstance(a, torch.fx.Node):
+                v = env[a]
+                if isinstance(v, DTensor):
+                    v = _redistribute(v, next(wanted), node.name)
+                values.append(v)
+            else:
+                values.append(a)
+        with fx_traceback.annotate({"hp_source": node.name, "hp_role": "compute"}):
+            if layout.how in ("fallback", "factory"):
+                locals_ = [v._local_tensor if isinstance(v, DTensor) else v for v in values]
+                args, kwargs = pytree.tree_unflatten(locals_, tree)
+                return _wrap_replicated(node.target(*args, **kwargs), self.mesh, node)
+            args, kwargs = pytree.tree_unflatten(values, tree)
+            out = node.target(*args, **kwargs)
+        _check_agrees(node, out, layout.output)
+        return out
+
+    def outputs(self, node, env):
+        results = []
+        for slot, want in zip(node.args[0], node.meta["hp_layout"].inputs):
+            if slot is None or want is None:
+                results.append(None)
+                continue
+            results.append(_redistribute(env[slot], want, "output")._local_tensor)
+        return results
+
+
+def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, list]:
+    """Fake local tensors for every placeholder (primals, tangents), from its layout."""
+    primals, tangents = [], []
+    for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs):
+        spec = node.meta["hp_layout"].output
+        shape = local_shape(spec)  # outside the fake mode: it reads the rank's mesh coordinate
+        with fake_mode:
+            val = torch.empty(shape, dtype=spec.tensor_meta.dtype)
+        (tangents if info.kind == "tangent" else primals).append(val)
+    return primals, tangents
+
+
+def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
+    """Build the local joint graph of this rank (see module docstring)."""
+    fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+    primals, tangents = placeholder_local_values(captured, fake_mode)
+    interpreter = _LocalInterpreter(captured, mesh)
+    with fx_traceback.preserve_node_meta():
+        local_gm = compat.make_fx(interpreter, tracing_mode="fake", pre_dispatch=False)(primals, tangents)
+    sources = {n.name: n for n in captured.gm.graph.nodes}
+    for node in local_gm.graph.nodes:
+        custom = node.meta.get("custom") or {}
+        src = sources.get(custom.get("hp_source"))
+        if src is None:
+            continue
+        node.meta["hp_source"] = src.name
+        node.meta["hp_role"] = custom["hp_role"]
+        if "hp_redistribute" in custom:
+            node.meta["hp_redistribute"] = custom["hp_redistribute"]
+        elif custom["hp_role"] == "compute":
+            node.meta["hp_layout"] = src.meta["hp_layout"]
+        for key in _COPIED_META:
+            if key in src.meta:
+                node.meta[key] = src.meta[key]
+    local_gm.graph.eliminate_dead_code()
+    local_gm.recompile()
+    return local_gm

@@ -1,0 +1,54 @@
+"""The ordered pass pipeline over the lowered local joint graph.
+
+Each pass is ``pass(gm, ctx) -> gm``: a pure graph-to-graph function whose module docstring says
+what it reads and writes in ``node.meta``. ``run_passes`` runs them in order, skipping the names in
+``ctx.disable_passes``, and hands each intermediate graph to ``ctx.on_pass`` (dumps). Turning an
+optimisation pass off never changes numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable
+
+import torch
+
+from .cleanup import cleanup_pass
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What passes may read: the mesh, options, and a callback to observe each pass's output."""
+
+    mesh: object
+    disable_passes: frozenset[str] = frozenset()
+    on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
+
+
+PASSES: list[tuple[str, Callable]] = [
+    ("cleanup", cleanup_pass),
+]
+
+
+def pass_names() -> list[str]:
+    return [name for name, _ in PASSES]
+
+
+def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    unknown = set(ctx.disable_passes) - set(pass_names())
+    if unknown:
+        raise ValueError(
+            f"disable_passes names unknown passes {sorted(unknown)}; the passes are {pass_names()}"
+        )
+    for name, fn in PASSES:
+        if name in ctx.disable_passes:
+            continue
+        before = len(gm.graph.nodes)
+        gm = fn(gm, ctx)
+        log.info("[%s] %d nodes -> %d", name, before, len(gm.graph.nodes))
+        if ctx.on_pass is not None:
+            ctx.on_pass(name, gm)
+    return gm

@@ -1,0 +1,327 @@
+"""Layout propagation over the joint forward+backward graph.
+
+Reads: the captured joint graph, the resolved plan (parameter layouts, module-boundary constraints,
+input overrides) and the mesh. Writes ``node.meta["hp_layout"]`` (a :class:`NodeLayout`) on every
+node, and returns a :class:`PropagationReport`.
+
+Seeds: parameters and buffers take their planned storage layout; user inputs are Shard(0) over the
+data-parallel axes and Replicate elsewhere unless ``plan.inputs`` says otherwise; each tangent takes
+the layout of the output it belongs to. Every other node is visited once in topological order (so
+forward first, then backward) and gets the cheapest strategy of its op given its inputs' layouts
+(rules.py). Boundary nodes apply the plan: the forward ``boundary`` moves the value to the planned
+layout on the constrained axes; the matching ``boundary_grad`` moves the gradient back to the layout
+the value had before the boundary (Partial read as Replicate, since a gradient leaving a module must
+be complete), which is exactly the transpose Megatron's f/g operators hand-code.
+
+Sinks: user outputs are brought to the user-facing layout (0-d results such as the loss
+Replicate, i.e. the global value; other outputs Shard(0) over the data-parallel axes like the
+inputs), and each parameter gradient to its parameter's layout, so that a Partial gradient becomes an
+all-reduce (or reduce-scatter for a sharded parameter) and nothing is assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import operator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .. import compat
+from ..annotations import BOUNDARY, BOUNDARY_GRAD, parse_boundary_key
+from ..capture import CapturedGraph, module_fqn_of, source_line
+from .rules import NoShardingRule, propagate_op
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """The layout decision for one node.
+
+    ``output``: DTensorSpec of the result (a tuple of them for multi-output ops, None for
+    non-tensors). ``inputs``: for every tensor argument (pytree order of args then kwargs), the spec it
+    must have when the op runs; lowering inserts the redistribution from the producer's layout.
+    ``how``: "placeholder", "rule", "fallback", "boundary", "boundary_grad", "factory", "getitem"
+    or "output".
+    """
+
+    output: Any
+    inputs: tuple
+    how: str
+
+
+@dataclasses.dataclass
+class PropagationReport:
+    """What propagation decided that a user should know about."""
+
+    fallbacks: list[str] = dataclasses.field(default_factory=list)  # ops run replicated (no rule)
+    boundaries: list[str] = dataclasses.field(default_factory=list)  # plan-imposed layout changes
+
+
+def tensor_meta_of(val) -> compat.TensorMeta:
+    return compat.TensorMeta(tuple(val.shape), tuple(val.stride()), val.dtype)
+
+
+def make_spec(mesh, placements, val) -> compat.DTensorSpec:
+    return compat.DTensorSpec(mesh, tuple(placements), tensor_meta=tensor_meta_of(val))
+
+
+def normalize_placement(p, ndim: int):
+    if isinstance(p, Shard) and p.dim < 0:
+        return Shard(p.dim + ndim)
+    return p
+
+
+def data_parallel_placements(mesh, val, dp_axes) -> tuple:
+    """The per-rank data convention: Shard(0) over the data-parallel axes when dim 0 divides, else R."""
+    names = mesh.mesh_dim_names or ()
+    ndim = val.dim()
+    dp_size = math.prod(mesh.size(names.index(a)) for a in dp_axes) if dp_axes else 1
+    shard_batch = ndim >= 1 and dp_size > 1 and val.shape[0] % dp_size == 0
+    return tuple(
+        Shard(0) if (shard_batch and name in dp_axes) else Replicate() for name in names
+    )
+
+
+def _describe(node: torch.fx.Node) -> str:
+    where = source_line(node)
+    module = module_fqn_of(node)
+    text = f"node '{node.name}' ({node.target})"
+    if module:
+        text += f" in module '{module}'"
+    if where:
+        text += f" at {where}"
+    return text
+
+
+def check_divisible(node, spec, mesh, what: str) -> None:
+    """A Shard placement on a dim its mesh axes do not divide is a user error (uneven sharding
+    is not supported yet): say which node, dim, size and axes, and what to do."""
+    shape = spec.tensor_meta.shape
+    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+    per_dim: dict[int, list[int]] = {}
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            per_dim.setdefault(p.dim, []).append(axis)
+    for dim, axes in per_dim.items():
+        size = math.prod(mesh.size(a) for a in axes)
+        if dim >= len(shape) or shape[dim] % size != 0:
+            axes_text = " x ".join(f"{names[a]}={mesh.size(a)}" for a in axes)
+            raise ValueError(
+                f"{what}: {_describe(node)} has shape {tuple(shape)}, and dim {dim} "
+                f"({shape[dim] if dim < len(shape) else 'missing'}) is not divisible by mesh axes "
+                f"{axes_text}. Uneven sharding is not supported: choose sizes divisible by the "
+                "parallel degree, or a layout that shards another dim."
+            )
+
+
+class _Propagator:
+    def __init__(self, captured: CapturedGraph, resolved, mesh):
+        self.captured = captured
+        self.resolved = resolved
+        self.mesh = mesh
+        self.axis_names = tuple(mesh.mesh_dim_names or ())
+        self.report = PropagationReport()
+        self.forward_boundary_source: dict[str, tuple] = {}  # key -> placements before the boundary
+        self.output_specs: dict[int, compat.DTensorSpec] = {}
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def spec_of(self, node: torch.fx.Node):
+        return node.meta["hp_layout"].output
+
+    def with_constraint(self, base_placements, constraint: dict, ndim: int) -> tuple:
+        placements = list(base_placements)
+        for axis, p in constraint.items():
+            placements[self.axis_names.index(axis)] = normalize_placement(p, ndim)
+        return tuple(placements)
+
+    def user_output_spec(self, index: int, val) -> compat.DTensorSpec:
+        if index not in self.output_specs:
+            self.output_specs[index] = make_spec(
+                self.mesh, data_parallel_placements(self.mesh, val, self.resolved.data_parallel_axes), val
+            )
+        return self.output_specs[index]
+
+    def _output_vals(self):
+        out_node = self.captured.gm.graph.output_node()
+        return pytree.tree_leaves(out_node.args[0]) if out_node.args else []
+
+    # --- visitors --------------------------------------------------------------------------------
+    def placeholder(self, node, info) -> NodeLayout:
+        val = node.meta["val"]
+        if info.kind in ("param", "buffer"):
+            placements = self.resolved.param_placements[info.name]
+        elif info.kind == "input":
+            override = self.resolved.inputs.get(info.name)
+            placements = (
+                tuple(normalize_placement(p, val.dim()) for p in override)
+                if override is not None
+                else data_parallel_placements(self.mesh, val, self.resolved.data_parallel_axes)
+            )
+        else:  # tangent: the layout of the output it is the gradient of
+            out_val = self._user_output_val(info.index)
+            return NodeLayout(self.user_output_spec(info.index, out_val), (), "placeholder")
+        spec = make_spec(self.mesh, placements, val)
+        check_divisible(node, spec, self.mesh, f"{info.kind} '{info.name}'")
+        return NodeLayout(spec, (), "placeholder")
+
+    def _user_output_val(self, index: int):
+        out_node = self.captured.gm.graph.output_node()
+        slots = list(out_node.args[0])
+        pos = [i for i, o in enumerate(self.captured.outputs) if o.kind == "output" and o.index == index][0]
+        return slots[pos].meta["val"]
+
+    def boundary(self, node) -> NodeLayout:
+        x, key = node.args
+        src = self.spec_of(x)
+        module_fqn, kind, index = parse_boundary_key(key)
+        cons = self.resolved.modules[module_fqn]
+        constraint = (
+            cons.inputs[int(index)] if kind == "in"
+            else cons.kwarg_inputs[index] if kind == "kw"
+            else cons.outputs[int(index)]
+        )
+        val = node.meta["val"]
+        target = self.with_constraint(src.placements, constraint.placements, val.dim())
+        spec = make_spec(self.mesh, target, val)
+        check_divisible(node, spec, self.mesh, constraint.source)
+        self.forward_boundary_source[key] = (src.placements, tuple(constraint.placements))
+        if src.placements != target:
+            self.report.boundaries.append(
+                f"{key}: {_fmt(src.placements)} -> {_fmt(target)}  ({constraint.source})"
+            )
+        return NodeLayout(spec, (src,), "boundary")
+
+    def boundary_grad(self, node) -> NodeLayout:
+        g, key = node.args
+        src = self.spec_of(g)
+        before, axes = self.forward_boundary_source[key]
+        target = list(src.placements)
+        for axis in axes:
+            i = self.axis_names.index(axis)
+            p = before[i]
+            target[i] = Replicate() if isinstance(p, Partial) else p
+        spec = make_spec(self.mesh, target, node.meta["val"])
+        return NodeLayout(spec, (src,), "boundary_grad")
+
+    def call(self, node) -> NodeLayout:
+        if node.target is operator.getitem:
+            parent, idx = node.args
+            out = self.spec_of(parent)
+            return NodeLayout(out[idx] if isinstance(out, (tuple, list)) else None, (), "getitem")
+        if node.target is BOUNDARY:
+            return self.boundary(node)
+        if node.target is BOUNDARY_GRAD:
+            return self.boundary_grad(node)
+
+        flat, tree = pytree.tree_flatten((node.args, node.kwargs))
+        tensor_nodes = [a for a in flat if isinstance(a, torch.fx.Node) and _is_tensor(a)]
+        if not tensor_nodes:
+            return NodeLayout(self._replicated_output(node), (), "factory")
+
+        flat_specs = [self.spec_of(a) if isinstance(a, torch.fx.Node) and _is_tensor(a) else
+                      (a.meta.get("val") if isinstance(a, torch.fx.Node) else a) for a in flat]
+        args_schema, kwargs_schema = pytree.tree_unflatten(flat_specs, tree)
+        current = tuple(self.spec_of(a) for a in tensor_nodes)
+        try:
+            sharding = propagate_op(node.target, args_schema, kwargs_schema)
+        except NoShardingRule as exc:
+            return self.fallback(node, tensor_nodes, str(exc))
+        if sharding.output_spec is None and _produces_tensor(node):
+            return self.fallback(node, tensor_nodes, "rule gave no output layout")
+        if sharding.redistribute_schema is not None:
+            suggested = [s for s in pytree.tree_leaves(
+                (sharding.redistribute_schema.args_schema, sharding.redistribute_schema.kwargs_schema),
+                is_leaf=lambda x: isinstance(x, compat.DTensorSpec))
+                if isinstance(s, compat.DTensorSpec)]
+            if len(suggested) != len(current):
+                raise AssertionError(f"{node.name}: {len(suggested)} suggested specs for {len(current)} tensors")
+            wanted = tuple(
+                compat.DTensorSpec(self.mesh, s.placements, tensor_meta=c.tensor_meta)
+                for s, c in zip(suggested, current)
+            )
+        else:
+            wanted = current
+        return NodeLayout(_with_meta(sharding.output_spec, node), wanted, "rule")
+
+    def fallback(self, node, tensor_nodes, why: str) -> NodeLayout:
+        self.report.fallbacks.append(f"{_describe(node)}: ran replicated ({why.splitlines()[0][:120]})")
+        wanted = tuple(
+            make_spec(self.mesh, (Replicate(),) * self.mesh.ndim, a.meta["val"]) for a in tensor_nodes
+        )
+        return NodeLayout(self._replicated_output(node), wanted, "fallback")
+
+    def _replicated_output(self, node):
+        val = node.meta.get("val")
+        rep = (Replicate(),) * self.mesh.ndim
+        if isinstance(val, torch.Tensor):
+            return make_spec(self.mesh, rep, val)
+        if isinstance(val, (tuple, list)):
+            return tuple(make_spec(self.mesh, rep, v) if isinstance(v, torch.Tensor) else None for v in val)
+        return None
+
+    def output(self, node) -> NodeLayout:
+        wanted = []
+        for slot, info in zip(node.args[0], self.captured.outputs):
+            if slot is None or info.kind == "none":
+                wanted.append(None)
+            elif info.kind == "output":
+                wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
+            else:  # gradient of a parameter: the parameter's own layout
+                wanted.append(make_spec(self.mesh, self.resolved.param_placements[info.name], slot.meta["val"]))
+        return NodeLayout(None, tuple(wanted), "output")
+
+    def run(self) -> PropagationReport:
+        graph = self.captured.gm.graph
+        placeholders = iter(self.captured.inputs)
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                node.meta["hp_layout"] = self.placeholder(node, next(placeholders))
+            elif node.op == "call_function":
+                node.meta["hp_layout"] = self.call(node)
+            elif node.op == "get_attr":
+                node.meta["hp_layout"] = NodeLayout(self._replicated_output(node), (), "factory")
+            elif node.op == "output":
+                node.meta["hp_layout"] = self.output(node)
+            else:
+                raise NotImplementedError(f"propagation: unsupported node kind {node.op} ({node.name})")
+        return self.report
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _produces_tensor(node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _with_meta(spec, node):
+    """Re-attach tensor meta from the node's value (DTensor's rule may leave it unset)."""
+    val = node.meta.get("val")
+    if isinstance(spec, compat.DTensorSpec) and isinstance(val, torch.Tensor):
+        return compat.DTensorSpec(spec.mesh, spec.placements, tensor_meta=tensor_meta_of(val))
+    if isinstance(spec, (tuple, list)) and isinstance(val, (tuple, list)):
+        return tuple(
+            compat.DTensorSpec(s.mesh, s.placements, tensor_meta=tensor_meta_of(v))
+            if isinstance(s, compat.DTensorSpec) and isinstance(v, torch.Tensor) else None
+            for s, v in zip(spec, val)
+        )
+    return spec
+
+
+def _fmt(placements) -> str:
+    return "[" + ", ".join(str(p) for p in placements) + "]"
+
+
+def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:
+    """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``)."""
+    report = _Propagator(captured, resolved, mesh).run()
+    for line in report.fallbacks:
+        log.warning("[propagate] %s", line)
+    return report

@@ -1,0 +1,117 @@
+"""The rule database: DTensor's sharding-strategy registry behind one adapter, plus our own rules.
+
+``propagate_op`` answers, for one aten op and the layouts of its tensor arguments, which layouts the
+arguments must be redistributed to and which layout the result has. PyTorch's DTensor already knows
+~1,100 aten ops; we ask its propagator (which picks, among an op's strategies, the one with the
+least alpha-beta redistribution cost) and add rules only where it has none:
+
+* ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward): the CPU SDPA kernels; attention is
+  independent per batch row and per head, so batch (dim 0) and head (dim 1) sharding are exact.
+
+An op with no rule at all raises :class:`NoShardingRule`; the engine then falls back to replicated
+execution with explicit redistribution and lists the op in the compile report.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from .. import compat
+
+aten = torch.ops.aten
+
+
+class NoShardingRule(Exception):
+    """Raised when neither DTensor's registry nor our own rules know an op."""
+
+
+def _sdpa_cpu_strategies(op_schema, num_outputs: int, num_tensor_inputs: int):
+    # One single-mesh-axis strategy per row: [outputs..., inputs...]; the expansion to every mesh
+    # axis combination (and the redistribution cost of each) is DTensor's.
+    mesh = op_schema.get_mesh_from_args()
+    n = num_outputs + num_tensor_inputs
+    strategies = [
+        [Replicate()] * n,
+        [Shard(0)] * n,  # batch
+        [Shard(1)] * n,  # heads: (B, H, L, E) tensors, logsumexp (B, H, L)
+    ]
+    return compat.expand_to_full_mesh_op_strategy(
+        mesh, op_schema, strategies, input_index=num_outputs
+    )
+
+
+def _num_tensor_args(op_schema) -> int:
+    return sum(1 for a in op_schema.args_schema if isinstance(a, compat.OpStrategy)) + sum(
+        1 for a in op_schema.kwargs_schema.values() if isinstance(a, compat.OpStrategy)
+    )
+
+
+def _sdpa_cpu_forward_strategy(op_schema):
+    if op_schema.kwargs_schema.get("attn_mask") is not None:
+        # A mask broadcast over heads/batch would need its own placement per strategy; replicate.
+        raise NoShardingRule("sdpa with an explicit attn_mask")
+    return _sdpa_cpu_strategies(op_schema, 2, 3)
+
+
+def _sdpa_cpu_backward_strategy(op_schema):
+    if op_schema.kwargs_schema.get("attn_mask") is not None:
+        raise NoShardingRule("sdpa backward with an explicit attn_mask")
+    return _sdpa_cpu_strategies(op_schema, 3, 6)
+
+
+_OWN_RULES = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (
+        _sdpa_cpu_forward_strategy,
+        compat.RuntimeSchemaInfo(3, static_kwargkey=["scale"]),
+    ),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
+        _sdpa_cpu_backward_strategy,
+        compat.RuntimeSchemaInfo(6, static_kwargkey=["scale"]),
+    ),
+}
+_registered = False
+
+
+def register_own_rules() -> None:
+    """Add our rules to DTensor's registry (idempotent), so DTensor dispatch uses them as well."""
+    global _registered
+    if _registered:
+        return
+    propagator = compat.sharding_propagator()
+    for op, (fn, info) in _OWN_RULES.items():
+        if op not in propagator.op_strategy_funcs:
+            propagator.register_op_strategy(op, fn, info)
+    _registered = True
+
+
+def has_rule(op) -> bool:
+    """Whether some rule (DTensor's or ours) covers ``op``."""
+    p = compat.sharding_propagator()
+    return (
+        op in p.op_strategy_funcs
+        or op in p.op_single_dim_strategy_funcs
+        or op in p.op_to_rules
+    )
+
+
+def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
+    """Sharding propagation for one op; tensors are given as DTensorSpecs (with tensor meta).
+
+    Returns DTensor's ``OutputSharding``: ``output_spec`` and, when the inputs must move first,
+    ``redistribute_schema`` holding the input specs the op runs with.
+    """
+    register_own_rules()
+    if not has_rule(op):
+        # DTensor would derive a strategy from a decomposition but still run the original kernel on
+        # the shards; kernels with implicit global sizes (mean reductions) would then be wrong.
+        raise NoShardingRule(f"no sharding rule for {op}")
+    propagator = compat.sharding_propagator()
+    info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
+    schema = compat.OpSchema(op, tuple(args_schema), dict(kwargs_schema), schema_info=info)
+    try:
+        return propagator.propagate_op_sharding_non_cached(schema)
+    except NoShardingRule as exc:
+        raise exc
+    except NotImplementedError as exc:
+        raise NoShardingRule(str(exc)) from exc

@@ -1,0 +1,87 @@
+"""The compiled training step: the local joint graph split into forward and backward programs.
+
+``CompiledProgram`` partitions the lowered joint graph (torch's default partitioner: the forward is
+everything the user outputs need, the backward the rest, the activations crossing between them are
+saved) and runs the pair inside one ``torch.autograd.Function``, so the user's ``loss.backward()``
+runs our backward graph and leaves each parameter's gradient in its (DTensor) ``.grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .. import compat
+from ..capture import CapturedGraph
+
+
+def flatten_placeholders(gm: torch.fx.GraphModule, captured: CapturedGraph) -> None:
+    """Rename the lowered graph's placeholders to ``primals_i``/``tangents_i`` (the partitioner tells
+    forward inputs from tangents by name) and make it a flat positional callable."""
+    primal_i = tangent_i = 0
+    for node, info in zip(gm.graph.find_nodes(op="placeholder"), captured.inputs):
+        if info.kind == "tangent":
+            tangent_i += 1
+            name = f"tangents_{tangent_i}"
+        else:
+            primal_i += 1
+            name = f"primals_{primal_i}"
+        node.target = name
+        node.name = name
+    gm.graph._codegen = torch.fx.graph.CodeGen()
+    out = gm.graph.output_node()
+    out.args = (tuple(out.args[0]),)
+    gm.recompile()
+
+
+@dataclasses.dataclass
+class CompiledProgram:
+    """Forward and backward GraphModules of one rank plus the bookkeeping to call them."""
+
+    forward_gm: torch.fx.GraphModule
+    backward_gm: torch.fx.GraphModule
+    num_user_outputs: int
+    num_primals: int
+    tangent_outputs: tuple[int, ...]  # which user outputs have a tangent input in backward
+    differentiable: tuple[bool, ...]  # per user output
+
+    @classmethod
+    def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
+        primals = [i for i in captured.inputs if i.kind != "tangent"]
+        tangents = tuple(i.index for i in captured.inputs if i.kind == "tangent")
+        num_outputs = captured.num_user_outputs
+        fw, bw = compat.default_partition(joint_gm, None, num_fwd_outputs=num_outputs)
+        out_vals = [n.meta.get("val") for n in joint_gm.graph.output_node().args[0][:num_outputs]]
+        differentiable = tuple(i in tangents for i in range(num_outputs))
+        for gm in (fw, bw):
+            if any(
+                isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.find_nodes(op="placeholder")
+            ):
+                raise NotImplementedError("dynamic shapes are not supported yet")
+        del out_vals
+        return cls(fw, bw, num_outputs, len(primals), tangents, differentiable)
+
+    def __call__(self, *primals: torch.Tensor):
+        return _RunStep.apply(self, *primals)
+
+
+class _RunStep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, program: CompiledProgram, *primals):
+        outs = program.forward_gm(*primals)
+        user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
+        ctx.program = program
+        ctx.save_for_backward(*saved)
+        non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(user)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        program: CompiledProgram = ctx.program
+        tangents = [grad_outputs[i].contiguous() for i in program.tangent_outputs]
+        grads = program.backward_gm(*ctx.saved_tensors, *tangents)
+        assert len(grads) == program.num_primals, (len(grads), program.num_primals)
+        return (None, *grads)
