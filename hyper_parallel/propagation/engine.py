@@ -34,6 +34,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .. import compat
 from ..annotations import BOUNDARY, BOUNDARY_GRAD, parse_boundary_key
 from ..capture import CapturedGraph, module_fqn_of, source_line
+from .boundaries import merge_boundaries
 from .rules import NoShardingRule, propagate_op
 
 log = logging.getLogger(__name__)
@@ -321,6 +322,7 @@ def _fmt(placements) -> str:
 
 def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:
     """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``)."""
+    merge_boundaries(captured.gm, resolved)
     report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)
