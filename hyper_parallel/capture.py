@@ -172,6 +172,7 @@ def capture(
                 decompositions=compat.decompositions_for(IMPLICIT_MEAN_OPS),
             )
     gm = joint.graph_module
+    _drop_metadata_assertions(gm)
 
     user_inputs_tree = (tuple(args), dict(kwargs))
     input_paths = _flat_paths(user_inputs_tree)
@@ -230,6 +231,14 @@ def capture(
         input_paths=input_paths,
         output_paths=output_paths,
     )
+
+
+def _drop_metadata_assertions(gm: torch.fx.GraphModule) -> None:
+    """``aten._assert_tensor_metadata`` checks dtype/device of a global value at trace time; it
+    computes nothing and has no meaning on shards, so it is removed from the joint graph."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten._assert_tensor_metadata.default)):
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def module_fqn_of(node: torch.fx.Node) -> str:

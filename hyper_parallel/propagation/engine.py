@@ -233,6 +233,14 @@ class _Propagator:
             sharding = propagate_op(node.target, args_schema, kwargs_schema)
         except NoShardingRule as exc:
             return self.fallback(node, tensor_nodes, str(exc))
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            layouts = ", ".join(f"{a.name}: {_fmt(self.spec_of(a).placements)}" for a in tensor_nodes)
+            raise ValueError(
+                f"cannot shard {_describe(node)} with inputs {layouts}: {exc}\n"
+                "The plan makes this op's inputs sharded in a way it cannot run on. Check that the "
+                "sharded sizes divide the mesh axis (e.g. the number of attention / key-value heads "
+                "for tensor parallelism) or change the plan entry for this module."
+            ) from exc
         if sharding.output_spec is None and _produces_tensor(node):
             return self.fallback(node, tensor_nodes, "rule gave no output layout")
         if sharding.redistribute_schema is not None:

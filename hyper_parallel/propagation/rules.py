@@ -26,38 +26,34 @@ class NoShardingRule(Exception):
     """Raised when neither DTensor's registry nor our own rules know an op."""
 
 
-def _sdpa_cpu_strategies(op_schema, num_outputs: int, num_tensor_inputs: int):
-    # One single-mesh-axis strategy per row: [outputs..., inputs...]; the expansion to every mesh
-    # axis combination (and the redistribution cost of each) is DTensor's.
+def _sdpa_cpu_strategy(op_schema, num_outputs: int, num_qkv_like: int):
+    # One single-mesh-axis strategy per row: [outputs..., tensor inputs...]; the expansion to every
+    # mesh-axis combination (and the redistribution cost of each) is DTensor's. An attention mask
+    # (B or 1, H or 1, L, S) follows batch/head sharding only where it is not broadcast.
     mesh = op_schema.get_mesh_from_args()
-    n = num_outputs + num_tensor_inputs
-    strategies = [
-        [Replicate()] * n,
-        [Shard(0)] * n,  # batch
-        [Shard(1)] * n,  # heads: (B, H, L, E) tensors, logsumexp (B, H, L)
-    ]
+    mask = op_schema.kwargs_schema.get("attn_mask")
+    mask_shape = mask.shape if isinstance(mask, compat.OpStrategy) else None
+
+    def row(p, dim):
+        mask_p = [] if mask_shape is None else [
+            p if dim is None or mask_shape[dim] > 1 else Replicate()
+        ]
+        return [p] * (num_outputs + num_qkv_like) + mask_p
+
+    strategies = [row(Replicate(), None), row(Shard(0), 0), row(Shard(1), 1)]  # batch, heads
     return compat.expand_to_full_mesh_op_strategy(
         mesh, op_schema, strategies, input_index=num_outputs
     )
 
 
-def _num_tensor_args(op_schema) -> int:
-    return sum(1 for a in op_schema.args_schema if isinstance(a, compat.OpStrategy)) + sum(
-        1 for a in op_schema.kwargs_schema.values() if isinstance(a, compat.OpStrategy)
-    )
-
-
 def _sdpa_cpu_forward_strategy(op_schema):
-    if op_schema.kwargs_schema.get("attn_mask") is not None:
-        # A mask broadcast over heads/batch would need its own placement per strategy; replicate.
-        raise NoShardingRule("sdpa with an explicit attn_mask")
-    return _sdpa_cpu_strategies(op_schema, 2, 3)
+    # (B, H, L, E) q/k/v and output; logsumexp (B, H, L): batch and heads are independent.
+    return _sdpa_cpu_strategy(op_schema, 2, 3)
 
 
 def _sdpa_cpu_backward_strategy(op_schema):
-    if op_schema.kwargs_schema.get("attn_mask") is not None:
-        raise NoShardingRule("sdpa backward with an explicit attn_mask")
-    return _sdpa_cpu_strategies(op_schema, 3, 6)
+    # grad_out, q, k, v, out, logsumexp -> grad_q, grad_k, grad_v
+    return _sdpa_cpu_strategy(op_schema, 3, 6)
 
 
 _OWN_RULES = {
