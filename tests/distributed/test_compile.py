@@ -1,0 +1,125 @@
+"""Compile-level behaviour: dumps (content and byte-identical determinism), the SPMD check, errors
+that must name their culprit, recorded plans, and the DTensor parameters users optimise."""
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyper_parallel as hp
+from hyper_parallel.models import llama_tp_plan
+from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+
+def _compile_llama_tp(dump_dir, seq_len=16):
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    model = hp.parallelize(build_model("llama"), llama_tp_plan(), mesh, dump_dir=dump_dir)
+    model(**global_batch("llama", 2, seq_len))["loss"].backward()
+    return model
+
+
+def _read_all(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = fh.read()
+    return out
+
+
+def dump_twice():
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        _compile_llama_tp(a)
+        _compile_llama_tp(b)
+        return _read_all(a), _read_all(b)
+
+
+def test_dumps_are_deterministic_and_readable(dist2):
+    first, second = dist2.run(dump_twice)[0]
+    assert first.keys() == second.keys()
+    for name in first:
+        assert first[name] == second[name], f"{name} differs between two identical compilations"
+    rank0 = {k.split("/", 1)[1]: v.decode() for k, v in first.items() if k.startswith("rank0/")}
+    stages = sorted(k for k in rank0 if k.endswith(".py"))
+    assert stages[0].endswith("_captured.py") and any(s.endswith("_lowered.py") for s in stages)
+    assert any(s.endswith("_cleanup.py") for s in stages), "one file per pass"
+    assert any(s.endswith("_forward.py") for s in stages) and any(s.endswith("_backward.py") for s in stages)
+    header, *rows = rank0["layouts.tsv"].splitlines()
+    assert header.split("\t") == ["node", "op", "module", "input_layouts", "output_layout", "local_shape", "source"]
+    q_proj = [r for r in rows if "\tmodel.layers.0.self_attn.q_proj\t" in r and "aten.mm" in r]
+    assert q_proj and "[S(1)]" in q_proj[0], q_proj  # colwise output: sharded features
+    summary = rank0["summary.json"]
+    assert '"all_reduce"' in summary and '"tp"' in summary and '"bytes"' in summary
+
+
+def spmd_mismatch():
+    # Ranks disagree on the sequence length: their programs would issue different collectives.
+    _compile_llama_tp(None, seq_len=16 if dist.get_rank() == 0 else 8)
+
+
+def test_spmd_mismatch_is_an_error_not_a_hang(dist2):
+    with pytest.raises(ValueError, match=r"SPMD check failed: collective #\d+ of the forward program"):
+        dist2.run(spmd_mismatch)
+
+
+def wrong_mesh_size():
+    hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+
+
+def test_mesh_size_must_equal_world_size(dist2):
+    with pytest.raises(ValueError, match=r"4 ranks.*world size is 2"):
+        dist2.run(wrong_mesh_size)
+
+
+def recorded_plan_and_dtensor_params():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    reference = build_model("mlp")
+    model = copy.deepcopy(reference)
+    # The same plan entries written with parallelize_module instead of ParallelPlan.
+    hp.parallelize_module(model, mesh, {"layers.0": hp.ColwiseParallel(), "layers.1": hp.RowwiseParallel()})
+    model = hp.parallelize(model, None, mesh)
+    batch = global_batch("mlp", 8, 0)
+    loss = model(**batch)
+    loss.backward()
+    reference(**batch).backward()
+    placements = {n: str(p.placements) for n, p in model.named_parameters()}
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1e9)
+    torch.testing.assert_close(total.full_tensor() if hasattr(total, "full_tensor") else total, ref_total)
+    state = model.state_dict()
+    assert set(state) == set(reference.state_dict())
+    torch.testing.assert_close(state["layers.0.weight"].full_tensor(), reference.layers[0].weight)
+    # A new input shape compiles again; the old one stays cached.
+    model(**global_batch("mlp", 4, 0))
+    model(**batch)
+    return placements, len(model._hp.cache)
+
+
+def test_recorded_plan_dtensor_params_and_cache(dist2):
+    placements, num_compiled = dist2.run(recorded_plan_and_dtensor_params)[0]
+    assert placements["layers.0.weight"] == "(Shard(dim=0),)"
+    assert placements["layers.1.weight"] == "(Shard(dim=1),)"
+    assert num_compiled == 2
+
+
+def unsupported_plan_entry():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    hp.parallelize(build_model("mlp"), {"fully_shard": {"units": [""]}}, mesh)
+
+
+def test_unsupported_plan_entry_is_rejected(dist2):
+    with pytest.raises(ValueError, match="fully_shard"):
+        dist2.run(unsupported_plan_entry)
+
+
+def local_batch_shapes():
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return tuple(local_batch(global_batch("llama", 4, 8), mesh)["input_ids"].shape)
+
+
+def test_local_batch_slices_over_dp_only(dist4):
+    assert dist4.run(local_batch_shapes) == [(2, 8)] * 4
