@@ -768,7 +768,8 @@ class WorkerPool:
                          "out of step")
         if restart:
             self._teardown(graceful=False)
-            notes.append("the workers were restarted (transparently, on the next run())")
+            notes.append("the workers were stopped; the pool restarts transparently on the "
+                         "next run()")
 
         first = _primary_failure(errors)
         info = errors[first]
