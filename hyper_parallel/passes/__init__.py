@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .cleanup import cleanup_pass
+from .cse import cse_pass
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class PassContext:
 
 PASSES: list[tuple[str, Callable]] = [
     ("cleanup", cleanup_pass),
+    ("cse", cse_pass),
 ]
 
 

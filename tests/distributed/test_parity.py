@@ -41,7 +41,15 @@ def test_megatron_tensor_parallel(dist2, dist4, tp):
     # backward mirrored (attention and MLP block inputs) + the lm_head input.
     assert _counts(summary, "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
     assert _counts(summary, "backward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
+    # The logits are gathered twice: sliced for the loss, whole for the user-visible output.
+    assert _counts(summary, "forward", "all_gather", "tp") == 2
     assert summary["fallbacks"] == []
+
+
+def test_turning_cse_off_keeps_numerics(dist2):
+    # run_parity asserts loss and gradients against the single device at every step.
+    results = dist2.run(run_parity, "llama", "tp", (2,), ("tp",), disable_passes=("cse",))
+    assert _counts(results[0]["summary"], "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
 
 
 def test_sequence_parallel(dist2):
