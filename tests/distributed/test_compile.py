@@ -123,3 +123,37 @@ def local_batch_shapes():
 
 def test_local_batch_slices_over_dp_only(dist4):
     assert dist4.run(local_batch_shapes) == [(2, 8)] * 4
+
+
+def layouts_plan_parity():
+    # The shard_module form: Megatron MLP written as full-mesh layouts instead of styles.
+    world = dist.get_world_size()
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    layout = hp.Layout((world,), ("tp",))
+    reference = build_model("mlp")
+    model = copy.deepcopy(reference)
+    hp.shard_module(model.layers[0], {"parameter": {"weight": layout("tp", "None"), "bias": layout("tp")}})
+    hp.shard_module(model.layers[1], {
+        "parameter": {"weight": layout("None", "tp")},
+        "forward": {"output": (layout("None", "None"),)},
+    })
+    model = hp.parallelize(model, None, mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        batch = global_batch("mlp", 8, 0, seed=step)
+        loss, ref_loss = model(**batch), reference(**batch)
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), ref.grad, msg=lambda m, name=name: f"{name}: {m}")
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return model.compile_summary()
+
+
+def test_shard_module_layouts_parity(dist2):
+    summary = dist2.run(layouts_plan_parity)[0]
+    # Megatron MLP: forward, one all-reduce of the rowwise partial output; backward, none: every
+    # weight gradient is computed on its own shard and the model input needs no gradient.
+    assert summary["collectives"]["forward"] == {"all_reduce": {"tp": {"count": 1, "bytes": 8 * 8 * 4}}}
+    assert summary["collectives"]["backward"] == {}
