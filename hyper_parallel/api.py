@@ -23,10 +23,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.nn.utils import stateless
 
 from . import compat
-from .capture import CapturedGraph, capture
+from .capture import CapturedGraph, capture, flat_paths
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .lower import lower
 from .passes import PassContext, run_passes
@@ -166,7 +165,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
     dumper = Dumper(state.dump_dir, rank)
-    paths = [p for p in _flat_paths((args, kwargs))]
+    paths = flat_paths((args, kwargs))
     input_placements = _input_placements(state.resolved, paths, flat)
     resolved = dataclasses.replace(state.resolved, inputs={**state.resolved.inputs, **input_placements})
 
@@ -186,7 +185,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
-        with stateless._reparametrize_module(module, fake_state):
+        with compat.reparametrize_module(module, fake_state):
             captured = capture(module, fake_args, fake_kwargs, state.resolved.modules)
     finally:
         module.__class__ = parallel_cls
@@ -223,12 +222,6 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     if rank == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
     return CompiledEntry(captured, program, report, summary)
-
-
-def _flat_paths(tree) -> list[str]:
-    from .capture import _flat_paths as paths
-
-    return paths(tree)
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

@@ -83,7 +83,7 @@ def _path_str(path) -> str:
     return text.replace("[1]['", "", 1).rstrip("]'") if text.startswith("[1]['") else text
 
 
-def _flat_paths(tree) -> list[str]:
+def flat_paths(tree) -> list[str]:
     leaves, _ = pytree.tree_flatten_with_path(tree)
     return [_path_str(p) for p, _ in leaves]
 
@@ -175,7 +175,7 @@ def capture(
     _drop_metadata_assertions(gm)
 
     user_inputs_tree = (tuple(args), dict(kwargs))
-    input_paths = _flat_paths(user_inputs_tree)
+    input_paths = flat_paths(user_inputs_tree)
     inputs: list[InputInfo] = []
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = node.meta["desc"]
@@ -216,7 +216,7 @@ def capture(
     # Readable output paths ("loss", "logits", "[0]") from the exported program's output structure.
     out_spec = joint.out_spec
     dummy = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
-    output_paths = _flat_paths(dummy)
+    output_paths = flat_paths(dummy)
     outputs = [
         dataclasses.replace(o, name=output_paths[o.index]) if o.kind == "output" else o
         for o in outputs

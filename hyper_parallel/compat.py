@@ -2,8 +2,8 @@
 
 A torch upgrade that moves or renames one of these is fixed in this file only. Anything imported
 here is an implementation detail of torch that the compiler relies on: the joint-graph export with
-descriptors, DTensor's sharding-strategy registry (our rule database), the fx partitioner, and the
-fake process-group store used to simulate large meshes.
+descriptors, DTensor's sharding-strategy registry (our rule database), DTensor's local redistribution,
+the fx partitioner, and module reparametrization for capture on fake tensors.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
     PlainAOTOutput,
     TangentAOTInput,
 )
-from torch._guards import detect_fake_mode  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
 
 # --- partitioning the joint graph into forward and backward programs -----------------------------
 from torch._functorch.partitioners import default_partition  # noqa: F401
@@ -31,13 +31,12 @@ from torch._functorch.partitioners import default_partition  # noqa: F401
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._op_schema import (  # noqa: F401
     OpSchema,
-    OpSpec,
     OpStrategy,
-    OutputSharding,
     RuntimeSchemaInfo,
 )
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
-from torch.distributed.tensor._ops.utils import register_op_strategy  # noqa: F401
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
 
 
 def sharding_propagator():
@@ -45,20 +44,6 @@ def sharding_propagator():
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher.sharding_propagator
-
-
-def fake_store():
-    """A store for torch's ``fake`` process-group backend (meshes of any size in one process)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
-
-
-def group_name_of(mesh, axis_index: int) -> str:
-    """The registered process-group name of one mesh axis, as functional collectives expect."""
-    return mesh.get_group(axis_index).group_name
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401,E402
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401,E402
 
 
 def dtensor_from_spec(local: torch.Tensor, spec) -> "torch.distributed.tensor.DTensor":
@@ -73,3 +58,13 @@ def decompositions_for(ops) -> dict:
     from torch._decomp import get_decompositions
 
     return get_decompositions(list(ops))
+
+
+def spec_of(dt) -> DTensorSpec:
+    """A DTensor's spec (mesh, placements, global tensor meta)."""
+    return dt._spec
+
+
+def local_of(dt) -> torch.Tensor:
+    """A DTensor's local shard, without going through autograd (``to_local`` is differentiable)."""
+    return dt._local_tensor

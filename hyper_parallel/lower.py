@@ -24,7 +24,7 @@ import operator
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial
 
 from . import compat
 from .annotations import BOUNDARY, BOUNDARY_GRAD
@@ -45,10 +45,10 @@ def local_shape(spec) -> tuple[int, ...]:
 
 def _redistribute(dt: DTensor, target, source_node_name: str) -> DTensor:
     """Move ``dt`` to ``target``'s placements, tracing the collectives this needs."""
-    current = dt._spec
+    current = compat.spec_of(dt)
     if current.placements == target.placements:
         return dt
-    local = dt._local_tensor
+    local = compat.local_of(dt)
     placements = list(current.placements)
     with fx_traceback.annotate(
         {"hp_source": source_node_name, "hp_role": "redistribute",
@@ -74,8 +74,8 @@ def _is_masked(placement) -> bool:
 def _check_agrees(node, got, want) -> None:
     if isinstance(want, compat.DTensorSpec):
         # Compared by their text: a masked partial's equality also compares its mask buffer.
-        if not isinstance(got, DTensor) or _fmt(got._spec.placements) != _fmt(want.placements):
-            have = _fmt(got._spec.placements) if isinstance(got, DTensor) else type(got).__name__
+        if not isinstance(got, DTensor) or _fmt(compat.spec_of(got).placements) != _fmt(want.placements):
+            have = _fmt(compat.spec_of(got).placements) if isinstance(got, DTensor) else type(got).__name__
             raise AssertionError(
                 f"lowering: DTensor computed {have} for {_describe(node)} but propagation chose "
                 f"{_fmt(want.placements)}"
@@ -147,7 +147,7 @@ class _LocalInterpreter:
                 values.append(a)
         with fx_traceback.annotate({"hp_source": node.name, "hp_role": "compute"}):
             if layout.how in ("fallback", "factory"):
-                locals_ = [v._local_tensor if isinstance(v, DTensor) else v for v in values]
+                locals_ = [compat.local_of(v) if isinstance(v, DTensor) else v for v in values]
                 args, kwargs = pytree.tree_unflatten(locals_, tree)
                 return _wrap_replicated(node.target(*args, **kwargs), self.mesh, node)
             args, kwargs = pytree.tree_unflatten(values, tree)
@@ -161,7 +161,7 @@ class _LocalInterpreter:
             if slot is None or want is None:
                 results.append(None)
                 continue
-            results.append(_redistribute(env[slot], want, "output")._local_tensor)
+            results.append(compat.local_of(_redistribute(env[slot], want, "output")))
         return results
 
 

@@ -22,7 +22,7 @@ def _eligible(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, torch._ops.OpOverload):  # the type of every torch.ops.<ns>.<op>.<overload>
         if target.namespace == _C10D_NAMESPACE:
             return True
         if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:

@@ -52,14 +52,12 @@ class CompiledProgram:
         tangents = tuple(i.index for i in captured.inputs if i.kind == "tangent")
         num_outputs = captured.num_user_outputs
         fw, bw = compat.default_partition(joint_gm, None, num_fwd_outputs=num_outputs)
-        out_vals = [n.meta.get("val") for n in joint_gm.graph.output_node().args[0][:num_outputs]]
         differentiable = tuple(i in tangents for i in range(num_outputs))
         for gm in (fw, bw):
             if any(
                 isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.find_nodes(op="placeholder")
             ):
                 raise NotImplementedError("dynamic shapes are not supported yet")
-        del out_vals
         return cls(fw, bw, num_outputs, len(primals), tangents, differentiable)
 
     def __call__(self, *primals: torch.Tensor):
