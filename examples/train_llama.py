@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import socket
 import sys
@@ -51,6 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.batch % args.dp:
         p.error(f"--batch {args.batch} must be divisible by --dp {args.dp}")
+    cfg = LlamaConfig()
+    for name in ("num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(cfg, name) % args.tp:
+            p.error(f"--tp {args.tp} must divide the model's {name}={getattr(cfg, name)} (Megatron TP shards it)")
     if args.sequence_parallel and args.seq_len % args.tp:
         p.error(f"--sequence-parallel shards the sequence: --seq-len {args.seq_len} must be divisible by --tp {args.tp}")
     return args
@@ -85,11 +90,17 @@ def train(args: argparse.Namespace) -> bool:
         )
     if rank != 0:
         warnings.filterwarnings("ignore")
+    # DTensor's hint that a [P, P] -> [R, R] reduction (norm-weight gradients under sequence
+    # parallelism) runs as two all-reduces, one per mesh axis: expected here, noise in a demo.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     torch.set_num_threads(1)  # several ranks share few cores: one thread each avoids oversubscription
 
     torch.manual_seed(args.seed)
     config = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=max(128, args.seq_len))
     ref = LlamaForCausalLM(config)
+    # One fixed global batch, drawn from the same seeded RNG on every rank: the loss falls as the
+    # model fits it, which makes a divergence between the two copies easy to see.
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
 
     mesh = hp.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     plan = llama_tp_plan(sequence_parallel=args.sequence_parallel)
@@ -100,7 +111,7 @@ def train(args: argparse.Namespace) -> bool:
 
     dp_rank = mesh["dp"].get_local_rank()
     local = args.batch // args.dp
-    data_gen = torch.Generator().manual_seed(args.seed + 1)  # same global batches on every rank
+    local_ids = ids[dp_rank * local : (dp_rank + 1) * local]  # this rank's dp slice
     ok = True
     if rank == 0:
         print(
@@ -111,10 +122,7 @@ def train(args: argparse.Namespace) -> bool:
             flush=True,
         )
     for step in range(args.steps):
-        ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len), generator=data_gen)
-        local_ids = ids[dp_rank * local : (dp_rank + 1) * local]
-
-        loss = model(input_ids=local_ids, labels=local_ids)["loss"]
+        loss = model(input_ids=local_ids, labels=local_ids)["loss"]  # the GLOBAL loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -124,7 +132,7 @@ def train(args: argparse.Namespace) -> bool:
         ref_opt.step()
         ref_opt.zero_grad()
 
-        lv, rv = float(loss), float(ref_loss)
+        lv, rv = loss.item(), ref_loss.item()
         diff = abs(lv - rv)
         ok = ok and diff <= RTOL * max(abs(rv), 1e-12)
         if rank == 0:

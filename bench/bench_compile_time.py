@@ -1,0 +1,162 @@
+"""Compile time of hyper_parallel vs model depth: the example Llama at 2, 8 and 32 layers.
+
+``python bench/bench_compile_time.py`` spawns ``--tp`` (default 2) gloo processes on CPU, builds a
+1-D ``("tp",)`` mesh and parallelizes the example Llama with ``llama_tp_plan()`` at each depth.
+The first call of the parallelized module captures the joint graph, propagates layouts, lowers,
+runs the passes and partitions; later calls only run the program. So
+
+    compile time = time(first forward) - time(second forward)
+
+taken as the slowest rank's. The hidden size is small (``--hidden 64``) so the compiler, not compute,
+is what is timed. Before the measured depths one throw-away compile (1 layer) absorbs one-time
+costs (imports, dispatcher caches), which would otherwise be charged to the first depth.
+Each depth is compiled ``--repeats`` times (fresh model each time); the median is reported.
+Prints one JSON object, then a table: seconds per depth, seconds per layer, and the ratio to linear
+scaling from the smallest depth (``t(L) / (t(L0) * L / L0)``; 1.0 = linear, > 1 superlinear; below 1
+when a fixed per-compile cost dominates the small depth), and the marginal seconds per added layer
+between consecutive depths (fixed costs cancel; constant = linear).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hyper_parallel as hp  # noqa: E402
+from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from hyper_parallel.models.plans import llama_tp_plan  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32], help="depths (default 2 8 32)")
+    p.add_argument("--tp", type=int, default=2, help="TP degree = number of processes (default 2)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1, help="compiles per depth (median reported)")
+    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    return p.parse_args(argv)
+
+
+def _timed_forward(model, ids) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    model(input_ids=ids, labels=ids)
+    return time.perf_counter() - t0
+
+
+def compile_once(num_layers: int, args: argparse.Namespace, mesh) -> dict:
+    config = LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=num_layers
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
+    pm = hp.parallelize(copy.deepcopy(model), llama_tp_plan(), mesh)
+    first = _timed_forward(pm, ids)
+    second = _timed_forward(pm, ids)
+    t = torch.tensor([first, second], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    per_step = pm.compile_summary()["collectives_per_step"]
+    num_collectives = sum(e["count"] for by_axis in per_step.values() for e in by_axis.values())
+    fwd, bwd = pm.compiled_programs()
+    return {
+        "first_call_s": t[0].item(),
+        "second_call_s": t[1].item(),
+        "compile_s": t[0].item() - t[1].item(),
+        "collectives_per_step": num_collectives,
+        "graph_nodes": {"forward": len(fwd.graph.nodes), "backward": len(bwd.graph.nodes)},
+    }
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    warm = compile_once(1, args, mesh)  # one-time costs, not reported per depth
+    results = {}
+    for num_layers in args.layers:
+        runs = [compile_once(num_layers, args, mesh) for _ in range(args.repeats)]
+        compile_times = [r["compile_s"] for r in runs]
+        results[num_layers] = dict(runs[-1], compile_s=statistics.median(compile_times), compile_s_all=compile_times)
+        if rank == 0:
+            print(f"[{num_layers} layers] compile {results[num_layers]['compile_s']:.2f} s", file=sys.stderr, flush=True)
+    if rank != 0:
+        return None
+    base_layers = min(args.layers)
+    base = results[base_layers]["compile_s"]
+    prev = None
+    for num_layers, r in sorted(results.items()):
+        r["s_per_layer"] = r["compile_s"] / num_layers
+        r["ratio_to_linear"] = r["compile_s"] / (base * num_layers / base_layers)
+        # Cost of one more layer between this depth and the previous one (fixed costs cancel).
+        r["marginal_s_per_layer"] = (
+            None if prev is None else (r["compile_s"] - results[prev]["compile_s"]) / (num_layers - prev)
+        )
+        prev = num_layers
+    return {
+        "bench": "compile_time",
+        "world_size": world,
+        "mesh": {"tp": world},
+        "plan": "llama_tp_plan()",
+        "config": {"hidden": args.hidden, "intermediate": args.intermediate, "seq_len": args.seq_len, "batch": args.batch},
+        "warmup_compile_1_layer_s": warm["compile_s"],
+        "repeats": args.repeats,
+        "by_layers": {str(k): v for k, v in sorted(results.items())},
+    }
+
+
+def print_table(r: dict) -> None:
+    print(f"\ncompile time, llama_tp_plan on tp={r['world_size']}, hidden {r['config']['hidden']} "
+          f"(throw-away 1-layer compile first: {r['warmup_compile_1_layer_s']:.2f} s)")
+    print(f"{'layers':>6}  {'compile s':>9}  {'s/layer':>7}  {'vs linear':>9}  {'marginal s/layer':>16}  {'collectives':>11}  {'fwd+bwd nodes':>13}")
+    for layers, e in r["by_layers"].items():
+        nodes = e["graph_nodes"]["forward"] + e["graph_nodes"]["backward"]
+        marginal = "-" if e["marginal_s_per_layer"] is None else f"{e['marginal_s_per_layer']:.3f}"
+        print(f"{layers:>6}  {e['compile_s']:>9.2f}  {e['s_per_layer']:>7.3f}  {e['ratio_to_linear']:>9.2f}  {marginal:>16}  "
+              f"{e['collectives_per_step']:>11}  {nodes:>13}")
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        print(json.dumps(result, indent=2))
+        print_table(result)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f, indent=2)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args.tp, port, args), nprocs=args.tp)
+
+
+if __name__ == "__main__":
+    main()
