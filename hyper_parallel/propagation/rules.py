@@ -106,7 +106,8 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
     schema = compat.OpSchema(op, tuple(args_schema), dict(kwargs_schema), schema_info=info)
     try:
-        return propagator.propagate_op_sharding_non_cached(schema)
+        # The cached entry point, as eager DTensor uses it: repeated layers hit the cache.
+        return propagator.propagate_op_sharding(schema)
     except NoShardingRule as exc:
         raise exc
     except NotImplementedError as exc:
