@@ -8,6 +8,7 @@ loss and gradients one device would compute.
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import ParallelModule, parallelize
+from .fully_shard import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
 from .plan import ParallelPlan, parallelize_module, shard_module
@@ -22,6 +23,11 @@ from .styles import (
 )
 
 __all__ = [
+    "CPUOffloadPolicy",
+    "FullyShard",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "fully_shard",
     "ColwiseParallel",
     "Layout",
     "ParallelModule",

@@ -63,3 +63,20 @@ def parse_boundary_key(key: str) -> tuple[str, str, str]:
     """Inverse of :func:`boundary_key`: (module fqn, kind, index-or-name)."""
     module_fqn, kind, index = key.rsplit("|", 2)
     return module_fqn, kind, index
+
+
+@torch.library.custom_op("hyper_parallel::unshard", mutates_args=())
+def unshard(x: torch.Tensor, param: str) -> torch.Tensor:
+    """Marks where an FSDP-stored parameter is brought to its compute layout (the all-gather).
+
+    Inserted into the joint graph after capture (propagation/unshard.py), never traced through
+    autograd: the parameter's gradient goes straight to its storage layout (the reduce-scatter)."""
+    return x.clone()
+
+
+@unshard.register_fake
+def _unshard_fake(x: torch.Tensor, param: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+UNSHARD = torch.ops.hyper_parallel.unshard.default

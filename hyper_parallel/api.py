@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from . import compat
 from .capture import CapturedGraph, capture, flat_paths
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
+from .fully_shard import collect_recorded_fully_shard, resolve_fully_shard
 from .lower import lower
 from .passes import PassContext, run_passes
 from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
@@ -113,6 +114,9 @@ def parallelize(
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
     resolved = resolve_plan(full_plan, model, mesh)
     _check_unsupported(full_plan)
+    fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
+    if fully_shard_spec is not None:
+        resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
     _distribute_parameters(model, resolved, mesh)
     dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
     original_cls = type(model)
@@ -122,11 +126,12 @@ def parallelize(
 
 
 def _check_unsupported(plan) -> None:
-    for key in ("fully_shard", "recompute", "swap", "pipeline"):
+    for key in ("recompute", "swap", "pipeline"):
         if getattr(plan, key, None):
             raise ValueError(
                 f"ParallelPlan.{key} is not supported yet by this build of hyper_parallel; "
-                f"remove the '{key}' entry (tensor_parallel, layouts and inputs are supported)"
+                f"remove the '{key}' entry (tensor_parallel, layouts, inputs and fully_shard are "
+                "supported)"
             )
 
 

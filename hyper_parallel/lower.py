@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Partial
 
 from . import compat
-from .annotations import BOUNDARY, BOUNDARY_GRAD
+from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from .capture import CapturedGraph
 from .propagation.engine import _describe, _fmt
 
@@ -127,7 +127,7 @@ class _LocalInterpreter:
         if node.target is operator.getitem:
             parent, idx = node.args
             return env[parent][idx]
-        if node.target in (BOUNDARY, BOUNDARY_GRAD):
+        if node.target in (BOUNDARY, BOUNDARY_GRAD, UNSHARD):
             return _redistribute(env[node.args[0]], layout.output, node.name)
 
         flat, tree = pytree.tree_flatten((node.args, node.kwargs))

@@ -615,6 +615,7 @@ class ResolvedPlan:
     tp_axis: str | None
     mesh_dim_names: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
+    fsdp: Any = None  # fully_shard.FsdpPlan when the plan shards parameters over data-parallel axes
 
     def input_placements(self, name: str, ndim: int) -> tuple[Placement, ...]:
         """Placements of forward input ``name`` with ``ndim`` dims: the plan's override or the default."""

@@ -32,10 +32,11 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .. import compat
-from ..annotations import BOUNDARY, BOUNDARY_GRAD, parse_boundary_key
+from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
 from ..capture import CapturedGraph, module_fqn_of, source_line
 from .boundaries import merge_boundaries
 from .rules import NoShardingRule, propagate_op
+from .unshard import insert_unshard_nodes
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ class NodeLayout:
     ``output``: DTensorSpec of the result (a tuple of them for multi-output ops, None for
     non-tensors). ``inputs``: for every tensor argument (pytree order of args then kwargs), the spec it
     must have when the op runs; lowering inserts the redistribution from the producer's layout.
-    ``how``: "placeholder", "rule", "fallback", "boundary", "boundary_grad", "factory", "getitem"
-    or "output".
+    ``how``: "placeholder", "rule", "fallback", "boundary", "boundary_grad", "unshard", "factory",
+    "getitem" or "output".
     """
 
     output: Any
@@ -219,6 +220,10 @@ class _Propagator:
             return self.boundary(node)
         if node.target is BOUNDARY_GRAD:
             return self.boundary_grad(node)
+        if node.target is UNSHARD:
+            src = self.spec_of(node.args[0])
+            compute = self.resolved.fsdp.compute_placements[node.args[1]]
+            return NodeLayout(make_spec(self.mesh, compute, node.meta["val"]), (src,), "unshard")
 
         flat, tree = pytree.tree_flatten((node.args, node.kwargs))
         tensor_nodes = [a for a in flat if isinstance(a, torch.fx.Node) and _is_tensor(a)]
@@ -331,6 +336,7 @@ def _fmt(placements) -> str:
 def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:
     """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``)."""
     merge_boundaries(captured.gm, resolved)
+    insert_unshard_nodes(captured, resolved)
     report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)

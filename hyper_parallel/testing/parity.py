@@ -41,6 +41,10 @@ def build_plan(name: str):
         "tp": llama_tp_plan,
         "sp": lambda: llama_tp_plan(sequence_parallel=True),
         "mlp_tp": mlp_tp_plan,
+        "fsdp": lambda: {"fully_shard": {"units": ["model.layers.*", ""]}},
+        "fsdp_mlp": lambda: {"fully_shard": {"units": ["layers.*", ""]}},
+        "fsdp_keep": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "reshard_after_forward": False}},
+        "fsdp_tp": lambda: {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}},
     }[name]()
 
 
