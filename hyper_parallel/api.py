@@ -200,7 +200,10 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     local = lower(captured, mesh)
     dumper.graph("lowered", local)
     local = run_passes(
-        local, PassContext(mesh=mesh, disable_passes=state.disable_passes, on_pass=dumper.graph)
+        local, PassContext(
+            mesh=mesh, fsdp=state.resolved.fsdp, disable_passes=state.disable_passes,
+            on_pass=dumper.graph,
+        )
     )
     dumper.text("layouts.tsv", layout_table(local))
     flatten_placeholders(local, captured)
@@ -217,6 +220,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     summary = {
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
         "collectives_per_step": collective_summary(colls["forward"] + colls["backward"]),
+        "saved_for_backward": _saved_summary(program),
         "fallbacks": report.fallbacks,
         "plan_redistributions": report.boundaries,
         "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
@@ -227,6 +231,23 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     if rank == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
     return CompiledEntry(captured, program, report, summary)
+
+
+def _saved_summary(program: CompiledProgram) -> dict:
+    """Bytes kept from forward to backward, and how many of them are gathered FSDP parameters."""
+    from .passes.reshard_after_forward import gathered_param_region
+
+    region = gathered_param_region(program.forward_gm.graph)
+    total = gathered = 0
+    for node in program.saved_for_backward():
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or node.op == "placeholder":
+            continue
+        nbytes = val.numel() * val.element_size()
+        total += nbytes
+        if node in region:
+            gathered += nbytes
+    return {"bytes": total, "gathered_param_bytes": gathered}
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

@@ -358,8 +358,10 @@ def set_optimizer_state_dict(
 
 def _place_optimizer_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:
     params = dict(model.named_parameters())
+    position = {fqn: i for i, fqn in enumerate(params)}
     placed: dict[str, Any] = {}
-    for fqn in sorted(state, key=lambda k: list(params).index(k) if k in params else len(params)):
+    # Parameter order, not the dict's: redistributions are collectives, same order on every rank.
+    for fqn in sorted(state, key=lambda k: position.get(k, len(position))):
         param, entry = params.get(fqn), state[fqn]
         if not isinstance(param, DTensor) or not isinstance(entry, Mapping):
             placed[fqn] = entry
@@ -370,9 +372,12 @@ def _place_optimizer_state(model: nn.Module, state: Mapping[str, Any]) -> dict[s
 
 def _place_like(value: Any, param: DTensor) -> Any:
     """A state tensor shaped like ``param`` as a DTensor with ``param``'s placements; else as is."""
-    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(param.shape) and not (
-        not isinstance(value, DTensor) and tuple(value.shape) == tuple(param.to_local().shape)
-    ):
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:  # scalars such as Adam's "step"
+        return value
+    shape = tuple(value.shape)
+    is_full = shape == tuple(param.shape)
+    is_local = not isinstance(value, DTensor) and shape == tuple(param.to_local().shape)
+    if not (is_full or is_local):
         return value
     mesh, placements = param.device_mesh, tuple(param.placements)
     if isinstance(value, DTensor):

@@ -33,7 +33,10 @@ from .propagation.engine import _describe, _fmt
 
 log = logging.getLogger(__name__)
 
-_COPIED_META = ("stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr")
+_COPIED_META = (
+    "stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr",
+    "hp_fsdp_param", "hp_fsdp_unit",
+)
 
 
 def local_shape(spec) -> tuple[int, ...]:

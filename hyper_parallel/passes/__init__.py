@@ -16,6 +16,7 @@ import torch
 
 from .cleanup import cleanup_pass
 from .cse import cse_pass
+from .reshard_after_forward import reshard_after_forward_pass
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class PassContext:
     """What passes may read: the mesh, options, and a callback to observe each pass's output."""
 
     mesh: object
+    fsdp: object = None  # ResolvedPlan.fsdp (FsdpPlan) when the plan has fully_shard units
     disable_passes: frozenset[str] = frozenset()
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
 
@@ -32,6 +34,7 @@ class PassContext:
 PASSES: list[tuple[str, Callable]] = [
     ("cleanup", cleanup_pass),
     ("cse", cse_pass),
+    ("reshard_after_forward", reshard_after_forward_pass),
 ]
 
 

@@ -60,6 +60,10 @@ class CompiledProgram:
                 raise NotImplementedError("dynamic shapes are not supported yet")
         return cls(fw, bw, num_outputs, len(primals), tangents, differentiable)
 
+    def saved_for_backward(self) -> list[torch.fx.Node]:
+        """The forward graph's outputs that backward consumes (activations, views, inputs)."""
+        return list(self.forward_gm.graph.output_node().args[0][self.num_user_outputs :])
+
     def __call__(self, *primals: torch.Tensor):
         return _RunStep.apply(self, *primals)
 
