@@ -3,7 +3,7 @@
 A torch upgrade that moves or renames one of these is fixed in this file only. Anything imported
 here is an implementation detail of torch that the compiler relies on: the joint-graph export with
 descriptors, DTensor's sharding-strategy registry (our rule database), DTensor's local redistribution,
-the fx partitioner, and module reparametrization for capture on fake tensors.
+and module reparametrization for capture on fake tensors.
 """
 
 from __future__ import annotations
@@ -23,9 +23,6 @@ from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
-
-# --- partitioning the joint graph into forward and backward programs -----------------------------
-from torch._functorch.partitioners import default_partition  # noqa: F401
 
 # --- DTensor internals: specs, schemas and the sharding-strategy registry ------------------------
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401

@@ -46,17 +46,20 @@ def local_shape(spec) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _redistribute(dt: DTensor, target, source_node_name: str) -> DTensor:
-    """Move ``dt`` to ``target``'s placements, tracing the collectives this needs."""
+def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | None = None) -> DTensor:
+    """Move ``dt`` to ``target``'s placements, tracing the collectives this needs.
+
+    ``grad_of`` names the parameter when this is a gradient's way to its storage layout."""
     current = compat.spec_of(dt)
     if current.placements == target.placements:
         return dt
     local = compat.local_of(dt)
     placements = list(current.placements)
-    with fx_traceback.annotate(
-        {"hp_source": source_node_name, "hp_role": "redistribute",
-         "hp_redistribute": f"{_fmt(current.placements)} -> {_fmt(target.placements)}"}
-    ):
+    annotation = {"hp_source": source_node_name, "hp_role": "redistribute",
+                  "hp_redistribute": f"{_fmt(current.placements)} -> {_fmt(target.placements)}"}
+    if grad_of is not None:
+        annotation["hp_grad_of"] = grad_of
+    with fx_traceback.annotate(annotation):
         # Partial(avg) is reduced as a sum of pre-divided shards: backends without an average
         # reduction (gloo) need it, and dividing by a power of two first is exact.
         for axis, p in enumerate(placements):
@@ -160,11 +163,12 @@ class _LocalInterpreter:
 
     def outputs(self, node, env):
         results = []
-        for slot, want in zip(node.args[0], node.meta["hp_layout"].inputs):
+        for slot, want, info in zip(node.args[0], node.meta["hp_layout"].inputs, self.captured.outputs):
             if slot is None or want is None:
                 results.append(None)
                 continue
-            results.append(compat.local_of(_redistribute(env[slot], want, "output")))
+            grad_of = info.name if info.kind == "grad" else None
+            results.append(compat.local_of(_redistribute(env[slot], want, "output", grad_of)))
         return results
 
 
@@ -195,9 +199,10 @@ def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
             continue
         node.meta["hp_source"] = src.name
         node.meta["hp_role"] = custom["hp_role"]
-        if "hp_redistribute" in custom:
-            node.meta["hp_redistribute"] = custom["hp_redistribute"]
-        elif custom["hp_role"] == "compute":
+        for key in ("hp_redistribute", "hp_grad_of"):
+            if key in custom:
+                node.meta[key] = custom[key]
+        if custom["hp_role"] == "compute":
             node.meta["hp_layout"] = src.meta["hp_layout"]
         for key in _COPIED_META:
             if key in src.meta:

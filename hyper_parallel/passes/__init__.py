@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from .bucketing import bucketing_pass
 from .cleanup import cleanup_pass
 from .cse import cse_pass
 from .reshard_after_forward import reshard_after_forward_pass
@@ -35,6 +36,7 @@ PASSES: list[tuple[str, Callable]] = [
     ("cleanup", cleanup_pass),
     ("cse", cse_pass),
     ("reshard_after_forward", reshard_after_forward_pass),
+    ("bucketing", bucketing_pass),
 ]
 
 

@@ -1,8 +1,8 @@
 """The compiled training step: the local joint graph split into forward and backward programs.
 
-``CompiledProgram`` partitions the lowered joint graph (torch's default partitioner: the forward is
-everything the user outputs need, the backward the rest, the activations crossing between them are
-saved) and runs the pair inside one ``torch.autograd.Function``, so the user's ``loss.backward()``
+``CompiledProgram`` partitions the lowered joint graph by phase (partition.py: the forward and
+backward nodes as scheduled by the passes; the forward values backward reads are saved) and runs
+the pair inside one ``torch.autograd.Function``, so the user's ``loss.backward()``
 runs our backward graph and leaves each parameter's gradient in its (DTensor) ``.grad``.
 """
 
@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from .. import compat
 from ..capture import CapturedGraph
+from .partition import partition_by_phase
 
 
 def flatten_placeholders(gm: torch.fx.GraphModule, captured: CapturedGraph) -> None:
@@ -51,7 +51,7 @@ class CompiledProgram:
         primals = [i for i in captured.inputs if i.kind != "tangent"]
         tangents = tuple(i.index for i in captured.inputs if i.kind == "tangent")
         num_outputs = captured.num_user_outputs
-        fw, bw = compat.default_partition(joint_gm, None, num_fwd_outputs=num_outputs)
+        fw, bw, _ = partition_by_phase(joint_gm, num_outputs)
         differentiable = tuple(i in tangents for i in range(num_outputs))
         for gm in (fw, bw):
             if any(

@@ -1,0 +1,200 @@
+"""bucketing: one fused all-gather per FSDP unit per use, one fused reduce-scatter per unit.
+
+Lowering gives every FSDP parameter its own all-gather (forward, and again in backward when the
+unit reshards) and every gradient its own reduce-scatter (plus an all-reduce over the replicate axis
+for HSDP). This pass fuses them per unit through one flat buffer, the copy-in / copy-out layout of
+FSDP: shards are flattened and concatenated, gathered once, and each parameter is a reshaped slice
+of the result; gradients are laid out rank-major ([world, numel/world] per parameter, concatenated
+along dim 1), reduce-scattered once, and split back.
+
+Reads: ``hp_fsdp_param``/``hp_fsdp_phase``/``hp_role`` (all-gathers of unshard chains) and
+``hp_grad_of`` (gradient redistributions) on nodes, ``ctx.fsdp`` (units, ``comm_fusion``).
+Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"``; the
+per-parameter collectives are removed. Runs nothing when ``comm_fusion=False``. Idempotent (a
+fused collective is never a candidate again); numerics unchanged (same elements, same reductions).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections import defaultdict
+
+import torch
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    mode = getattr(like, "fake_mode", None)
+    assert mode is not None, "bucketing needs fake-tensor metadata on the local graph"
+    with mode:
+        return torch.empty(shape, dtype=dtype or like.dtype)
+
+
+class _Builder:
+    """Emit nodes before an anchor, giving each a fake ``val`` and the bucket's meta."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, meta: dict):
+        self.graph, self.anchor, self.meta = graph, anchor, meta
+
+    def __call__(self, target, args, val) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args)
+        node.meta.update(self.meta)
+        node.meta["val"] = val
+        return node
+
+
+def _single_wait(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = list(node.users)
+    if len(users) == 1 and users[0].target is c10d.wait_tensor.default:
+        return users[0]
+    return None
+
+
+def _unit_of_grad(node, fsdp) -> str | None:
+    param = node.meta.get("hp_grad_of")
+    return fsdp.unit_of.get(param) if param else None
+
+
+def _buckets(graph, fsdp):
+    all_gathers, reduce_scatters, all_reduces = defaultdict(list), defaultdict(list), defaultdict(list)
+    for node in graph.nodes:
+        if node.op != "call_function" or "hp_bucket" in node.meta or _single_wait(node) is None:
+            continue
+        if node.target is c10d.all_gather_into_tensor.default and node.meta.get("hp_fsdp_param"):
+            phase = node.meta.get("hp_fsdp_phase", "forward")
+            _, size, group = node.args
+            key = (node.meta["hp_fsdp_unit"], phase, size, group, node.meta["val"].dtype)
+            all_gathers[key].append(node)
+        elif node.target is c10d.reduce_scatter_tensor.default and _unit_of_grad(node, fsdp) is not None:
+            _, op, size, group = node.args
+            key = (_unit_of_grad(node, fsdp), op, size, group, node.meta["val"].dtype)
+            reduce_scatters[key].append(node)
+        elif node.target is c10d.all_reduce.default and _unit_of_grad(node, fsdp) is not None:
+            _, op, group = node.args
+            key = (_unit_of_grad(node, fsdp), op, group, node.meta["val"].dtype)
+            all_reduces[key].append(node)
+    return all_gathers, reduce_scatters, all_reduces
+
+
+def _position(graph):
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _hoist(graph, node, anchor, order, memo):
+    """``node`` if it is available at ``anchor``; else a copy of its placeholder-only chain there."""
+    if node.op == "placeholder" or order.get(node, math.inf) < order[anchor]:
+        return node
+    if node not in memo:
+        for arg in node.all_input_nodes:
+            _hoist(graph, arg, anchor, order, memo)
+        with graph.inserting_before(anchor):
+            memo[node] = graph.node_copy(node, lambda a: memo.get(a, a))
+    return memo[node]
+
+
+def _erase(graph, members, waits) -> None:
+    # Only after every fused node exists: a member may be the anchor new nodes are inserted before.
+    for member, wait in zip(members, waits):
+        graph.erase_node(wait)
+        graph.erase_node(member)
+
+
+def _fuse_all_gather(graph, members, label):
+    order = _position(graph)
+    waits = [_single_wait(m) for m in members]
+    first_use = min((u for w in waits for u in w.users), key=order.__getitem__)
+    memo: dict = {}
+    inputs = [_hoist(graph, m.args[0], first_use, order, memo) for m in members]
+    _, size, group = members[0].args
+    sample = members[0].meta["val"]
+    emit = _Builder(graph, first_use, {"hp_bucket": label, "hp_role": "redistribute",
+                                       **({"hp_fsdp_phase": "backward"} if "backward" in label else {})})
+    if "backward" in label:
+        emit.meta["partitioner_tag"] = "is_backward"
+    numels = [m.args[0].meta["val"].numel() for m in members]
+    total = sum(numels)
+    flats = [emit(aten.reshape.default, (x, [-1]), _fake(sample, [n])) for x, n in zip(inputs, numels)]
+    flat = emit(aten.cat.default, (flats,), _fake(sample, [total]))
+    gathered = emit(c10d.all_gather_into_tensor.default, (flat, size, group), _fake(sample, [size * total]))
+    waited = emit(c10d.wait_tensor.default, (gathered,), _fake(sample, [size * total]))
+    rows = emit(aten.view.default, (waited, [size, total]), _fake(sample, [size, total]))
+    parts = emit(aten.split_with_sizes.default, (rows, numels, 1), [_fake(sample, [size, n]) for n in numels])
+    for i, (member, wait) in enumerate(zip(members, waits)):
+        part = emit(operator.getitem, (parts, i), _fake(sample, [size, numels[i]]))
+        shape = list(wait.meta["val"].shape)
+        out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
+        wait.replace_all_uses_with(out)
+    _erase(graph, members, waits)
+
+
+def _fuse_reduce_scatter(graph, members, label):
+    order = _position(graph)
+    waits = [_single_wait(m) for m in members]
+    last_input = max((m.args[0] for m in members), key=order.__getitem__)
+    anchor = last_input.next
+    _, op, size, group = members[0].args
+    sample = members[0].meta["val"]
+    emit = _Builder(graph, anchor, {"hp_bucket": label, "hp_role": "redistribute", "partitioner_tag": "is_backward"})
+    cols = [m.args[0].meta["val"].numel() // size for m in members]
+    total = sum(cols)
+    blocks = [emit(aten.reshape.default, (m.args[0], [size, c]), _fake(sample, [size, c])) for m, c in zip(members, cols)]
+    packed = emit(aten.cat.default, (blocks, 1), _fake(sample, [size, total]))
+    flat = emit(aten.reshape.default, (packed, [-1]), _fake(sample, [size * total]))
+    reduced = emit(c10d.reduce_scatter_tensor.default, (flat, op, size, group), _fake(sample, [total]))
+    waited = emit(c10d.wait_tensor.default, (reduced,), _fake(sample, [total]))
+    parts = emit(aten.split_with_sizes.default, (waited, cols), [_fake(sample, [c]) for c in cols])
+    for i, (member, wait) in enumerate(zip(members, waits)):
+        part = emit(operator.getitem, (parts, i), _fake(sample, [cols[i]]))
+        shape = list(wait.meta["val"].shape)
+        out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
+        out.meta["hp_grad_of"] = member.meta["hp_grad_of"]
+        wait.replace_all_uses_with(out)
+    _erase(graph, members, waits)
+
+
+def _fuse_all_reduce(graph, members, label):
+    order = _position(graph)
+    waits = [_single_wait(m) for m in members]
+    last_input = max((m.args[0] for m in members), key=order.__getitem__)
+    anchor = last_input.next
+    _, op, group = members[0].args
+    sample = members[0].meta["val"]
+    emit = _Builder(graph, anchor, {"hp_bucket": label, "hp_role": "redistribute", "partitioner_tag": "is_backward"})
+    numels = [m.args[0].meta["val"].numel() for m in members]
+    total = sum(numels)
+    flats = [emit(aten.reshape.default, (m.args[0], [-1]), _fake(sample, [n])) for m, n in zip(members, numels)]
+    flat = emit(aten.cat.default, (flats,), _fake(sample, [total]))
+    reduced = emit(c10d.all_reduce.default, (flat, op, group), _fake(sample, [total]))
+    waited = emit(c10d.wait_tensor.default, (reduced,), _fake(sample, [total]))
+    parts = emit(aten.split_with_sizes.default, (waited, numels), [_fake(sample, [n]) for n in numels])
+    for i, (member, wait) in enumerate(zip(members, waits)):
+        part = emit(operator.getitem, (parts, i), _fake(sample, [numels[i]]))
+        shape = list(wait.meta["val"].shape)
+        out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
+        wait.replace_all_uses_with(out)
+    _erase(graph, members, waits)
+
+
+
+
+def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    fsdp = getattr(ctx, "fsdp", None)
+    if fsdp is None or not fsdp.comm_fusion:
+        return gm
+    graph = gm.graph
+    all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
+    for (unit, phase, *_), members in all_gathers.items():
+        _fuse_all_gather(graph, members, f"{unit or '<root>'} {phase} all_gather ({len(members)} params)")
+    for (unit, *_), members in reduce_scatters.items():
+        _fuse_reduce_scatter(graph, members, f"{unit or '<root>'} reduce_scatter ({len(members)} params)")
+    # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
+    for (unit, *_), members in _buckets(graph, fsdp)[2].items():
+        _fuse_all_reduce(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm
