@@ -12,6 +12,15 @@ from .fully_shard import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, Off
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
 from .plan import ParallelPlan, parallelize_module, shard_module
+from .state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from .styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -28,6 +37,12 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "fully_shard",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "load_checkpoint",
+    "save_checkpoint",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
     "ColwiseParallel",
     "Layout",
     "ParallelModule",
@@ -40,6 +55,7 @@ __all__ = [
     "Replicate",
     "RowwiseParallel",
     "SequenceParallel",
+    "StateDictOptions",
     "Shard",
     "TensorLayout",
     "init_device_mesh",

@@ -73,6 +73,14 @@ class ParallelModule(nn.Module):
             state.cache[key] = entry
         return _run(self, entry, flat)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full tensors, DTensors or local shards into the sharded parameters (in place)."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; use assign=False")
+        from .state_dict import StateDictOptions, set_model_state_dict
+
+        return set_model_state_dict(self, state_dict, StateDictOptions(strict=strict))
+
     # --- what users and tests read -----------------------------------------------------------
     def compile_summary(self) -> dict:
         """The summary of the most recent compilation (collectives by kind/axis, fallbacks, ...)."""

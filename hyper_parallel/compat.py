@@ -43,6 +43,18 @@ def sharding_propagator():
     return DTensor._op_dispatcher.sharding_propagator
 
 
+def select_min_cost_strategy(strategy, op_schema):
+    """DTensor's own choice among an OpStrategy's candidates (least redistribution cost)."""
+    from torch.distributed.tensor._sharding_prop import _select_min_cost_strategy
+
+    return _select_min_cost_strategy(strategy, op_schema)
+
+
+def wrap_with_op_strategy(op_schema):
+    """An OpSchema whose DTensorSpec arguments are turned into single-candidate OpStrategies."""
+    return sharding_propagator()._wrap_with_op_strategy(op_schema)
+
+
 def dtensor_from_spec(local: torch.Tensor, spec) -> "torch.distributed.tensor.DTensor":
     """Wrap a local shard as a DTensor of ``spec`` without autograd or a consistency check."""
     from torch.distributed.tensor import DTensor
@@ -65,3 +77,15 @@ def spec_of(dt) -> DTensorSpec:
 def local_of(dt) -> torch.Tensor:
     """A DTensor's local shard, without going through autograd (``to_local`` is differentiable)."""
     return dt._local_tensor
+
+
+def clear_sharding_caches() -> None:
+    """Forget DTensor's cached sharding decisions (Python LRU and the C++ dispatch cache).
+
+    DTensor keys those caches on a mesh's shape and axis names, not on its process groups, so a
+    decision cached for one mesh can hand a later mesh of the same shape the first one's (possibly
+    destroyed) groups. Called whenever a mesh is created."""
+    sharding_propagator().propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()

@@ -68,9 +68,32 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
                 placements[axis] = Partial("sum")
         src = compat.DTensorSpec(current.mesh, tuple(placements), tensor_meta=current.tensor_meta)
         dst = compat.DTensorSpec(target.mesh, target.placements, tensor_meta=current.tensor_meta)
-        if src.placements != dst.placements:
-            local = compat.redistribute_local_tensor(local, src, dst)
+        for step in _reduction_steps(src, dst):
+            local = compat.redistribute_local_tensor(local, src, step)
+            src = step
     return compat.dtensor_from_spec(local, dst)
+
+
+def _reduction_steps(src, dst) -> list:
+    """The specs to pass through from ``src`` to ``dst``: partial axes that end sharded are
+    reduce-scattered first, so partial axes that end replicated all-reduce the smaller shard
+    (HSDP's reduce-scatter then all-reduce; DTensor alone may all-reduce the full tensor first)."""
+    to_shard = [
+        i for i, (a, b) in enumerate(zip(src.placements, dst.placements))
+        if a.is_partial() and b.is_shard()
+    ]
+    also_replicate = any(
+        a.is_partial() and not b.is_shard() for a, b in zip(src.placements, dst.placements)
+    )
+    steps = []
+    if to_shard and also_replicate:
+        middle = list(src.placements)
+        for i in to_shard:
+            middle[i] = dst.placements[i]
+        steps.append(compat.DTensorSpec(src.mesh, tuple(middle), tensor_meta=src.tensor_meta))
+    if dst.placements != src.placements:
+        steps.append(dst)
+    return steps
 
 
 def _is_masked(placement) -> bool:

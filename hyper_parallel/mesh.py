@@ -142,4 +142,8 @@ def init_device_mesh(
             )
     from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
+    from . import compat
+
+    # A new mesh must not inherit sharding decisions cached for an older one (see compat).
+    compat.clear_sharding_caches()
     return _torch_init_device_mesh(device_type, shape, mesh_dim_names=names)

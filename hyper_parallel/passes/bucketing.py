@@ -9,7 +9,8 @@ along dim 1), reduce-scattered once, and split back.
 
 Reads: ``hp_fsdp_param``/``hp_fsdp_phase``/``hp_role`` (all-gathers of unshard chains) and
 ``hp_grad_of`` (gradient redistributions) on nodes, ``ctx.fsdp`` (units, ``comm_fusion``).
-Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"``; the
+Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"``; each
+parameter's slice of a fused all-gather keeps ``hp_fsdp_param``/``hp_fsdp_unit``; the
 per-parameter collectives are removed. Runs nothing when ``comm_fusion=False``. Idempotent (a
 fused collective is never a candidate again); numerics unchanged (same elements, same reductions).
 """
@@ -127,6 +128,8 @@ def _fuse_all_gather(graph, members, label):
         part = emit(operator.getitem, (parts, i), _fake(sample, [size, numels[i]]))
         shape = list(wait.meta["val"].shape)
         out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
+        out.meta["hp_fsdp_param"] = member.meta["hp_fsdp_param"]
+        out.meta["hp_fsdp_unit"] = member.meta["hp_fsdp_unit"]
         wait.replace_all_uses_with(out)
     _erase(graph, members, waits)
 

@@ -235,7 +235,7 @@ class _Propagator:
         args_schema, kwargs_schema = pytree.tree_unflatten(flat_specs, tree)
         current = tuple(self.spec_of(a) for a in tensor_nodes)
         try:
-            sharding = propagate_op(node.target, args_schema, kwargs_schema)
+            output_spec, suggested = propagate_op(node.target, args_schema, kwargs_schema)
         except NoShardingRule as exc:
             return self.fallback(node, tensor_nodes, str(exc))
         except (RuntimeError, AssertionError, ValueError) as exc:
@@ -246,13 +246,9 @@ class _Propagator:
                 "sharded sizes divide the mesh axis (e.g. the number of attention / key-value heads "
                 "for tensor parallelism) or change the plan entry for this module."
             ) from exc
-        if sharding.output_spec is None and _produces_tensor(node):
+        if output_spec is None and _produces_tensor(node):
             return self.fallback(node, tensor_nodes, "rule gave no output layout")
-        if sharding.redistribute_schema is not None:
-            suggested = [s for s in pytree.tree_leaves(
-                (sharding.redistribute_schema.args_schema, sharding.redistribute_schema.kwargs_schema),
-                is_leaf=lambda x: isinstance(x, compat.DTensorSpec))
-                if isinstance(s, compat.DTensorSpec)]
+        if suggested is not None:
             if len(suggested) != len(current):
                 raise AssertionError(f"{node.name}: {len(suggested)} suggested specs for {len(current)} tensors")
             wanted = tuple(
@@ -261,7 +257,7 @@ class _Propagator:
             )
         else:
             wanted = current
-        return NodeLayout(_with_meta(sharding.output_spec, node), wanted, "rule")
+        return NodeLayout(_with_meta(output_spec, node, self.mesh), wanted, "rule")
 
     def fallback(self, node, tensor_nodes, why: str) -> NodeLayout:
         self.report.fallbacks.append(f"{_describe(node)}: ran replicated ({why.splitlines()[0][:120]})")
@@ -315,14 +311,15 @@ def _produces_tensor(node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def _with_meta(spec, node):
-    """Re-attach tensor meta from the node's value (DTensor's rule may leave it unset)."""
+def _with_meta(spec, node, mesh):
+    """Rebuild a rule's output spec on our mesh with the node's tensor meta. A cached DTensor
+    decision may carry another mesh object of the same shape (and that mesh's groups)."""
     val = node.meta.get("val")
     if isinstance(spec, compat.DTensorSpec) and isinstance(val, torch.Tensor):
-        return compat.DTensorSpec(spec.mesh, spec.placements, tensor_meta=tensor_meta_of(val))
+        return compat.DTensorSpec(mesh, spec.placements, tensor_meta=tensor_meta_of(val))
     if isinstance(spec, (tuple, list)) and isinstance(val, (tuple, list)):
         return tuple(
-            compat.DTensorSpec(s.mesh, s.placements, tensor_meta=tensor_meta_of(v))
+            compat.DTensorSpec(mesh, s.placements, tensor_meta=tensor_meta_of(v))
             if isinstance(s, compat.DTensorSpec) and isinstance(v, torch.Tensor) else None
             for s, v in zip(spec, val)
         )

@@ -15,6 +15,7 @@ execution with explicit redistribution and lists the op in the compile report.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
 from .. import compat
@@ -94,8 +95,9 @@ def has_rule(op) -> bool:
 def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     """Sharding propagation for one op; tensors are given as DTensorSpecs (with tensor meta).
 
-    Returns DTensor's ``OutputSharding``: ``output_spec`` and, when the inputs must move first,
-    ``redistribute_schema`` holding the input specs the op runs with.
+    Returns ``(output_spec, input_specs)``: the result's layout (a tuple for multi-output ops) and
+    the layout every tensor argument must have when the op runs, in pytree order of (args, kwargs),
+    or None when the arguments can stay as they are.
     """
     register_own_rules()
     if not has_rule(op):
@@ -105,10 +107,32 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     propagator = compat.sharding_propagator()
     info = propagator.op_to_schema_info.get(op) or propagator.op_to_schema_info_for_single_dim_strategy.get(op)
     schema = compat.OpSchema(op, tuple(args_schema), dict(kwargs_schema), schema_info=info)
+    if any(isinstance(v, compat.DTensorSpec) for v in kwargs_schema.values()) and op in propagator.op_strategy_funcs:
+        return _select_with_tensor_kwargs(propagator, schema)
     try:
         # The cached entry point, as eager DTensor uses it: repeated layers hit the cache.
-        return propagator.propagate_op_sharding(schema)
+        sharding = propagator.propagate_op_sharding(schema)
     except NoShardingRule as exc:
         raise exc
     except NotImplementedError as exc:
         raise NoShardingRule(str(exc)) from exc
+    wanted = None
+    if sharding.redistribute_schema is not None:
+        suggested = sharding.redistribute_schema
+        wanted = [
+            s for s in pytree.tree_leaves(
+                (suggested.args_schema, suggested.kwargs_schema),
+                is_leaf=lambda x: isinstance(x, compat.DTensorSpec),
+            )
+            if isinstance(s, compat.DTensorSpec)
+        ]
+    return sharding.output_spec, wanted
+
+
+def _select_with_tensor_kwargs(propagator, schema):
+    # DTensor's suggested schema (and its dispatch) redistribute positional tensors only, so an op
+    # with a tensor keyword argument (SDPA's attn_mask) would run with that tensor unsharded. Pick
+    # the strategy here and return the layout of every input; lowering moves them all.
+    strategy = propagator.op_strategy_funcs[schema.op](compat.wrap_with_op_strategy(schema))
+    chosen = compat.select_min_cost_strategy(strategy, schema)
+    return chosen.output_specs, list(chosen.input_specs)

@@ -223,6 +223,10 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, conn
                         dist.destroy_process_group(pg)
                     except Exception:
                         pass
+            # DTensor's caches may still name the destroyed groups (they key on mesh shape only).
+            from hyper_parallel.compat import clear_sharding_caches
+
+            clear_sharding_caches()
         _send(conn, ("result", job_id, rank, ok, out, healthy))
         if not healthy:  # the job destroyed the default group: this worker is unusable
             break

@@ -149,7 +149,10 @@ def get_model_state_dict(model: nn.Module, options: Optional[StateDictOptions] =
     True             True         full plain tensors on CPU on rank 0; ``{}`` elsewhere
     ===============  ===========  ======================================================
 
-    With ``full_state_dict`` every rank must call this (each DTensor is all-gathered).
+    With ``full_state_dict`` every rank must call this (each DTensor is all-gathered). Without
+    ``cpu_offload`` values may share storage with the parameters (as ``model.state_dict()``'s do:
+    the sharded DTensors always, full tensors of replicated parameters too); with it they are
+    copies, a snapshot unaffected by later training steps.
     """
     options = _options(options)
     state = model.state_dict()
@@ -163,20 +166,26 @@ def get_model_state_dict(model: nn.Module, options: Optional[StateDictOptions] =
             if isinstance(value, DTensor):
                 value = value.full_tensor()  # a collective: every rank runs it, in the same order
             if keep:
-                full[key] = value.cpu() if options.cpu_offload and isinstance(value, torch.Tensor) else value
+                full[key] = _to_cpu(value) if options.cpu_offload else value
         return full
     if options.cpu_offload:
         return {key: _offload_shard(value) for key, value in state.items()}
     return state
 
 
+def _to_cpu(value: Any) -> Any:
+    # Always a copy, also when the tensor is already on CPU: an offloaded state dict is a snapshot
+    # that later training steps (which update the parameters in place) must not change.
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
 def _offload_shard(value: Any) -> Any:
     if isinstance(value, DTensor):
         return DTensor.from_local(
-            value.to_local().cpu(), value.device_mesh, value.placements,
+            _to_cpu(value.to_local()), value.device_mesh, value.placements,
             run_check=False, shape=value.shape, stride=value.stride(),
         )
-    return value.cpu() if isinstance(value, torch.Tensor) else value
+    return _to_cpu(value)
 
 
 def set_model_state_dict(

@@ -1,0 +1,111 @@
+"""FSDP / HSDP as compiler passes: single-device parity (3 SGD steps, every gradient) and the exact
+collective structure and volume of FSDP, read from the compile summary."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import hyper_parallel as hp
+from hyper_parallel.testing.parity import build_model, global_batch, run_parity
+
+LAYERS = 4
+UNITS = LAYERS + 1  # model.layers.* and the root (embedding, final norm, lm_head)
+PARAM_BYTES = 180_800 * 4  # the example Llama's parameters, fp32
+EMBEDDING_BYTES = 256 * 64 * 4  # not needed by backward: never re-gathered there
+
+
+def _coll(summary, direction, kind, axis):
+    return summary["collectives"][direction].get(kind, {}).get(axis, {"count": 0, "bytes": 0})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_parity_and_fused_collectives(dist2, dist4, world):
+    pool = {2: dist2, 4: dist4}[world]
+    summary = pool.run(run_parity, "llama", "fsdp", (world,), ("dp",))[0]["summary"]
+    # Per unit per step: 1 fused all-gather forward, 1 again in backward (reshard), 1 reduce-scatter.
+    fwd_ag, bwd_ag = _coll(summary, "forward", "all_gather", "dp"), _coll(summary, "backward", "all_gather", "dp")
+    rs = _coll(summary, "backward", "reduce_scatter", "dp")
+    assert (fwd_ag["count"], bwd_ag["count"], rs["count"]) == (UNITS, UNITS, UNITS)
+    # Analytic FSDP volume (bytes of each rank's local collective input): every shard gathered in
+    # forward, all but the embedding again in backward, every full gradient reduce-scattered.
+    assert fwd_ag["bytes"] == PARAM_BYTES // world
+    assert bwd_ag["bytes"] == (PARAM_BYTES - EMBEDDING_BYTES) // world
+    assert rs["bytes"] == PARAM_BYTES
+    # Resharding: no gathered parameter is kept from forward to backward.
+    assert summary["saved_for_backward"]["gathered_param_bytes"] == 0
+
+
+def test_fsdp_without_reshard_keeps_parameters_and_gathers_once(dist2):
+    summary = dist2.run(run_parity, "llama", "fsdp_keep", (2,), ("dp",))[0]["summary"]
+    assert _coll(summary, "forward", "all_gather", "dp")["count"] == UNITS
+    assert _coll(summary, "backward", "all_gather", "dp")["count"] == 0
+    # The unsharded parameters backward needs are kept: all but the embedding.
+    assert summary["saved_for_backward"]["gathered_param_bytes"] == PARAM_BYTES - EMBEDDING_BYTES
+
+
+def test_fsdp_without_comm_fusion_is_per_parameter(dist2):
+    summary = dist2.run(run_parity, "llama", "fsdp_unfused", (2,), ("dp",))[0]["summary"]
+    num_params = 9 * LAYERS + 3
+    assert _coll(summary, "forward", "all_gather", "dp")["count"] == num_params
+    assert _coll(summary, "backward", "all_gather", "dp")["count"] == num_params - 1  # not the embedding
+    assert _coll(summary, "backward", "reduce_scatter", "dp")["count"] == num_params
+
+
+def test_hsdp_2x2(dist4):
+    summary = dist4.run(run_parity, "llama", "fsdp", (2, 2), ("dp_replicate", "dp_shard"))[0]["summary"]
+    assert _coll(summary, "forward", "all_gather", "dp_shard")["count"] == UNITS
+    assert _coll(summary, "backward", "reduce_scatter", "dp_shard")["count"] == UNITS
+    # One fused all-reduce per unit over the replicate axis, plus cross-entropy's token count.
+    replicate = _coll(summary, "backward", "all_reduce", "dp_replicate")
+    assert replicate["count"] == UNITS + 1
+    assert replicate["bytes"] == PARAM_BYTES // 2 + 4
+
+
+def test_fsdp_with_tensor_parallel_2x2(dist4):
+    summary = dist4.run(run_parity, "llama", "fsdp_tp", (2, 2), ("dp", "tp"))[0]["summary"]
+    fwd_ag = _coll(summary, "forward", "all_gather", "dp")
+    assert fwd_ag["count"] == UNITS
+    # Each rank gathers over dp the shards of its tensor-parallel piece: a quarter of every
+    # TP-sharded parameter and half of the replicated norms.
+    assert fwd_ag["bytes"] < PARAM_BYTES // 2
+    assert _coll(summary, "backward", "reduce_scatter", "dp")["count"] == UNITS
+    assert _coll(summary, "forward", "all_reduce", "tp")["count"] == 2 * LAYERS + 1
+
+
+def test_fsdp_hf_llama(dist2):
+    pytest.importorskip("transformers")
+    summary = dist2.run(run_parity, "hf_llama", "fsdp", (2,), ("dp",))[0]["summary"]
+    assert _coll(summary, "forward", "all_gather", "dp")["count"] == 2 + 1  # 2 layers + root
+    assert summary["fallbacks"] == []
+
+
+def test_fsdp_adamw_tracks_reference(dist2):
+    results = dist2.run(run_parity, "llama", "fsdp", (2,), ("dp",), optimizer="adamw", loss_rtol=1e-4)
+    assert len(results[0]["losses"]) == 3
+
+
+def fsdp2_style_calls():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    summaries = []
+    for style in ("plan", "calls"):
+        model = build_model("llama")
+        if style == "plan":
+            model = hp.parallelize(model, {"fully_shard": hp.FullyShard(units=("model.layers.*", ""))}, mesh)
+        else:
+            for layer in model.model.layers:
+                hp.fully_shard(layer, mesh=mesh)
+            hp.fully_shard(model, mesh=mesh)
+            model = hp.parallelize(model, None, mesh)
+        model(**global_batch("llama", 4, 16))["loss"].backward()
+        summaries.append(model.compile_summary())
+    placements = {n: str(p.placements) for n, p in model.named_parameters()}
+    return summaries, placements
+
+
+def test_fully_shard_calls_compile_like_the_plan(dist2):
+    (plan_summary, calls_summary), placements = dist2.run(fsdp2_style_calls)[0]
+    assert plan_summary["collectives"] == calls_summary["collectives"]
+    assert plan_summary["spmd_hash"] == calls_summary["spmd_hash"]
+    assert placements["model.layers.0.mlp.up_proj.weight"] == "(Shard(dim=0),)"

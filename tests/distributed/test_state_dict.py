@@ -1,0 +1,334 @@
+"""State dicts and checkpoints of parallelized models (hyper_parallel.state_dict).
+
+The oracle is the single-device model built from the same seed: state-dict keys and full tensors
+must equal its own, every load path must round-trip exactly, and a checkpoint saved on 2 ranks and
+resumed on 4 ranks (another mesh) must continue training with the losses of an uninterrupted
+single-device run.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+import hyper_parallel as hp
+from hyper_parallel.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from hyper_parallel.models import llama_tp_plan
+from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+LLAMA = {"num_key_value_heads": 4, "num_hidden_layers": 2}  # kv heads divisible by tp=4
+FSDP = {"fully_shard": {"units": ["model.layers.*", ""]}}
+CASES = {  # name -> (model, overrides, plan, mesh names, a parameter to freeze)
+    "llama_tp": ("llama", LLAMA, llama_tp_plan, ("tp",), "model.layers.1.self_attn.q_proj.weight"),
+    "mlp_dp": ("mlp", {}, dict, ("dp",), "layers.1.bias"),
+    "llama_dp": ("llama", LLAMA, dict, ("dp",), "model.norm.weight"),
+    "llama_dp_tp": ("llama", LLAMA, llama_tp_plan, ("dp", "tp"), "model.norm.weight"),
+    # FSDP stores parameters Shard(0) over dp; with TP, colwise weights become _StridedShard(0).
+    "llama_fsdp": ("llama", LLAMA, lambda: dict(FSDP), ("dp",), "model.norm.weight"),
+    "llama_fsdp_tp": ("llama", LLAMA, lambda: {**llama_tp_plan(), **FSDP}, ("dp", "tp"), "model.norm.weight"),
+}
+MESH_SHAPES = {"llama_dp_tp": (2, 2), "llama_fsdp_tp": (2, 2)}  # default: (world size,)
+MATRIX_CASES = [("llama_tp", 2), ("mlp_dp", 2), ("llama_fsdp_tp", 4)]
+
+
+def _parallel(case, seed=0, mesh=None):
+    name, overrides, plan, mesh_names, _ = CASES[case]
+    if mesh is None:
+        shape = MESH_SHAPES.get(case, (dist.get_world_size(),))
+        mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=mesh_names)
+    return hp.parallelize(build_model(name, seed=seed, **overrides), plan(), mesh), mesh
+
+
+def _reference(case, seed=0):
+    name, overrides, *_ = CASES[case]
+    return build_model(name, seed=seed, **overrides)
+
+
+def _assert_equal_to(model, reference_state, what):
+    full = get_model_state_dict(model, StateDictOptions(full_state_dict=True))
+    assert full.keys() == reference_state.keys(), what
+    for key, value in full.items():
+        torch.testing.assert_close(value, reference_state[key], rtol=0, atol=0,
+                                   msg=lambda m, key=key: f"{what}: {key}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
+# The get matrix
+# --------------------------------------------------------------------------------------------
+
+
+def get_matrix(case):
+    model, _ = _parallel(case)
+    reference = _reference(case).state_dict()
+    params = dict(model.named_parameters())
+    rank = dist.get_rank()
+
+    sharded = get_model_state_dict(model)
+    assert list(sharded) == list(reference)
+    for key, value in sharded.items():
+        assert isinstance(value, DTensor), key
+        assert value.placements == params[key].placements
+        # A view of the live parameter, not a copy.
+        assert value.to_local().data_ptr() == params[key].to_local().data_ptr(), key
+        torch.testing.assert_close(value.full_tensor(), reference[key], rtol=0, atol=0)
+
+    full = get_model_state_dict(model, StateDictOptions(full_state_dict=True))
+    assert list(full) == list(reference)
+    for key, value in full.items():
+        assert type(value) is torch.Tensor, f"{key}: {type(value)}"
+        torch.testing.assert_close(value, reference[key], rtol=0, atol=0)
+
+    offloaded = get_model_state_dict(model, StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        assert list(offloaded) == list(reference)
+        for key, value in offloaded.items():
+            assert type(value) is torch.Tensor and value.device.type == "cpu", key
+            torch.testing.assert_close(value, reference[key], rtol=0, atol=0)
+    else:
+        assert offloaded == {}
+
+    local_cpu = get_model_state_dict(model, StateDictOptions(cpu_offload=True))
+    for key, value in local_cpu.items():
+        assert isinstance(value, DTensor) and value.to_local().device.type == "cpu", key
+        assert value.placements == params[key].placements and value.shape == params[key].shape
+        torch.testing.assert_close(value.to_local(), params[key].to_local(), rtol=0, atol=0)
+
+    frozen = CASES[case][4]
+    params[frozen].requires_grad_(False)
+    for full_state_dict in (False, True):
+        kept = get_model_state_dict(
+            model, StateDictOptions(full_state_dict=full_state_dict, ignore_frozen_params=True))
+        assert list(kept) == [k for k in reference if k != frozen]
+    # ... and a load need not provide it.
+    missing = set_model_state_dict(
+        model, {k: v for k, v in reference.items() if k != frozen}, StateDictOptions(ignore_frozen_params=True))
+    assert missing == ([], [])
+    params[frozen].requires_grad_(True)
+    return len(full)
+
+
+@pytest.mark.parametrize("case,world", MATRIX_CASES)
+def test_get_model_state_dict_matrix(request, case, world):
+    pool = request.getfixturevalue(f"dist{world}")
+    assert pool.run(get_matrix, case) == [len(_reference(case).state_dict())] * world
+
+
+# --------------------------------------------------------------------------------------------
+# The set (load) paths
+# --------------------------------------------------------------------------------------------
+
+
+def set_paths(case):
+    model, mesh = _parallel(case)
+    params = dict(model.named_parameters())
+    storage = {k: p.to_local().data_ptr() for k, p in params.items()}
+    rank = dist.get_rank()
+
+    # 1. Full plain tensors (sliced locally).
+    other = _reference(case, seed=1).state_dict()
+    set_model_state_dict(model, other)
+    _assert_equal_to(model, other, "full tensors")
+
+    # 2. DTensors placed like the parameters, from another parallelized model.
+    source, _ = _parallel(case, seed=2)
+    set_model_state_dict(model, get_model_state_dict(source))
+    _assert_equal_to(model, _reference(case, seed=2).state_dict(), "DTensors")
+
+    # 3. DTensors placed differently (Replicate): redistributed to the parameters' placements.
+    other = _reference(case, seed=3).state_dict()
+    replicated = {k: distribute_tensor(v, mesh, [Replicate()] * mesh.ndim) for k, v in other.items()}
+    set_model_state_dict(model, replicated)
+    _assert_equal_to(model, other, "redistributed DTensors")
+
+    # 4. This rank's local shards as plain tensors.
+    source, _ = _parallel(case, seed=4)
+    set_model_state_dict(model, {k: v.to_local() for k, v in get_model_state_dict(source).items()})
+    _assert_equal_to(model, _reference(case, seed=4).state_dict(), "local shards")
+
+    # 5. broadcast_from_rank0: only rank 0 passes values.
+    other = _reference(case, seed=5).state_dict()
+    set_model_state_dict(model, other if rank == 0 else {},
+                         StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _assert_equal_to(model, other, "broadcast from rank 0")
+
+    # 6. A full state dict round-trips through get/set (CPU offload on rank 0 + broadcast).
+    saved = get_model_state_dict(model, StateDictOptions(full_state_dict=True, cpu_offload=True))
+    set_model_state_dict(model, _reference(case, seed=6).state_dict())
+    set_model_state_dict(model, saved, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _assert_equal_to(model, other, "offload + broadcast round trip")
+
+    # 7. strict=False loads a subset and reports the rest.
+    key = next(iter(other))
+    subset = _reference(case, seed=7).state_dict()
+    result = set_model_state_dict(model, {key: subset[key], "extra.weight": torch.zeros(1)},
+                                  StateDictOptions(strict=False))
+    assert result.missing_keys == [k for k in sorted(other) if k != key]
+    assert result.unexpected_keys == ["extra.weight"]
+    torch.testing.assert_close(params[key].full_tensor(), subset[key], rtol=0, atol=0)
+
+    # Everything was copied in place: the same Parameter objects over the same storage.
+    assert dict(model.named_parameters()) == params
+    assert {k: p.to_local().data_ptr() for k, p in model.named_parameters()} == storage
+    return True
+
+
+@pytest.mark.parametrize("case,world", MATRIX_CASES)
+def test_set_model_state_dict_round_trips(request, case, world):
+    pool = request.getfixturevalue(f"dist{world}")
+    assert pool.run(set_paths, case) == [True] * world
+
+
+def bad_loads():
+    model, _ = _parallel("llama_tp")
+    good = _reference("llama_tp", seed=1).state_dict()
+    before = get_model_state_dict(model, StateDictOptions(full_state_dict=True))
+    messages = {}
+
+    def expect(kind, state, options=None, error=ValueError):
+        with pytest.raises(error) as info:
+            set_model_state_dict(model, state, options)
+        messages[kind] = str(info.value)
+
+    missing = dict(good)
+    del missing["lm_head.weight"]
+    expect("missing", missing)
+    expect("unexpected", {**good, "model.bogus": torch.zeros(2)})
+    # q_proj.weight is (64, 64) sharded by rows over 2 ranks: local shard (32, 64).
+    expect("shape", {**good, "model.layers.0.self_attn.q_proj.weight": torch.zeros(64, 63)})
+    expect("replicated_shape", {**good, "model.norm.weight": torch.zeros(65)})
+    expect("dtensor_shape", {**good, "model.norm.weight": distribute_tensor(
+        torch.zeros(65), model.model.norm.weight.device_mesh, [Replicate()])})
+    expect("not_a_tensor", {**good, "model.norm.weight": [1.0]}, error=TypeError)
+    bad_rank0 = {**good, "lm_head.weight": torch.zeros(3, 3)} if dist.get_rank() == 0 else {}
+    expect("broadcast", bad_rank0, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with pytest.raises(ValueError, match="broadcast_from_rank0=True.*full_state_dict=True"):
+        StateDictOptions(broadcast_from_rank0=True)
+    # A rejected dict leaves the model untouched (everything is validated before copying).
+    _assert_equal_to(model, before, "after rejected loads")
+    return messages
+
+
+def test_bad_state_dicts_name_the_key_and_shapes(dist2):
+    messages = dist2.run(bad_loads)[0]
+    assert "missing keys ['lm_head.weight']" in messages["missing"]
+    assert "unexpected keys ['model.bogus']" in messages["unexpected"]
+    assert "strict=False" in messages["missing"]
+    shape = messages["shape"]
+    assert "'model.layers.0.self_attn.q_proj.weight'" in shape and "(64, 63)" in shape
+    assert "full shape (64, 64)" in shape and "local shard shape (32, 64)" in shape and "Shard(dim=0)" in shape
+    assert "'model.norm.weight' has shape (65,); expected the full shape (64,)" in messages["replicated_shape"]
+    assert "global shape (65,)" in messages["dtensor_shape"] and "(64,)" in messages["dtensor_shape"]
+    assert "'model.norm.weight'" in messages["not_a_tensor"]
+    assert "'lm_head.weight'" in messages["broadcast"] and "(3, 3)" in messages["broadcast"]
+
+
+# --------------------------------------------------------------------------------------------
+# Optimizer state and checkpoints: save on 2 ranks, resume on 4
+# --------------------------------------------------------------------------------------------
+
+STEPS_BEFORE, STEPS_AFTER, BATCH, SEQ = 2, 3, 4, 16
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)  # momentum: the optimizer state matters
+
+
+def _train(model, opt, steps, mesh=None):
+    losses = []
+    for step in steps:
+        batch = global_batch("llama", BATCH, SEQ, seed=step + 1)
+        loss = model(**(local_batch(batch, mesh) if mesh is not None else batch))["loss"]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def save_job(case, path):
+    model, mesh = _parallel(case)
+    opt = _sgd(model.parameters())
+    reference = _reference(case)
+    ref_opt = _sgd(reference.parameters())
+    losses = _train(model, opt, range(STEPS_BEFORE), mesh)
+    torch.testing.assert_close(losses, _train(reference, ref_opt, range(STEPS_BEFORE)))
+
+    # The optimizer state dict is keyed by FQN; its momentum buffers are DTensors placed like their
+    # parameters, and their full values are the single-device optimizer's.
+    params = dict(model.named_parameters())
+    sharded = get_optimizer_state_dict(model, opt)
+    assert list(sharded["state"]) == list(params)
+    assert sharded["param_groups"][0]["params"] == list(params)
+    full = get_optimizer_state_dict(model, opt, StateDictOptions(full_state_dict=True))
+    for (key, param), ref_param in zip(params.items(), reference.parameters()):
+        buf = sharded["state"][key]["momentum_buffer"]
+        assert isinstance(buf, DTensor) and buf.placements == param.placements, key
+        torch.testing.assert_close(full["state"][key]["momentum_buffer"], ref_opt.state[ref_param]["momentum_buffer"])
+
+    # In memory round trips into a fresh optimizer: full plain tensors; rank 0's full CPU copy
+    # broadcast to the others; this rank's local shards as plain tensors.
+    on_rank0 = get_optimizer_state_dict(model, opt, StateDictOptions(full_state_dict=True, cpu_offload=True))
+    assert (on_rank0 == {}) == (dist.get_rank() != 0)
+    local = {"state": {k: {n: t.to_local() for n, t in v.items()} for k, v in sharded["state"].items()},
+             "param_groups": sharded["param_groups"]}
+    for state, options in [
+        (full, StateDictOptions(full_state_dict=True)),
+        (on_rank0, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)),
+        (local, None),
+    ]:
+        fresh = _sgd(model.parameters())
+        set_optimizer_state_dict(model, fresh, state, options)
+        for key, param in params.items():
+            loaded = fresh.state[param]["momentum_buffer"]
+            assert isinstance(loaded, DTensor) and loaded.placements == param.placements, key
+            torch.testing.assert_close(loaded.to_local(), opt.state[param]["momentum_buffer"].to_local(),
+                                       rtol=0, atol=0)
+
+    save_checkpoint(path, model, opt)
+    return losses
+
+
+def resume_job(case, path, check_momentum_matters=False):
+    # Another seed: every value that matters must come from the checkpoint.
+    model, mesh = _parallel(case, seed=123)
+    opt = _sgd(model.parameters())
+    load_checkpoint(path, model, opt)
+    losses = _train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), mesh)
+
+    reference = _reference(case)
+    uninterrupted = _train(reference, _sgd(reference.parameters()), range(STEPS_BEFORE + STEPS_AFTER))
+    torch.testing.assert_close(losses, uninterrupted[STEPS_BEFORE:])
+
+    if not check_momentum_matters:
+        return losses, uninterrupted
+    # Without the optimizer state (momentum lost) the run diverges from the second step on.
+    model, mesh = _parallel(case, seed=123, mesh=mesh)
+    opt = _sgd(model.parameters())
+    load_checkpoint(path, model)
+    no_momentum = _train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), mesh)
+    torch.testing.assert_close(no_momentum[0], uninterrupted[STEPS_BEFORE])
+    assert (no_momentum[1:] - uninterrupted[STEPS_BEFORE + 1:]).abs().min() > 1e-4
+    return losses, uninterrupted
+
+
+RESUME = {  # saved on 2 ranks with this case -> resumed on 4 ranks with that one
+    "llama_tp": "llama_tp",  # tp 2 -> tp 4
+    "llama_dp": "llama_dp_tp",  # dp 2 -> (dp 2, tp 2): another plan as well as another mesh
+    "llama_fsdp": "llama_fsdp_tp",  # Shard(0) over dp 2 -> FSDP + TP on (2, 2) (_StridedShard)
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME))
+def test_checkpoint_saved_on_2_ranks_resumes_on_4(dist2, dist4, case, tmp_path):
+    path = str(tmp_path / "ckpt")  # created here, shared by the ranks of both jobs
+    before = dist2.run(save_job, case, path)[0]
+    after, uninterrupted = dist4.run(resume_job, RESUME[case], path, case == "llama_tp")[0]
+    torch.testing.assert_close(torch.cat([before, after]), uninterrupted)
