@@ -240,16 +240,19 @@ def _assign_units(spec: FullyShard, model: nn.Module) -> dict[str, str]:
             by_tensor.setdefault(id(p), []).append(fqn)
     for fqns in by_tensor.values():
         units = sorted({owner[f] for f in fqns})
-        if len(units) > 1:
-            outer = min(units, key=lambda u: (u != "", u.count(".")))
-            if not all(contains(outer, u) for u in units):
-                raise ValueError(
-                    f"parameters {fqns} are one shared tensor owned by units {units}, which do not "
-                    "nest, so no unit can own it: make one unit contain the other (e.g. add the root "
-                    "'' as a unit) or untie the parameters"
-                )
-            for f in fqns:
-                owner[f] = outer
+        if len(units) == 1:
+            continue
+        # The innermost unit that contains every name of the tensor owns it.
+        common = [u for u in unit_modules if all(contains(u, f) for f in fqns)]
+        if not common:
+            raise ValueError(
+                f"parameters {fqns} are one shared tensor owned by units {units}, which do not "
+                "nest, so no unit can own it: add a unit that contains them all (e.g. the root '') "
+                "or untie the parameters"
+            )
+        outer = max(common, key=lambda u: (u != "", u.count(".")))
+        for f in fqns:
+            owner[f] = outer
     return owner
 
 

@@ -1,0 +1,104 @@
+"""FSDP plan resolution (no process group): units, storage layouts, and the errors a user gets."""
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import hyper_parallel as hp
+from hyper_parallel.fully_shard import resolve_fully_shard
+from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, llama_tp_plan
+from hyper_parallel.plan import resolve_plan
+
+
+def _resolve(model, fully_shard, layout, plan=None):
+    return resolve_fully_shard(fully_shard, model, resolve_plan(plan or {}, model, layout))
+
+
+def _llama():
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))
+
+
+def test_units_own_their_parameters_innermost_first():
+    fsdp = _resolve(_llama(), hp.FullyShard(units=("model.layers.*", "")), hp.Layout((2,), ("dp",))).fsdp
+    assert [u.module_fqn for u in fsdp.units] == ["", "model.layers.0", "model.layers.1"] or \
+        {u.module_fqn for u in fsdp.units} == {"", "model.layers.0", "model.layers.1"}
+    assert fsdp.unit_of["model.layers.1.mlp.up_proj.weight"] == "model.layers.1"
+    assert fsdp.unit_of["lm_head.weight"] == ""
+    assert (fsdp.shard_axis, fsdp.replicate_axis) == ("dp", None)
+
+
+def test_storage_layouts_fsdp_hsdp_and_with_tensor_parallel():
+    resolved = _resolve(_llama(), {"units": [""]}, hp.Layout((2,), ("dp",)))
+    assert resolved.param_placements["model.layers.0.mlp.up_proj.weight"] == (Shard(0),)
+    assert resolved.fsdp.compute_placements["model.layers.0.mlp.up_proj.weight"] == (Replicate(),)
+
+    hsdp = _resolve(_llama(), {"units": [""]}, hp.Layout((2, 2), ("dp_replicate", "dp_shard")))
+    assert hsdp.param_placements["lm_head.weight"] == (Replicate(), Shard(0))
+    assert (hsdp.fsdp.replicate_axis, hsdp.fsdp.shard_axis) == ("dp_replicate", "dp_shard")
+
+    tp = _resolve(_llama(), {"units": [""]}, hp.Layout((2, 2), ("dp", "tp")), llama_tp_plan())
+    # colwise (dim 0 already split by tp): FSDP splits each TP shard further, as FSDP2 does
+    assert tp.param_placements["model.layers.0.self_attn.q_proj.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+    # rowwise (dim 1 split by tp): plain dim-0 sharding over dp
+    assert tp.param_placements["model.layers.0.self_attn.o_proj.weight"] == (Shard(0), Shard(1))
+
+
+def test_dict_form_and_unknown_keys():
+    with pytest.raises(ValueError, match=r"unknown keys \['unit'\]"):
+        hp.FullyShard.from_value({"unit": [""]})
+    assert hp.FullyShard.from_value({"units": "model.layers.*"}).units == ("model.layers.*",)
+
+
+def test_unit_matching_no_module():
+    with pytest.raises(ValueError, match=r"unit 'model.blocks\.\*' matches no module"):
+        _resolve(_llama(), {"units": ["model.blocks.*"]}, hp.Layout((2,), ("dp",)))
+
+
+def test_mesh_without_data_parallel_axis():
+    with pytest.raises(ValueError, match=r"needs a data-parallel mesh axis.*\['tp'\]"):
+        _resolve(_llama(), {"units": [""]}, hp.Layout((2,), ("tp",)))
+
+
+def test_wrong_number_of_mesh_axes():
+    layout = hp.Layout((2, 2, 1), ("dp_replicate", "dp_shard", "dp"))
+    with pytest.raises(ValueError, match=r"must name 1 axis \(FSDP\) or 2 \(HSDP"):
+        _resolve(_llama(), {"units": [""], "mesh_axes": ("dp_replicate", "dp_shard", "dp")}, layout)
+
+
+def test_int_reshard_after_forward_must_divide_the_shard_axis():
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3 must divide the shard axis dp=4"):
+        _resolve(_llama(), {"units": [""], "reshard_after_forward": 3}, hp.Layout((4,), ("dp",)))
+    with pytest.raises(ValueError, match=r"smaller group\) is not supported yet"):
+        _resolve(_llama(), {"units": [""], "reshard_after_forward": 2}, hp.Layout((4,), ("dp",)))
+
+
+def test_mixed_dtypes_in_one_unit_need_a_policy():
+    model = _llama()
+    model.model.layers[0].mlp.up_proj.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"unit 'model.layers.0' mixes parameter dtypes.*MixedPrecisionPolicy"):
+        _resolve(model, {"units": ["model.layers.*", ""]}, hp.Layout((2,), ("dp",)))
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    _resolve(model, hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy), hp.Layout((2,), ("dp",)))
+
+
+class _Siblings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight  # one tensor, two sibling units
+
+
+def test_shared_tensor_in_units_that_do_not_nest():
+    with pytest.raises(ValueError, match=r"shared tensor owned by units \['a', 'b'\], which do not nest"):
+        _resolve(_Siblings(), {"units": ["a", "b"]}, hp.Layout((2,), ("dp",)))
+    # With the root as a unit that contains both, the root owns it.
+    fsdp = _resolve(_Siblings(), {"units": ["a", "b", ""]}, hp.Layout((2,), ("dp",))).fsdp
+    assert fsdp.unit_of["a.weight"] == fsdp.unit_of["b.weight"] == ""
+
+
+def test_uneven_dim_zero_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"cannot be sharded on dim 0 over dp=3.*Uneven FSDP sharding"):
+        _resolve(_llama(), {"units": [""]}, hp.Layout((3,), ("dp",)))
