@@ -9,6 +9,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .api import ParallelModule, parallelize
 from .fully_shard import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
 from .plan import ParallelPlan, parallelize_module, shard_module
@@ -59,6 +60,9 @@ __all__ = [
     "Shard",
     "TensorLayout",
     "init_device_mesh",
+    "init_empty_weights",
+    "init_on_device",
+    "manual_seed",
     "parallelize",
     "parallelize_module",
     "shard_module",

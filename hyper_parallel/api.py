@@ -22,16 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from . import compat
 from .capture import CapturedGraph, capture, flat_paths
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .fully_shard import collect_recorded_fully_shard, resolve_fully_shard
+from .init import distribute_parameters
 from .lower import lower
 from .passes import PassContext, run_passes
 from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
-from .propagation.engine import PropagationReport, normalize_placement, propagate
+from .propagation.engine import PropagationReport, propagate
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .spmd import check_spmd
 
@@ -125,7 +126,7 @@ def parallelize(
     fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
-    _distribute_parameters(model, resolved, mesh)
+    distribute_parameters(model, resolved.param_placements, mesh)
     dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
     original_cls = type(model)
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
@@ -143,26 +144,25 @@ def _check_unsupported(plan) -> None:
             )
 
 
-def _distribute_parameters(model: nn.Module, resolved: ResolvedPlan, mesh) -> None:
-    for fqn, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        placements = resolved.param_placements[fqn]
-        owner_name, _, name = fqn.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        placements = tuple(normalize_placement(p, tensor.dim()) for p in placements)
-        dt = distribute_tensor(tensor.detach(), mesh, placements)
-        if isinstance(tensor, nn.Parameter):
-            owner.register_parameter(name, nn.Parameter(dt, requires_grad=tensor.requires_grad))
-        else:
-            persistent = name not in owner._non_persistent_buffers_set
-            owner.register_buffer(name, dt, persistent=persistent)
-
-
 def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:
     """Layouts of the user's tensor inputs: plan.inputs, else Shard(0) over the data-parallel axes."""
     return {
         path: resolved.input_placements(path, x.dim())
         for path, x in zip(paths, flat)
         if isinstance(x, torch.Tensor)
+    }
+
+
+def _compute_dtypes(module: nn.Module, resolved: ResolvedPlan) -> dict:
+    """Parameter FQN -> the dtype it computes in (FSDP mixed precision's param_dtype)."""
+    fsdp = resolved.fsdp
+    policy = fsdp.mixed_precision if fsdp is not None else None
+    if policy is None or policy.param_dtype is None:
+        return {}
+    return {
+        fqn: policy.param_dtype
+        for fqn, p in module.named_parameters()
+        if fqn in fsdp.unit_of and p.is_floating_point()
     }
 
 
@@ -190,8 +190,9 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
             if isinstance(x, torch.Tensor) else x
             for p, x in zip(paths, flat)
         ]
+        compute_dtypes = _compute_dtypes(module, state.resolved)
         fake_state = {
-            fqn: nn.Parameter(torch.empty(t.shape, dtype=t.dtype), requires_grad=t.requires_grad)
+            fqn: nn.Parameter(torch.empty(t.shape, dtype=compute_dtypes.get(fqn, t.dtype)), requires_grad=t.requires_grad)
             for fqn, t in module.named_parameters()
         }
         fake_state.update({fqn: torch.empty(t.shape, dtype=t.dtype) for fqn, t in module.named_buffers()})
@@ -204,7 +205,8 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
         module.__class__ = parallel_cls
     dumper.graph("captured", captured.gm)
 
-    report = propagate(captured, resolved, mesh)
+    storage_dtypes = {fqn: p.dtype for fqn, p in module.named_parameters()}
+    report = propagate(captured, resolved, mesh, storage_dtypes)
     local = lower(captured, mesh)
     dumper.graph("lowered", local)
     local = run_passes(

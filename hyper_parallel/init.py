@@ -354,7 +354,7 @@ def _check_rng_consistent(mesh) -> None:
     if not (dist.is_available() and dist.is_initialized()) or mesh is None:
         return
     state = torch.get_rng_state()
-    digest = hashlib.sha1(state.numpy().tobytes()).hexdigest()[:16]
+    digest = hashlib.sha1(bytes(state.tolist())).hexdigest()[:16]
     for axis in range(mesh.ndim):
         group = mesh.get_group(axis)
         if dist.get_world_size(group) == 1:

@@ -330,10 +330,13 @@ def _fmt(placements) -> str:
     return "[" + ", ".join(str(p) for p in placements) + "]"
 
 
-def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:
-    """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``)."""
+def propagate(captured: CapturedGraph, resolved, mesh, storage_dtypes=None) -> PropagationReport:
+    """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``).
+
+    ``storage_dtypes``: parameter FQN -> stored dtype, where FSDP mixed precision captured the
+    parameter in another (compute) dtype."""
     merge_boundaries(captured.gm, resolved)
-    insert_unshard_nodes(captured, resolved)
+    insert_unshard_nodes(captured, resolved, storage_dtypes or {})
     report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)

@@ -1,10 +1,16 @@
 """Insert one ``hyper_parallel::unshard`` node per FSDP parameter, before propagation.
 
-Reads: ``resolved.fsdp`` (which parameters are stored sharded) and the placeholders' descriptors.
-Writes: the joint graph, in place: each FSDP parameter placeholder's uses are rerouted through an
-``unshard(param, fqn)`` node placed right before its first use, so the all-gather it lowers to sits
-where the parameter is needed (the prefetch pass may move it earlier). The node's ``meta`` gets
-``hp_fsdp_param`` (FQN) and ``hp_fsdp_unit`` (unit module FQN).
+Reads: ``resolved.fsdp`` (which parameters are stored sharded, the mixed-precision policy) and the
+placeholders' descriptors. Writes: the joint graph, in place: each FSDP parameter placeholder's uses
+are rerouted through an ``unshard(param, fqn)`` node placed right before its first use, so the
+all-gather it lowers to sits where the parameter is needed (the prefetch pass may move it earlier).
+The node's ``meta`` gets ``hp_fsdp_param`` (FQN) and ``hp_fsdp_unit`` (unit module FQN).
+
+Mixed precision: the model was captured with these parameters in ``param_dtype`` (so the whole
+forward and backward compute in it); here the placeholder goes back to the storage dtype and a cast
+to ``param_dtype`` is placed before the unshard, so the all-gather moves ``param_dtype`` bytes. The
+parameter's gradient is cast to ``reduce_dtype`` (default: ``param_dtype``, as FSDP2) before it leaves
+the graph, so its reduce-scatter runs in that dtype; the runtime casts the result to the storage dtype.
 """
 
 from __future__ import annotations
@@ -15,26 +21,64 @@ from ..annotations import UNSHARD
 from ..capture import CapturedGraph
 
 
-def insert_unshard_nodes(captured: CapturedGraph, resolved) -> int:
+def _retyped(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with val.fake_mode:
+        return torch.empty_like(val, dtype=dtype)
+
+
+def insert_unshard_nodes(captured: CapturedGraph, resolved, storage_dtypes: dict) -> int:
+    """``storage_dtypes``: parameter FQN -> dtype of the stored shard (the model's dtype)."""
     fsdp = resolved.fsdp
     if fsdp is None:
         return 0
     graph = captured.gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     inserted = 0
+    policy = fsdp.mixed_precision
     for node, info in zip(list(graph.find_nodes(op="placeholder")), captured.inputs):
         if info.kind != "param" or info.name not in fsdp.unit_of or not node.users:
             continue
         first_user = min(node.users, key=order.__getitem__)
+        compute_val = node.meta["val"]
+        source = node
+        storage_dtype = storage_dtypes[info.name]
+        if compute_val.dtype != storage_dtype:
+            node.meta["val"] = _retyped(compute_val, storage_dtype)
+            with graph.inserting_before(first_user):
+                source = graph.call_function(
+                    torch.ops.aten._to_copy.default, (node,), {"dtype": compute_val.dtype}
+                )
+            source.meta["val"] = compute_val
+            source.meta["partitioner_tag"] = "is_forward"
         with graph.inserting_before(first_user):
-            gathered = graph.call_function(UNSHARD, (node, info.name))
+            gathered = graph.call_function(UNSHARD, (source, info.name))
         gathered.meta["val"] = node.meta["val"]
         gathered.meta["hp_fsdp_param"] = info.name
         gathered.meta["hp_fsdp_unit"] = fsdp.unit_of[info.name]
         for key in ("nn_module_stack", "stack_trace"):
             if key in first_user.meta:
                 gathered.meta[key] = first_user.meta[key]
-        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user is not gathered)
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user not in (gathered, source))
         inserted += 1
+    if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
+        _cast_gradients(captured, fsdp, policy)
     captured.gm.recompile()
     return inserted
+
+
+def _cast_gradients(captured: CapturedGraph, fsdp, policy) -> None:
+    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+    graph = captured.gm.graph
+    output = graph.output_node()
+    slots = list(output.args[0])
+    for i, (slot, info) in enumerate(zip(slots, captured.outputs)):
+        if info.kind != "grad" or info.name not in fsdp.unit_of or slot is None:
+            continue
+        if slot.meta["val"].dtype == reduce_dtype:
+            continue
+        with graph.inserting_before(output):
+            cast = graph.call_function(torch.ops.aten._to_copy.default, (slot,), {"dtype": reduce_dtype})
+        cast.meta["val"] = _retyped(slot.meta["val"], reduce_dtype)
+        cast.meta["partitioner_tag"] = "is_backward"
+        slots[i] = cast
+    output.args = (type(output.args[0])(slots),)

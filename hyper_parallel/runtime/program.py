@@ -74,6 +74,7 @@ class _RunStep(torch.autograd.Function):
         outs = program.forward_gm(*primals)
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
+        ctx.primal_dtypes = [p.dtype if isinstance(p, torch.Tensor) else None for p in primals]
         ctx.save_for_backward(*saved)
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
         if non_diff:
@@ -86,4 +87,9 @@ class _RunStep(torch.autograd.Function):
         tangents = [grad_outputs[i].contiguous() for i in program.tangent_outputs]
         grads = program.backward_gm(*ctx.saved_tensors, *tangents)
         assert len(grads) == program.num_primals, (len(grads), program.num_primals)
-        return (None, *grads)
+        # Gradients reduced in another dtype (mixed precision's reduce_dtype) arrive in it; autograd
+        # needs each in its input's dtype.
+        return (None, *(
+            g.to(dtype) if g is not None and g.dtype != dtype else g
+            for g, dtype in zip(grads, ctx.primal_dtypes)
+        ))

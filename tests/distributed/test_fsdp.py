@@ -109,3 +109,49 @@ def test_fully_shard_calls_compile_like_the_plan(dist2):
     assert plan_summary["collectives"] == calls_summary["collectives"]
     assert plan_summary["spmd_hash"] == calls_summary["spmd_hash"]
     assert placements["model.layers.0.mlp.up_proj.weight"] == "(Shard(dim=0),)"
+
+
+def mixed_precision_parity(steps=3):
+    """bf16 compute / fp32 reduce vs one device doing the same casts: fp32 master weights, a bf16
+    compute copy each step, gradients cast to fp32 before the SGD step."""
+    from hyper_parallel.testing.parity import local_batch
+
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    master = build_model("llama")
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = hp.parallelize(
+        copy.deepcopy(master),
+        {"fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}, mesh,
+    )
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
+    worst = {"loss": 0.0, "grad": 0.0}
+    for step in range(steps):
+        full = global_batch("llama", 4, 16, seed=step + 1)
+        compute = copy.deepcopy(master)
+        for p in compute.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        ref_loss = compute(**full)["loss"]
+        ref_loss.backward()
+        loss = model(**local_batch(full, mesh))["loss"]
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
+        ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32 and p.grad.dtype == torch.float32, name
+            g, ref = p.grad.full_tensor(), ref_grads[name]
+            # bf16 keeps 8 mantissa bits; the two runs round partial sums at different points.
+            torch.testing.assert_close(g, ref, rtol=5e-2, atol=2e-3, msg=lambda m, name=name: f"{name}: {m}")
+            worst["grad"] = max(worst["grad"], (g - ref).abs().max().item())
+        for p, cp in zip(master.parameters(), compute.parameters()):
+            p.grad = cp.grad.float()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return worst, model.compile_summary()
+
+
+def test_fsdp_bf16_params_fp32_reduce(dist2):
+    worst, summary = dist2.run(mixed_precision_parity)[0]
+    # The all-gathers move bf16 (half the fp32 bytes); the reduce-scatters fp32 (reduce_dtype).
+    assert _coll(summary, "forward", "all_gather", "dp")["bytes"] == PARAM_BYTES // 2 // 2
+    assert _coll(summary, "backward", "reduce_scatter", "dp")["bytes"] == PARAM_BYTES
+    print("mixed precision worst differences:", worst)
