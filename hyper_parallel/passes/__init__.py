@@ -17,6 +17,7 @@ import torch
 from .bucketing import bucketing_pass
 from .cleanup import cleanup_pass
 from .cse import cse_pass
+from .prefetch import prefetch_pass
 from .reshard_after_forward import reshard_after_forward_pass
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class PassContext:
 
     mesh: object
     fsdp: object = None  # ResolvedPlan.fsdp (FsdpPlan) when the plan has fully_shard units
+    prefetch_depth: int = 1  # how many FSDP units ahead all-gathers are issued
     disable_passes: frozenset[str] = frozenset()
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
 
@@ -37,6 +39,7 @@ PASSES: list[tuple[str, Callable]] = [
     ("cse", cse_pass),
     ("reshard_after_forward", reshard_after_forward_pass),
     ("bucketing", bucketing_pass),
+    ("prefetch", prefetch_pass),
 ]
 
 

@@ -155,3 +155,43 @@ def test_fsdp_bf16_params_fp32_reduce(dist2):
     assert _coll(summary, "forward", "all_gather", "dp")["bytes"] == PARAM_BYTES // 2 // 2
     assert _coll(summary, "backward", "reduce_scatter", "dp")["bytes"] == PARAM_BYTES
     print("mixed precision worst differences:", worst)
+
+
+def prefetch_order():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = hp.parallelize(build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    model(**global_batch("llama", 4, 16))["loss"].backward()
+    c10d = torch.ops._c10d_functional
+    report = {}
+    for name, gm in zip(("forward", "backward"), model.compiled_programs()):
+        nodes = list(gm.graph.nodes)
+        index = {n: i for i, n in enumerate(nodes)}
+        gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
+        waits = [next(iter(g.users)) for g in gathers]
+        # unit k's gather is issued before unit k-1's wait: it overlaps unit k-1's compute
+        report[name] = [index[gathers[k]] < index[waits[k - 1]] for k in range(1, len(gathers))]
+        scatters = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
+        # at most one reduce-scatter in flight: unit k's is waited for after issuing it, before unit k+1's
+        report[name + "_scatter"] = [
+            index[s] < index[next(iter(s.users))] < (index[scatters[k + 1]] if k + 1 < len(scatters) else len(nodes))
+            for k, s in enumerate(scatters)
+        ]
+        report[name + "_scatter_overlaps"] = sum(index[next(iter(s.users))] - index[s] > 1 for s in scatters)
+    return report
+
+
+def test_prefetch_issues_next_unit_gather_early_and_bounds_reductions(dist2):
+    report = dist2.run(prefetch_order)[0]
+    assert report["forward"] == [True] * (UNITS - 1)
+    assert report["backward"] == [True] * (UNITS - 1)
+    assert report["backward_scatter"] == [True] * UNITS
+    assert report["backward_scatter_overlaps"] >= UNITS - 1  # all but the last overlap compute
+
+
+def test_fsdp_passes_off_keep_numerics(dist2):
+    # run_parity asserts loss and every gradient against one device at each step.
+    summary = dist2.run(
+        run_parity, "llama", "fsdp", (2,), ("dp",),
+        disable_passes=("prefetch", "bucketing", "reshard_after_forward"),
+    )[0]["summary"]
+    assert _coll(summary, "backward", "all_gather", "dp")["count"] == 0  # nothing re-gathered

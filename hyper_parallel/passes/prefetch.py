@@ -1,0 +1,110 @@
+"""prefetch: issue FSDP all-gathers ahead of need and wait for reduce-scatters as late as possible.
+
+Functional collectives are asynchronous: ``all_gather_into_tensor`` starts the transfer and
+``wait_tensor`` blocks on it. After bucketing, each unit's fused all-gather is issued right before
+its own wait, so nothing overlaps. This pass moves the *issue* of unit k's all-gather (the collective
+and the copy-in of the shards it reads) to just before the wait of unit k-depth, in each phase's
+execution order: in forward the next layer's parameters arrive while the current layer computes,
+in backward (where graph order runs the layers in reverse) the mirror. Each fused reduce-scatter's
+wait, and the copy-out after it, moves to just before the next unit's reduce-scatter is issued (or
+the first node that needs the gradient), so the reduction overlaps the backward of the next unit
+while only one is in flight, as in FSDP2.
+
+Reads: ``hp_bucket``, ``hp_fsdp_phase`` on the fused collectives (bucketing), ``ctx.prefetch_depth``.
+Writes: node order only (no node is added or removed), so numerics are unchanged. Idempotent: a
+collective already issued early is not moved again.
+"""
+
+from __future__ import annotations
+
+import torch
+
+c10d = torch.ops._c10d_functional
+
+
+def _position(graph):
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def _movable_chain(node: torch.fx.Node, before: torch.fx.Node, order) -> list[torch.fx.Node] | None:
+    """``node`` and its ancestors that sit after ``before``, if they can all move in front of it
+    (pure ops whose own inputs are placeholders or nodes already before ``before``)."""
+    chain: list[torch.fx.Node] = []
+    seen: set = set()
+
+    def visit(n: torch.fx.Node) -> bool:
+        if n in seen or n.op == "placeholder" or order[n] < order[before]:
+            return True
+        if n.op != "call_function" or (n.is_impure() and n.target is not c10d.all_gather_into_tensor.default):
+            return False
+        seen.add(n)
+        if not all(visit(a) for a in n.all_input_nodes):
+            return False
+        chain.append(n)
+        return True
+
+    return sorted(chain, key=order.__getitem__) if visit(node) else None
+
+
+def _fused(graph, kind, target):
+    return [
+        n for n in graph.nodes
+        if n.op == "call_function" and n.target is target and kind in n.meta.get("hp_bucket", "")
+    ]
+
+
+def _wait_of(node):
+    return next(u for u in node.users if u.target is c10d.wait_tensor.default)
+
+
+def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
+    depth = getattr(ctx, "prefetch_depth", 1)
+    graph = gm.graph
+    gathers = _fused(graph, "all_gather", c10d.all_gather_into_tensor.default)
+    if depth > 0:
+        for phase in ("forward", "backward"):
+            ordered = [g for g in gathers if g.meta.get("hp_fsdp_phase", "forward") == phase]
+            for k in range(depth, len(ordered)):
+                anchor = _wait_of(ordered[k - depth])
+                order = _position(graph)
+                if order[ordered[k]] < order[anchor]:
+                    continue  # already issued early enough
+                chain = _movable_chain(ordered[k], anchor, order)
+                for node in chain or ():
+                    anchor.prepend(node)
+    for kind, target in (("reduce_scatter", c10d.reduce_scatter_tensor.default), ("all_reduce", c10d.all_reduce.default)):
+        reductions = _fused(graph, kind, target)
+        # One reduction in flight at a time (as FSDP2): unit k's is waited for just before unit
+        # k+1's is issued, so the full-size gradients it reads are freed as backward proceeds.
+        for k, reduction in enumerate(reductions):
+            limit = reductions[k + 1] if k + 1 < len(reductions) else None
+            _sink_wait(graph, _wait_of(reduction), limit)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _sink_wait(graph, wait: torch.fx.Node, limit: torch.fx.Node | None = None) -> None:
+    """Move ``wait`` and the copy-out that only depends on it to just before its first consumer
+    outside that copy-out, or before ``limit`` if that comes first."""
+    order = _position(graph)
+    tail: list[torch.fx.Node] = [wait]
+    frontier = [wait]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user in tail or user.op != "call_function" or user.target is c10d.all_reduce.default:
+                continue
+            if all(a in tail or order[a] < order[wait] for a in user.all_input_nodes) and not user.is_impure():
+                tail.append(user)
+                frontier.append(user)
+    outside = [u for n in tail for u in n.users if u not in tail]
+    if limit is not None:
+        outside.append(limit)
+    if not outside:
+        return
+    first = min(outside, key=order.__getitem__)
+    if order[first] <= order[wait]:
+        return
+    for node in sorted(tail, key=order.__getitem__):
+        first.prepend(node)
