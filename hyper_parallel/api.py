@@ -33,6 +33,7 @@ from .lower import lower
 from .passes import PassContext, run_passes
 from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
 from .propagation.engine import PropagationReport, propagate
+from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .spmd import check_spmd
 
@@ -44,6 +45,7 @@ class CompiledEntry:
     """One compiled input signature: the program plus what the dumps and reports show."""
 
     captured: CapturedGraph
+    resolved: ResolvedPlan
     program: CompiledProgram
     report: PropagationReport
     summary: dict
@@ -57,6 +59,24 @@ class _ParallelState:
         self.dump_dir = dump_dir
         self.disable_passes = frozenset(disable_passes)
         self.cache: dict[Any, CompiledEntry] = {}
+        # Program-changing flags (HSDPModule methods); each combination is compiled once.
+        self.gradient_sync = True
+        self.reshard_after_forward: bool | None = None  # None: as the plan says
+        self.accumulator = None  # GradientAccumulator while gradients are accumulated unsynced
+        self.last: CompiledEntry | None = None  # the program the last call ran
+
+    def resolved_for_flags(self) -> ResolvedPlan:
+        fsdp = self.resolved.fsdp
+        if fsdp is None:
+            return self.resolved
+        units = fsdp.units
+        if self.reshard_after_forward is not None:
+            units = tuple(dataclasses.replace(u, reshard_after_forward=self.reshard_after_forward) for u in units)
+        # With accumulated gradients pending, the sync step also returns unsharded gradients: the
+        # accumulator reduces the sum once.
+        unsharded = not self.gradient_sync or (self.accumulator is not None and self.accumulator.pending)
+        fsdp = dataclasses.replace(fsdp, units=units, gradient_sync=not unsharded)
+        return dataclasses.replace(self.resolved, fsdp=fsdp)
 
 
 class ParallelModule(nn.Module):
@@ -67,11 +87,13 @@ class ParallelModule(nn.Module):
     def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
         state = self._hp
         flat, in_spec = pytree.tree_flatten((args, kwargs))
-        key = (in_spec, tuple(_signature(x) for x in flat))
+        resolved = state.resolved_for_flags()
+        key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved))
         entry = state.cache.get(key)
         if entry is None:
-            entry = _compile(self, state, args, kwargs, flat)
+            entry = _compile(self, state, resolved, args, kwargs, flat)
             state.cache[key] = entry
+        state.last = entry
         return _run(self, entry, flat)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -82,17 +104,48 @@ class ParallelModule(nn.Module):
 
         return set_model_state_dict(self, state_dict, StateDictOptions(strict=strict))
 
+    # --- HSDPModule / FSDP2 methods -----------------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: accumulate gradients locally without communication (micro-steps); True: the next
+        backward reduces everything accumulated once. Numerics equal one large batch."""
+        self._require_fsdp("set_requires_gradient_sync")
+        self._hp.gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Override every unit's reshard_after_forward (recompiles once per setting)."""
+        self._require_fsdp("set_reshard_after_forward")
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError("set_reshard_after_forward takes True or False")
+        self._hp.reshard_after_forward = reshard_after_forward
+
+    def _require_fsdp(self, method: str) -> None:
+        if self._hp.resolved.fsdp is None:
+            raise ValueError(
+                f"{method} applies to fully sharded modules: add fully_shard units to the plan "
+                "(ParallelPlan(fully_shard=hp.FullyShard(units=[...]))) or call hp.fully_shard"
+            )
+
     # --- what users and tests read -----------------------------------------------------------
     def compile_summary(self) -> dict:
-        """The summary of the most recent compilation (collectives by kind/axis, fallbacks, ...)."""
-        if not self._hp.cache:
-            raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
-        return list(self._hp.cache.values())[-1].summary
+        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...)."""
+        return self._last_entry().summary
 
     def compiled_programs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        """(forward, backward) GraphModules of the most recent compilation, for inspection."""
-        entry = list(self._hp.cache.values())[-1]
+        """(forward, backward) GraphModules of the program the last call ran, for inspection."""
+        entry = self._last_entry()
         return entry.program.forward_gm, entry.program.backward_gm
+
+    def _last_entry(self) -> CompiledEntry:
+        if self._hp.last is None:
+            raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
+        return self._hp.last
+
+
+def _flags_key(resolved: ResolvedPlan) -> tuple:
+    fsdp = resolved.fsdp
+    if fsdp is None:
+        return ()
+    return (fsdp.gradient_sync, tuple(u.reshard_after_forward for u in fsdp.units))
 
 
 def _signature(x):
@@ -174,13 +227,13 @@ def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) -> CompiledEntry:
+def _compile(module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat) -> CompiledEntry:
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
     dumper = Dumper(state.dump_dir, rank)
     paths = flat_paths((args, kwargs))
-    input_placements = _input_placements(state.resolved, paths, flat)
-    resolved = dataclasses.replace(state.resolved, inputs={**state.resolved.inputs, **input_placements})
+    input_placements = _input_placements(resolved_plan, paths, flat)
+    resolved = dataclasses.replace(resolved_plan, inputs={**resolved_plan.inputs, **input_placements})
 
     # Capture on fake tensors of the *global* shapes: single-device semantics, no real memory.
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
@@ -190,7 +243,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
             if isinstance(x, torch.Tensor) else x
             for p, x in zip(paths, flat)
         ]
-        compute_dtypes = _compute_dtypes(module, state.resolved)
+        compute_dtypes = _compute_dtypes(module, resolved_plan)
         fake_state = {
             fqn: nn.Parameter(torch.empty(t.shape, dtype=compute_dtypes.get(fqn, t.dtype)), requires_grad=t.requires_grad)
             for fqn, t in module.named_parameters()
@@ -200,7 +253,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
         with compat.reparametrize_module(module, fake_state):
-            captured = capture(module, fake_args, fake_kwargs, state.resolved.modules)
+            captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules)
     finally:
         module.__class__ = parallel_cls
     dumper.graph("captured", captured.gm)
@@ -211,7 +264,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     dumper.graph("lowered", local)
     local = run_passes(
         local, PassContext(
-            mesh=mesh, fsdp=state.resolved.fsdp, disable_passes=state.disable_passes,
+            mesh=mesh, fsdp=resolved_plan.fsdp, disable_passes=state.disable_passes,
             on_pass=dumper.graph,
         )
     )
@@ -240,7 +293,7 @@ def _compile(module: ParallelModule, state: _ParallelState, args, kwargs, flat) 
     dumper.json("summary.json", summary)
     if rank == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
-    return CompiledEntry(captured, program, report, summary)
+    return CompiledEntry(captured, resolved, program, report, summary)
 
 
 def _saved_summary(program: CompiledProgram) -> dict:
@@ -274,5 +327,25 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
             primals.append(b.to_local() if isinstance(b, DTensor) else b)
         elif info.kind == "input":
             primals.append(flat[info.index])
+    entry.program.grad_hook = _gradient_hook(module, entry, params)
     outs = entry.program(*primals)
     return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+
+def _gradient_hook(module: ParallelModule, entry: CompiledEntry, params: dict):
+    """What the backward does with FSDP gradients the program left unsharded (accumulation)."""
+    state = module._hp
+    fsdp = entry.resolved.fsdp
+    if fsdp is None or fsdp.gradient_sync:
+        return None
+    if state.accumulator is None:
+        primal_params = [
+            info.name if info.kind == "param" and info.name in fsdp.unit_of else None
+            for info in entry.captured.inputs if info.kind != "tangent"
+        ]
+        state.accumulator = GradientAccumulator(fsdp, state.mesh, primal_params)
+    accumulator = state.accumulator
+    if not state.gradient_sync:
+        return accumulator.accumulate
+    shapes = {f: params[f].to_local().shape for f in fsdp.unit_of}
+    return lambda grads: accumulator.reduce(grads, shapes)

@@ -117,6 +117,9 @@ class FsdpPlan:
     comm_fusion: bool = True
     mixed_precision: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
+    # False while accumulating gradients (set_requires_gradient_sync(False)): each FSDP gradient
+    # stays the unsharded partial sum of this rank's data, nothing is reduced.
+    gradient_sync: bool = True
 
     def unit(self, module_fqn: str) -> FsdpUnit:
         return next(u for u in self.units if u.module_fqn == module_fqn)

@@ -283,8 +283,19 @@ class _Propagator:
             elif info.kind == "output":
                 wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
             else:  # gradient of a parameter: the parameter's own layout
-                wanted.append(make_spec(self.mesh, self.resolved.param_placements[info.name], slot.meta["val"]))
+                wanted.append(make_spec(self.mesh, self._grad_placements(info.name), slot.meta["val"]))
         return NodeLayout(None, tuple(wanted), "output")
+
+    def _grad_placements(self, param: str) -> tuple:
+        fsdp = self.resolved.fsdp
+        if fsdp is None or fsdp.gradient_sync or param not in fsdp.unit_of:
+            return self.resolved.param_placements[param]
+        # Accumulating without sync: unsharded, a partial sum over the data-parallel axes.
+        dp_axes = {fsdp.shard_axis, fsdp.replicate_axis}
+        return tuple(
+            Partial("sum") if name in dp_axes else p
+            for name, p in zip(self.axis_names, fsdp.compute_placements[param])
+        )
 
     def run(self) -> PropagationReport:
         graph = self.captured.gm.graph

@@ -45,6 +45,9 @@ class CompiledProgram:
     num_primals: int
     tangent_outputs: tuple[int, ...]  # which user outputs have a tangent input in backward
     differentiable: tuple[bool, ...]  # per user output
+    # Set by the runtime per call: receives the backward's gradients and returns what autograd gets
+    # (gradient accumulation keeps unsharded gradients aside and reduces them at the sync step).
+    grad_hook: object = None
 
     @classmethod
     def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
@@ -74,6 +77,7 @@ class _RunStep(torch.autograd.Function):
         outs = program.forward_gm(*primals)
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
+        ctx.grad_hook = program.grad_hook
         ctx.primal_dtypes = [p.dtype if isinstance(p, torch.Tensor) else None for p in primals]
         ctx.save_for_backward(*saved)
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
@@ -87,6 +91,8 @@ class _RunStep(torch.autograd.Function):
         tangents = [grad_outputs[i].contiguous() for i in program.tangent_outputs]
         grads = program.backward_gm(*ctx.saved_tensors, *tangents)
         assert len(grads) == program.num_primals, (len(grads), program.num_primals)
+        if ctx.grad_hook is not None:
+            grads = ctx.grad_hook(list(grads))
         # Gradients reduced in another dtype (mixed precision's reduce_dtype) arrive in it; autograd
         # needs each in its input's dtype.
         return (None, *(

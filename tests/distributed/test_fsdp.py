@@ -195,3 +195,63 @@ def test_fsdp_passes_off_keep_numerics(dist2):
         disable_passes=("prefetch", "bucketing", "reshard_after_forward"),
     )[0]["summary"]
     assert _coll(summary, "backward", "all_gather", "dp")["count"] == 0  # nothing re-gathered
+
+
+def gradient_accumulation_parity(mesh_shape, mesh_names, micro_steps=4, steps=2):
+    """4 micro-batches with gradient sync off until the last == one step on the whole batch."""
+    from hyper_parallel.testing.parity import local_batch
+
+    mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
+    reference = build_model("llama")
+    model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    collectives = []
+    for step in range(steps):
+        full = global_batch("llama", 4 * micro_steps, 16, seed=step + 1)
+        ref_loss = reference(**full)["loss"]
+        ref_loss.backward()
+        micro = [{k: v[i::micro_steps] for k, v in full.items()} for i in range(micro_steps)]
+        total = 0.0
+        for i, batch in enumerate(micro):
+            model.set_requires_gradient_sync(i == micro_steps - 1)
+            loss = model(**local_batch(batch, mesh))["loss"] / micro_steps
+            loss.backward()
+            total += loss.item()
+            collectives.append(model.compile_summary()["collectives"]["backward"])
+            if i < micro_steps - 1:
+                assert all(p.grad is None for p in model.parameters()), "no gradient before the sync step"
+        torch.testing.assert_close(torch.tensor(total), ref_loss.detach(), rtol=1e-5, atol=1e-6)
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return collectives
+
+
+@pytest.mark.parametrize("mesh_shape,mesh_names,pool_size", [((2,), ("dp",), 2), ((2, 2), ("dp_replicate", "dp_shard"), 4)])
+def test_gradient_accumulation_without_sync(dist2, dist4, mesh_shape, mesh_names, pool_size):
+    pool = {2: dist2, 4: dist4}[pool_size]
+    backward = pool.run(gradient_accumulation_parity, mesh_shape, mesh_names)[0]
+    shard_axis = mesh_names[-1]
+    # Micro-steps communicate no gradients at all (only cross-entropy's scalar token count).
+    for summary in backward:
+        assert "reduce_scatter" not in summary
+        assert all(v["bytes"] == 4 for v in summary.get("all_reduce", {}).values())
+    assert shard_axis
+
+
+def reshard_flag_recompiles():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = hp.parallelize(build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    batch = global_batch("llama", 2, 16)
+    counts = []
+    for flag in (True, False, True):
+        model.set_reshard_after_forward(flag)
+        model(**batch)["loss"].backward()
+        counts.append(model.compile_summary()["collectives"]["backward"].get("all_gather", {}).get("dp", {}).get("count", 0))
+    return counts, len(model._hp.cache)
+
+
+def test_set_reshard_after_forward_recompiles_once_per_setting(dist2):
+    counts, compiled = dist2.run(reshard_flag_recompiles)[0]
+    assert counts == [UNITS, 0, UNITS] and compiled == 2
