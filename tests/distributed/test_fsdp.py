@@ -255,3 +255,34 @@ def reshard_flag_recompiles():
 def test_set_reshard_after_forward_recompiles_once_per_setting(dist2):
     counts, compiled = dist2.run(reshard_flag_recompiles)[0]
     assert counts == [UNITS, 0, UNITS] and compiled == 2
+
+
+def fsdp_training_state_bytes():
+    world = dist.get_world_size()
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = hp.parallelize(build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**global_batch("llama", 4, 16))["loss"].backward()
+    opt.step()
+
+    def held_bytes(tensors):
+        # Distinct storages: a unit's gradients are views of its one reduce-scatter output buffer.
+        storages = {}
+        for t in tensors:
+            local = t.to_local() if hasattr(t, "to_local") else t
+            storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+        return sum(storages.values())
+
+    params = held_bytes(model.parameters())
+    grads = held_bytes(p.grad for p in model.parameters())
+    state = held_bytes(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    return params, grads, state
+
+
+def test_fsdp_per_rank_training_state_is_total_over_n(dist4):
+    for params, grads, state in dist4.run(fsdp_training_state_bytes):
+        # Every parameter is sharded 4 ways (no padding: dims divide), its gradient and both
+        # AdamW moments likewise: each rank holds exactly a quarter of the model's training state.
+        assert params == PARAM_BYTES // 4
+        assert grads == PARAM_BYTES // 4
+        assert state == 2 * PARAM_BYTES // 4
