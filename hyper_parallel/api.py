@@ -180,6 +180,7 @@ def parallelize(
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
     distribute_parameters(model, resolved.param_placements, mesh)
+    _offload_shards(model, resolved)
     dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
     original_cls = type(model)
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
@@ -195,6 +196,24 @@ def _check_unsupported(plan) -> None:
                 f"remove the '{key}' entry (tensor_parallel, layouts, inputs and fully_shard are "
                 "supported)"
             )
+
+
+def _offload_shards(model: nn.Module, resolved: ResolvedPlan) -> None:
+    """CPU offload: FSDP shards (hence their gradients and optimizer state) live on the host."""
+    from .fully_shard import CPUOffloadPolicy
+
+    fsdp = resolved.fsdp
+    if fsdp is None or not isinstance(fsdp.offload_policy, CPUOffloadPolicy):
+        return
+    for fqn, param in list(model.named_parameters()):
+        local = param.to_local()
+        if fqn in fsdp.unit_of and local.device.type != "cpu":
+            host = local.detach().to("cpu")
+            if fsdp.offload_policy.pin_memory and torch.cuda.is_available():
+                host = host.pin_memory()
+            owner_name, _, name = fqn.rpartition(".")
+            dt = DTensor.from_local(host, param.device_mesh, param.placements, run_check=False)
+            model.get_submodule(owner_name).register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
 def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:

@@ -347,7 +347,7 @@ def propagate(captured: CapturedGraph, resolved, mesh, storage_dtypes=None) -> P
     ``storage_dtypes``: parameter FQN -> stored dtype, where FSDP mixed precision captured the
     parameter in another (compute) dtype."""
     merge_boundaries(captured.gm, resolved)
-    insert_unshard_nodes(captured, resolved, storage_dtypes or {})
+    insert_unshard_nodes(captured, resolved, storage_dtypes or {}, mesh.device_type)
     report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)

@@ -11,6 +11,10 @@ forward and backward compute in it); here the placeholder goes back to the stora
 to ``param_dtype`` is placed before the unshard, so the all-gather moves ``param_dtype`` bytes. The
 parameter's gradient is cast to ``reduce_dtype`` (default: ``param_dtype``, as FSDP2) before it leaves
 the graph, so its reduce-scatter runs in that dtype; the runtime casts the result to the storage dtype.
+
+CPU offload (``CPUOffloadPolicy``): shards, gradients and optimizer state stay on the host; when the
+mesh computes elsewhere, a host-to-device copy of the shard precedes the cast and the unshard (the
+runtime moves each gradient back to its parameter's device). On a CPU mesh there is nothing to copy.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ def _retyped(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty_like(val, dtype=dtype)
 
 
-def insert_unshard_nodes(captured: CapturedGraph, resolved, storage_dtypes: dict) -> int:
-    """``storage_dtypes``: parameter FQN -> dtype of the stored shard (the model's dtype)."""
+def insert_unshard_nodes(
+    captured: CapturedGraph, resolved, storage_dtypes: dict, compute_device: str = "cpu"
+) -> int:
+    """``storage_dtypes``: parameter FQN -> dtype of the stored shard (the model's dtype);
+    ``compute_device``: the mesh's device type (where an offloaded shard must be copied to)."""
     fsdp = resolved.fsdp
     if fsdp is None:
         return 0
@@ -50,9 +57,18 @@ def insert_unshard_nodes(captured: CapturedGraph, resolved, storage_dtypes: dict
                 )
             source.meta["val"] = compute_val
             source.meta["partitioner_tag"] = "is_forward"
+        if _offloaded(fsdp) and compute_val.device.type != compute_device:
+            # CPU offload: the shard lives on the host; copy it to the compute device first.
+            with graph.inserting_before(first_user):
+                source = graph.call_function(
+                    torch.ops.aten._to_copy.default, (source,), {"device": torch.device(compute_device)}
+                )
+            with compute_val.fake_mode:
+                source.meta["val"] = torch.empty_like(compute_val, device=compute_device)
+            source.meta["partitioner_tag"] = "is_forward"
         with graph.inserting_before(first_user):
             gathered = graph.call_function(UNSHARD, (source, info.name))
-        gathered.meta["val"] = node.meta["val"]
+        gathered.meta["val"] = source.meta["val"]
         gathered.meta["hp_fsdp_param"] = info.name
         gathered.meta["hp_fsdp_unit"] = fsdp.unit_of[info.name]
         for key in ("nn_module_stack", "stack_trace"):
@@ -64,6 +80,12 @@ def insert_unshard_nodes(captured: CapturedGraph, resolved, storage_dtypes: dict
         _cast_gradients(captured, fsdp, policy)
     captured.gm.recompile()
     return inserted
+
+
+def _offloaded(fsdp) -> bool:
+    from ..fully_shard import CPUOffloadPolicy
+
+    return isinstance(fsdp.offload_policy, CPUOffloadPolicy)
 
 
 def _cast_gradients(captured: CapturedGraph, fsdp, policy) -> None:

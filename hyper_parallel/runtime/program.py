@@ -78,7 +78,7 @@ class _RunStep(torch.autograd.Function):
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
         ctx.grad_hook = program.grad_hook
-        ctx.primal_dtypes = [p.dtype if isinstance(p, torch.Tensor) else None for p in primals]
+        ctx.primal_meta = [(p.dtype, p.device) if isinstance(p, torch.Tensor) else (None, None) for p in primals]
         ctx.save_for_backward(*saved)
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
         if non_diff:
@@ -93,9 +93,9 @@ class _RunStep(torch.autograd.Function):
         assert len(grads) == program.num_primals, (len(grads), program.num_primals)
         if ctx.grad_hook is not None:
             grads = ctx.grad_hook(list(grads))
-        # Gradients reduced in another dtype (mixed precision's reduce_dtype) arrive in it; autograd
-        # needs each in its input's dtype.
+        # Gradients reduced in another dtype (mixed precision's reduce_dtype) or on another device
+        # (CPU offload) arrive there; autograd needs each like its input.
         return (None, *(
-            g.to(dtype) if g is not None and g.dtype != dtype else g
-            for g, dtype in zip(grads, ctx.primal_dtypes)
+            g.to(device=device, dtype=dtype) if g is not None and (g.dtype, g.device) != (dtype, device) else g
+            for g, (dtype, device) in zip(grads, ctx.primal_meta)
         ))

@@ -44,6 +44,7 @@ def build_plan(name: str):
         "fsdp": lambda: {"fully_shard": {"units": ["model.layers.*", ""]}},
         "fsdp_mlp": lambda: {"fully_shard": {"units": ["layers.*", ""]}},
         "fsdp_keep": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "reshard_after_forward": False}},
+        "fsdp_offload": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "offload_policy": hp.CPUOffloadPolicy()}},
         "fsdp_unfused": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "comm_fusion": False}},
         "fsdp_tp": lambda: {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}},
     }[name]()

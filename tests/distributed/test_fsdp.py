@@ -286,3 +286,22 @@ def test_fsdp_per_rank_training_state_is_total_over_n(dist4):
         assert params == PARAM_BYTES // 4
         assert grads == PARAM_BYTES // 4
         assert state == 2 * PARAM_BYTES // 4
+
+
+def offload_state_devices():
+    from hyper_parallel.testing.parity import build_plan
+
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    model = hp.parallelize(build_model("llama"), build_plan("fsdp_offload"), mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(**global_batch("llama", 2, 16))["loss"].backward()
+    opt.step()
+    devices = {p.to_local().device.type for p in model.parameters()}
+    devices |= {p.grad.to_local().device.type for p in model.parameters()}
+    devices |= {v.to_local().device.type for s in opt.state.values() for v in s.values() if hasattr(v, "to_local")}
+    return devices
+
+
+def test_cpu_offload_parity_and_host_state(dist2):
+    dist2.run(run_parity, "llama", "fsdp_offload", (2,), ("dp",))
+    assert dist2.run(offload_state_devices)[0] == {"cpu"}

@@ -102,3 +102,29 @@ def test_shared_tensor_in_units_that_do_not_nest():
 def test_uneven_dim_zero_is_a_clear_error():
     with pytest.raises(ValueError, match=r"cannot be sharded on dim 0 over dp=3.*Uneven FSDP sharding"):
         _resolve(_llama(), {"units": [""]}, hp.Layout((3,), ("dp",)))
+
+
+def _captured_with_unshards(offload, compute_device):
+    from hyper_parallel.annotations import UNSHARD
+    from hyper_parallel.capture import capture
+    from hyper_parallel.propagation.unshard import insert_unshard_nodes
+
+    model = _llama()
+    spec = hp.FullyShard(units=("model.layers.*", ""), offload_policy=hp.CPUOffloadPolicy() if offload else None)
+    resolved = _resolve(model, spec, hp.Layout((2,), ("dp",)))
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    storage = {n: p.dtype for n, p in model.named_parameters()}
+    insert_unshard_nodes(captured, resolved, storage, compute_device)
+    unshards = captured.gm.graph.find_nodes(op="call_function", target=UNSHARD)
+    copies = [u.args[0] for u in unshards if u.args[0].target is torch.ops.aten._to_copy.default
+              and u.args[0].kwargs.get("device") == torch.device(compute_device)]
+    return len(unshards), len(copies)
+
+
+def test_cpu_offload_copies_shards_to_the_compute_device_before_unsharding():
+    num_unshards, num_copies = _captured_with_unshards(offload=True, compute_device="cuda")
+    assert num_unshards == 2 * 9 + 3 and num_copies == num_unshards
+    # On a CPU mesh (this machine) the shards already are where compute happens: no copies.
+    assert _captured_with_unshards(offload=True, compute_device="cpu")[1] == 0
+    assert _captured_with_unshards(offload=False, compute_device="cuda")[1] == 0
