@@ -1,0 +1,362 @@
+"""Step time of FSDP: hyper_parallel vs PyTorch FSDP2 eager (``fully_shard``), side by side.
+
+``python bench/bench_fsdp_step.py`` spawns ``--world`` (default 4) gloo processes on CPU, one
+intra-op thread each. Both programs shard the same Llama (same seed) with the same units, each
+``model.layers[i]`` then the root, over a 1-D data-parallel mesh, and every rank feeds the same
+local batch (its slice of one global batch) to both:
+
+* hyper_parallel: ``hp.parallelize(model, {"fully_shard": hp.FullyShard(units=("model.layers.*",
+  ""), reshard_after_forward=R)}, mesh)`` (compiled on the first call);
+* PyTorch FSDP2: ``fully_shard(layer, mesh=mesh, reshard_after_forward=R)`` for every layer, then on
+  the root, run eagerly.
+
+Both configurations R = True and R = False are measured in the same run. A step is forward +
+backward + ``SGD.step`` + ``zero_grad``. Each side gets ``--warmup`` steps (hyper_parallel's first
+one compiles), then ``--steps`` timed steps, interleaved hp / FSDP2 so machine noise hits both
+alike; every step starts after a barrier and takes as long as its slowest rank; medians are
+reported.
+
+Collectives per step: hyper_parallel's from ``compile_summary()["collectives_per_step"]``; both
+sides are also *counted* with a ``CommDebugMode`` subclass around one step after warm-up (it sees
+every c10d / functional collective dispatched on the calling thread; bytes = each rank's local
+input tensor, as ``compile_summary`` counts them: the shard for an all-gather, the full buffer for
+a reduce-scatter).
+
+Losses: FSDP2 returns the rank's local mean; hyper_parallel the global loss. The JSON reports
+hyper_parallel's loss and FSDP2's ``all_reduce(sum) / world`` (outside the timed steps) at step 0.
+
+``--profile-hp N`` additionally profiles N hyper_parallel steps on rank 0 with cProfile (after the
+timed steps) and prints the top functions by cumulative and by self time, plus a torch.profiler
+table of the aten / c10d ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import json
+import os
+import pstats
+import socket
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hyper_parallel as hp  # noqa: E402
+from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4, help="data-parallel degree = number of processes (default 4)")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--intermediate", type=int, default=688)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per side and config (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--reshard", choices=["both", "true", "false"], default="both",
+                   help="reshard_after_forward configurations to measure (default both)")
+    p.add_argument("--profile-hp", type=int, default=0, metavar="N",
+                   help="after timing, profile N hyper_parallel steps on rank 0 (cProfile + torch.profiler)")
+    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    return p.parse_args(argv)
+
+
+_C10D_INPUT_ARG = {  # c10d op -> index of the local input tensor(s) in its args
+    "_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 0, "allgather_into_tensor_coalesced_": 1,
+    "reduce_scatter_tensor_coalesced_": 1, "allgather_": 1, "reduce_scatter_": 1,
+}
+_KIND = {
+    "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+}
+
+
+class CommCounter(CommDebugMode):
+    """``CommDebugMode`` that records each collective with the bytes of its local input.
+
+    c10d ops (what FSDP2 calls: ``_allgather_base_(out, in)``, ``_reduce_scatter_base_(out, in)``,
+    ``allreduce_([t])``) take the output first; functional ones (``_c10d_functional.*``, what a
+    compiled graph calls) take the input first.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = sum(self.comm_counts.values())
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if sum(self.comm_counts.values()) != before:
+            name = func._overloadpacket.__name__
+            namespace = func.namespace
+            index = _C10D_INPUT_ARG.get(name, 0) if namespace == "c10d" else 0
+            arg = args[index] if len(args) > index else None
+            tensors = arg if isinstance(arg, (list, tuple)) else [arg]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            entry = self.calls.setdefault(_KIND.get(name, name), {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+        return out
+
+
+def _step(model, opt, batch) -> torch.Tensor:
+    loss = model(**batch)["loss"]
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _timed_step(model, opt, batch) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    _step(model, opt, batch)
+    return time.perf_counter() - t0
+
+
+def _slowest_rank(times: list[float]) -> list[float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _hp_collectives(summary: dict) -> dict:
+    return {
+        kind: {"count": sum(e["count"] for e in by_axis.values()), "bytes": sum(e["bytes"] for e in by_axis.values())}
+        for kind, by_axis in summary["collectives_per_step"].items()
+    }
+
+
+def _build(ref, args, reshard: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    hp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    units = hp.FullyShard(units=("model.layers.*", ""), reshard_after_forward=reshard)
+    hp_model = hp.parallelize(copy.deepcopy(ref), {"fully_shard": units}, hp_mesh)
+
+    torch_mesh = init_device_mesh("cpu", (world,))
+    fsdp2_model = copy.deepcopy(ref)
+    for layer in fsdp2_model.model.layers:
+        fully_shard(layer, mesh=torch_mesh, reshard_after_forward=reshard)
+    fully_shard(fsdp2_model, mesh=torch_mesh, reshard_after_forward=reshard)
+    return (hp_model, torch.optim.SGD(hp_model.parameters(), lr=args.lr),
+            fsdp2_model, torch.optim.SGD(fsdp2_model.parameters(), lr=args.lr))
+
+
+def measure(ref, batch, args, reshard: bool) -> dict:
+    """Warm up and time hyper_parallel and FSDP2 interleaved for one ``reshard_after_forward``."""
+    world = dist.get_world_size()
+    hp_model, hp_opt, fsdp2_model, fsdp2_opt = _build(ref, args, reshard)
+
+    # Step 0 (hp compiles): the losses, before any update.
+    dist.barrier()
+    t0 = time.perf_counter()
+    hp_loss0 = _step(hp_model, hp_opt, batch).item()
+    t_compile = time.perf_counter() - t0
+    fsdp2_loss0 = _step(fsdp2_model, fsdp2_opt, batch)
+    dist.all_reduce(fsdp2_loss0)
+    fsdp2_loss0 = fsdp2_loss0.item() / world
+
+    for _ in range(args.warmup - 1):
+        _timed_step(hp_model, hp_opt, batch)
+        _timed_step(fsdp2_model, fsdp2_opt, batch)
+    hp_times, fsdp2_times = [], []
+    for _ in range(args.steps):
+        hp_times.append(_timed_step(hp_model, hp_opt, batch))
+        fsdp2_times.append(_timed_step(fsdp2_model, fsdp2_opt, batch))
+    times = _slowest_rank([t_compile] + hp_times + fsdp2_times)
+    t_compile, hp_times, fsdp2_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
+
+    counted = {}
+    for name, model, opt in (("hyper_parallel", hp_model, hp_opt), ("fsdp2", fsdp2_model, fsdp2_opt)):
+        mode = CommCounter()
+        with mode:
+            _step(model, opt, batch)
+        counted[name] = mode.calls
+
+    hp_med, fsdp2_med = statistics.median(hp_times), statistics.median(fsdp2_times)
+    summary = hp_model.compile_summary()
+    return {
+        "reshard_after_forward": reshard,
+        "loss_step0": {"hyper_parallel": hp_loss0, "fsdp2_global": fsdp2_loss0},
+        "hp_first_step_s (compile + step)": t_compile,
+        "step_time_s": {
+            "hyper_parallel": {"median": hp_med, "min": min(hp_times), "max": max(hp_times), "all": hp_times},
+            "fsdp2": {"median": fsdp2_med, "min": min(fsdp2_times), "max": max(fsdp2_times), "all": fsdp2_times},
+        },
+        "ratio_hp_over_fsdp2": hp_med / fsdp2_med,
+        "collectives_per_step": {
+            "hyper_parallel (compile_summary)": _hp_collectives(summary),
+            "hyper_parallel (counted)": counted["hyper_parallel"],
+            "fsdp2 (counted)": counted["fsdp2"],
+        },
+        "hp_saved_for_backward": summary.get("saved_for_backward"),
+        "fallbacks": summary.get("fallbacks", []),
+        "_models": (hp_model, hp_opt),
+    }
+
+
+def profile_hp(hp_model, hp_opt, batch, steps: int) -> str:
+    """cProfile + torch.profiler of ``steps`` hyper_parallel steps on this rank; returns the report."""
+    out = io.StringIO()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        _step(hp_model, hp_opt, batch)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    out.write(f"\n=== cProfile, rank 0, {steps} hyper_parallel steps, {wall / steps * 1e3:.1f} ms/step "
+              "(under the profiler) ===\n")
+    for key in ("cumulative", "tottime"):
+        s = pstats.Stats(prof, stream=out)
+        s.sort_stats(key).print_stats(25)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(steps):
+            _step(hp_model, hp_opt, batch)
+    out.write(f"\n=== torch.profiler, rank 0, {steps} hyper_parallel steps ===\n")
+    out.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    return out.getvalue()
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)
+    if args.batch % world:
+        raise ValueError(f"--batch {args.batch} must be a multiple of --world {world}")
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(128, args.seq_len),
+    )
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(config)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
+    local_ids = ids.chunk(world, dim=0)[rank]
+    batch = {"input_ids": local_ids, "labels": local_ids}
+    ref_loss0 = ref(input_ids=ids, labels=ids)["loss"].item()
+
+    reshards = {"both": (True, False), "true": (True,), "false": (False,)}[args.reshard]
+    results = [measure(ref, batch, args, r) for r in reshards]
+    profile = None
+    if args.profile_hp:
+        hp_model, hp_opt = results[0]["_models"]
+        # Every rank steps (collectives need all of them); rank 0 reports.
+        profile = profile_hp(hp_model, hp_opt, batch, args.profile_hp)
+    for r in results:
+        del r["_models"]
+    if rank != 0:
+        return None
+    return {
+        "bench": "fsdp_step",
+        "world_size": world,
+        "mesh": {"dp": world},
+        "units": ["model.layers.*", ""],
+        "config": {
+            "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+            "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
+            "seq_len": args.seq_len, "global_batch": args.batch, "local_batch": args.batch // world,
+            "params": ref.num_parameters(),
+        },
+        "threads_per_rank": args.threads,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "loss_step0_single_device": ref_loss0,
+        "results": results,
+        "_profile": profile,
+    }
+
+
+def print_table(r: dict) -> None:
+    c = r["config"]
+    print(f"\nFSDP dp={r['world_size']} Llama {c['layers']}L h{c['hidden']} ({c['params']:,} params), "
+          f"global batch {c['global_batch']} ({c['local_batch']}/rank) x seq {c['seq_len']}, "
+          f"{r['threads_per_rank']} thread/rank, median of {r['steps']} steps (slowest rank)")
+    print(f"single-device loss at step 0: {r['loss_step0_single_device']:.6f}")
+    for res in r["results"]:
+        st = res["step_time_s"]
+        colls = res["collectives_per_step"]
+        hp_c = colls["hyper_parallel (compile_summary)"]
+        hp_n, fs_c = colls["hyper_parallel (counted)"], colls["fsdp2 (counted)"]
+        l0 = res["loss_step0"]
+        print(f"\nreshard_after_forward={res['reshard_after_forward']}: loss at step 0 hp "
+              f"{l0['hyper_parallel']:.6f}, FSDP2 (global) {l0['fsdp2_global']:.6f}; "
+              f"hp first step (compile + step) {res['hp_first_step_s (compile + step)']:.1f} s")
+        print(f"{'':26}{'hyper_parallel':>16}{'FSDP2 eager':>16}{'hp/FSDP2':>10}")
+        print(f"{'step time (ms)':26}{st['hyper_parallel']['median'] * 1e3:>16.1f}"
+              f"{st['fsdp2']['median'] * 1e3:>16.1f}{res['ratio_hp_over_fsdp2']:>10.2f}")
+        print(f"{'  min / max (ms)':26}"
+              f"{st['hyper_parallel']['min'] * 1e3:>7.1f} /{st['hyper_parallel']['max'] * 1e3:>6.1f}"
+              f"{st['fsdp2']['min'] * 1e3:>8.1f} /{st['fsdp2']['max'] * 1e3:>6.1f}")
+        for kind in sorted(set(hp_c) | set(hp_n) | set(fs_c)):
+            h = hp_c.get(kind, {"count": 0, "bytes": 0})
+            n = hp_n.get(kind, {"count": 0, "bytes": 0})
+            f = fs_c.get(kind, {"count": 0, "bytes": 0})
+            counted = "" if n == h else f"  (hp counted: {n['count']}, {n['bytes']:,} B)"
+            print(f"{kind + ' count':26}{h['count']:>16}{f['count']:>16}{counted}")
+            print(f"{kind + ' bytes':26}{h['bytes']:>16,}{f['bytes']:>16,}")
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    if result is not None:
+        profile = result.pop("_profile")
+        print(json.dumps(result, indent=2))
+        print_table(result)
+        if profile:
+            print(profile)
+        if args.json_out:
+            with open(args.json_out, "w") as f:
+                json.dump(result, f, indent=2)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch.multiprocessing as mp
+
+    # One intra-op thread per rank, set before the workers import torch.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()
