@@ -134,20 +134,24 @@ def _fuse_all_gather(graph, members, label):
     _erase(graph, members, waits)
 
 
-def _fuse_reduce_scatter(graph, members, label):
+def _fuse_reduction(graph, members, label):
+    """Fuse reduce-scatters (or all-reduces) of one unit: issued after the last gradient they read."""
     order = _position(graph)
     waits = [_single_wait(m) for m in members]
-    last_input = max((m.args[0] for m in members), key=order.__getitem__)
-    anchor = last_input.next
-    _, op, size, group = members[0].args
+    anchor = max((m.args[0] for m in members), key=order.__getitem__).next
+    scatter = members[0].target is c10d.reduce_scatter_tensor.default
+    op, *rest = members[0].args[1:]
+    size = rest[0] if scatter else 1
     sample = members[0].meta["val"]
     emit = _Builder(graph, anchor, {"hp_bucket": label, "hp_role": "redistribute", "partitioner_tag": "is_backward"})
+    # Reduce-scatter: each gradient as [world, numel/world] rows, concatenated along dim 1, so rank
+    # r's slice of the flat buffer is every gradient's r-th shard. All-reduce: just concatenated.
     cols = [m.args[0].meta["val"].numel() // size for m in members]
     total = sum(cols)
     blocks = [emit(aten.reshape.default, (m.args[0], [size, c]), _fake(sample, [size, c])) for m, c in zip(members, cols)]
     packed = emit(aten.cat.default, (blocks, 1), _fake(sample, [size, total]))
     flat = emit(aten.reshape.default, (packed, [-1]), _fake(sample, [size * total]))
-    reduced = emit(c10d.reduce_scatter_tensor.default, (flat, op, size, group), _fake(sample, [total]))
+    reduced = emit(members[0].target, (flat, op, *rest), _fake(sample, [total if scatter else size * total]))
     waited = emit(c10d.wait_tensor.default, (reduced,), _fake(sample, [total]))
     parts = emit(aten.split_with_sizes.default, (waited, cols), [_fake(sample, [c]) for c in cols])
     for i, (member, wait) in enumerate(zip(members, waits)):
@@ -159,31 +163,6 @@ def _fuse_reduce_scatter(graph, members, label):
     _erase(graph, members, waits)
 
 
-def _fuse_all_reduce(graph, members, label):
-    order = _position(graph)
-    waits = [_single_wait(m) for m in members]
-    last_input = max((m.args[0] for m in members), key=order.__getitem__)
-    anchor = last_input.next
-    _, op, group = members[0].args
-    sample = members[0].meta["val"]
-    emit = _Builder(graph, anchor, {"hp_bucket": label, "hp_role": "redistribute", "partitioner_tag": "is_backward"})
-    numels = [m.args[0].meta["val"].numel() for m in members]
-    total = sum(numels)
-    flats = [emit(aten.reshape.default, (m.args[0], [-1]), _fake(sample, [n])) for m, n in zip(members, numels)]
-    flat = emit(aten.cat.default, (flats,), _fake(sample, [total]))
-    reduced = emit(c10d.all_reduce.default, (flat, op, group), _fake(sample, [total]))
-    waited = emit(c10d.wait_tensor.default, (reduced,), _fake(sample, [total]))
-    parts = emit(aten.split_with_sizes.default, (waited, numels), [_fake(sample, [n]) for n in numels])
-    for i, (member, wait) in enumerate(zip(members, waits)):
-        part = emit(operator.getitem, (parts, i), _fake(sample, [numels[i]]))
-        shape = list(wait.meta["val"].shape)
-        out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
-        wait.replace_all_uses_with(out)
-    _erase(graph, members, waits)
-
-
-
-
 def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     fsdp = getattr(ctx, "fsdp", None)
     if fsdp is None or not fsdp.comm_fusion:
@@ -193,10 +172,10 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     for (unit, phase, *_), members in all_gathers.items():
         _fuse_all_gather(graph, members, f"{unit or '<root>'} {phase} all_gather ({len(members)} params)")
     for (unit, *_), members in reduce_scatters.items():
-        _fuse_reduce_scatter(graph, members, f"{unit or '<root>'} reduce_scatter ({len(members)} params)")
+        _fuse_reduction(graph, members, f"{unit or '<root>'} reduce_scatter ({len(members)} params)")
     # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
     for (unit, *_), members in _buckets(graph, fsdp)[2].items():
-        _fuse_all_reduce(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
+        _fuse_reduction(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()
