@@ -36,14 +36,11 @@ import argparse
 import copy
 import cProfile
 import io
-import json
 import os
 import pstats
-import socket
 import statistics
 import sys
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -52,6 +49,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
+from _harness import launch  # noqa: E402
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
@@ -325,37 +323,9 @@ def print_table(r: dict) -> None:
             print(f"{kind + ' bytes':26}{h['bytes']:>16,}{f['bytes']:>16,}")
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if rank != 0:
-        warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = run(args)
-    finally:
-        dist.destroy_process_group()
-    if result is not None:
-        profile = result.pop("_profile")
-        print(json.dumps(result, indent=2))
-        print_table(result)
-        if profile:
-            print(profile)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f, indent=2)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import torch.multiprocessing as mp
-
-    # One intra-op thread per rank, set before the workers import torch.
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(args.threads)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world)
+    launch(run, print_table, args, args.world, threads=args.threads)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,6 +34,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
+from _harness import launch  # noqa: E402
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from hyper_parallel.models.plans import llama_tp_plan  # noqa: E402
 
@@ -226,31 +225,9 @@ def print_table(r: dict) -> None:
     print(f"hp first step (compile + step): {r['hp_first_step_s (compile + step)']:.1f} s")
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if rank != 0:
-        warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = run(args)
-    finally:
-        dist.destroy_process_group()
-    if result is not None:
-        print(json.dumps(result, indent=2))
-        print_table(result)
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f, indent=2)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.tp, port, args), nprocs=args.tp)
+    launch(run, print_table, args, args.tp)
 
 
 if __name__ == "__main__":

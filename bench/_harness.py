@@ -1,0 +1,48 @@
+"""Shared launcher of the benchmarks: one gloo process per rank on this machine, rank 0 reports.
+
+``launch(run, report, args, world)`` spawns ``world`` processes, runs ``run(args)`` on each inside a
+gloo process group, and on the rank that returns a result (rank 0) prints it as JSON, calls
+``report(result)`` for the human-readable table, and writes ``args.json_out`` if given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import warnings
+
+import torch.distributed as dist
+
+
+def _worker(rank: int, world: int, port: int, run, report, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if rank != 0:
+        warnings.filterwarnings("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = run(args)
+    finally:
+        dist.destroy_process_group()
+    if result is None:
+        return
+    extra = result.pop("_profile", None)
+    print(json.dumps(result, indent=2))
+    report(result)
+    if extra:
+        print(extra)
+    if getattr(args, "json_out", None):
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def launch(run, report, args, world: int, threads: int | None = None) -> None:
+    import torch.multiprocessing as mp
+
+    if threads is not None:  # set before the workers import torch
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = str(threads)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(world, port, run, report, args), nprocs=world)
