@@ -270,12 +270,15 @@ def _storage_placements(compute: tuple, names, sizes, shard_i: int, fqn: str, sh
     later = [i for i in range(shard_i + 1, len(names)) if isinstance(compute[i], Shard) and compute[i].dim == 0]
     earlier = [i for i in range(shard_i) if isinstance(compute[i], Shard) and compute[i].dim == 0]
     local0 = shape[0] // math.prod(sizes[i] for i in later + earlier) if shape else 0
-    if not shape or local0 % sizes[shard_i] != 0:
+    if not shape:
         raise ValueError(
-            f"parameter {fqn!r} of shape {tuple(shape)} cannot be sharded on dim 0 over "
-            f"{names[shard_i]}={sizes[shard_i]}: its dim 0 per tensor-parallel shard is {local0}. "
-            "Uneven FSDP sharding (padding) is not supported yet: use a shard degree that divides "
-            "dim 0, or leave this module out of the FSDP units"
+            f"parameter {fqn!r} is a scalar: FSDP shards dim 0, leave this module out of the units"
+        )
+    if local0 % sizes[shard_i] != 0 and later:
+        raise ValueError(
+            f"parameter {fqn!r} of shape {tuple(shape)}: its dim 0 per tensor-parallel shard ({local0}) "
+            f"does not divide over {names[shard_i]}={sizes[shard_i]}, and uneven FSDP shards nested "
+            "inside tensor-parallel shards are not supported: use degrees that divide dim 0"
         )
     if later:
         from torch.distributed.tensor.placement_types import _StridedShard

@@ -163,6 +163,40 @@ def _fuse_reduction(graph, members, label):
     _erase(graph, members, waits)
 
 
+def _restore_topological_order(graph: torch.fx.Graph) -> None:
+    """Stable topological sort: keep the existing order, but move any node that now precedes one
+    of its inputs (a per-parameter copy-out, e.g. the unpadding slice of an uneven shard, that ran
+    right after its own collective) to just after the inputs it needs."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    placed: set = set()
+    order: list = []
+    waiting: dict = {}
+
+    def place(node):
+        order.append(node)
+        placed.add(node)
+        for waiter in sorted(waiting.pop(node, ()), key=position.__getitem__):
+            missing = [a for a in waiter.all_input_nodes if a not in placed]
+            if missing:
+                waiting.setdefault(missing[0], []).append(waiter)
+            else:
+                place(waiter)
+
+    for node in nodes:
+        missing = [a for a in node.all_input_nodes if a not in placed]
+        if missing:
+            waiting.setdefault(missing[0], []).append(node)
+        else:
+            place(node)
+    assert len(order) == len(nodes), "bucketing produced a cycle"
+    previous = order[0]
+    for node in order[1:]:
+        if previous.next is not node:
+            previous.append(node)
+        previous = node
+
+
 def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     fsdp = getattr(ctx, "fsdp", None)
     if fsdp is None or not fsdp.comm_fusion:
@@ -176,6 +210,7 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
     for (unit, *_), members in _buckets(graph, fsdp)[2].items():
         _fuse_reduction(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
+    _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()
     gm.recompile()

@@ -169,7 +169,10 @@ class _Propagator:
             out_val = self._user_output_val(info.index)
             return NodeLayout(self.user_output_spec(info.index, out_val), (), "placeholder")
         spec = make_spec(self.mesh, placements, val)
-        check_divisible(node, spec, self.mesh, f"{info.kind} '{info.name}'")
+        if not (info.kind == "param" and self.resolved.fsdp is not None and info.name in self.resolved.fsdp.unit_of):
+            # FSDP storage may be uneven on dim 0 (padded inside its all-gather/reduce-scatter, as
+            # FSDP2); everything else must divide (the plan layer checked parameters already).
+            check_divisible(node, spec, self.mesh, f"{info.kind} '{info.name}'")
         return NodeLayout(spec, (), "placeholder")
 
     def _user_output_val(self, index: int):

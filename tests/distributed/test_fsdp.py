@@ -305,3 +305,12 @@ def offload_state_devices():
 def test_cpu_offload_parity_and_host_state(dist2):
     dist2.run(run_parity, "llama", "fsdp_offload", (2,), ("dp",))
     assert dist2.run(offload_state_devices)[0] == {"cpu"}
+
+
+def test_uneven_shards_are_padded(dist4):
+    # An MLP width of 126 does not divide over 4 ranks: shards of 32, 32, 32 and 30 rows, padded
+    # inside the fused collectives (as FSDP2 pads); run_parity checks every gradient.
+    overrides = {"hidden_size": 72, "intermediate_size": 126, "num_attention_heads": 3, "num_key_value_heads": 3}
+    summary = dist4.run(run_parity, "llama", "fsdp", (4,), ("dp",), model_overrides=overrides)[0]["summary"]
+    assert _coll(summary, "forward", "all_gather", "dp")["count"] == UNITS
+    assert _coll(summary, "backward", "reduce_scatter", "dp")["count"] == UNITS

@@ -99,9 +99,13 @@ def test_shared_tensor_in_units_that_do_not_nest():
     assert fsdp.unit_of["a.weight"] == fsdp.unit_of["b.weight"] == ""
 
 
-def test_uneven_dim_zero_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"cannot be sharded on dim 0 over dp=3.*Uneven FSDP sharding"):
-        _resolve(_llama(), {"units": [""]}, hp.Layout((3,), ("dp",)))
+def test_uneven_dim_zero_is_padded_like_fsdp2_except_inside_tp_shards():
+    # 256-row embedding over 3 ranks: an uneven Shard(0) (padded inside the collectives).
+    resolved = _resolve(_llama(), {"units": [""]}, hp.Layout((3,), ("dp",)))
+    assert resolved.param_placements["model.embed_tokens.weight"] == (Shard(0),)
+    # Nested inside a tensor-parallel dim-0 shard (strided), uneven is refused with the reason.
+    with pytest.raises(ValueError, match=r"uneven FSDP shards nested inside tensor-parallel shards"):
+        _resolve(_llama(), {"units": [""]}, hp.Layout((3, 2), ("dp", "tp")), llama_tp_plan())
 
 
 def _captured_with_unshards(offload, compute_device):
