@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from . import compat
 from .capture import CapturedGraph, capture, flat_paths
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
-from .fully_shard import collect_recorded_fully_shard, resolve_fully_shard
+from .fully_shard import collect_recorded_fully_shard, recorded_prefetch, resolve_fully_shard
 from .init import distribute_parameters
 from .lower import lower
 from .passes import PassContext, run_passes
@@ -62,6 +62,7 @@ class _ParallelState:
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.gradient_sync = True
         self.reshard_after_forward: bool | None = None  # None: as the plan says
+        self.reduce_op = "avg"
         self.accumulator = None  # GradientAccumulator while gradients are accumulated unsynced
         self.last: CompiledEntry | None = None  # the program the last call ran
 
@@ -75,7 +76,7 @@ class _ParallelState:
         # With accumulated gradients pending, the sync step also returns unsharded gradients: the
         # accumulator reduces the sum once.
         unsharded = not self.gradient_sync or (self.accumulator is not None and self.accumulator.pending)
-        fsdp = dataclasses.replace(fsdp, units=units, gradient_sync=not unsharded)
+        fsdp = dataclasses.replace(fsdp, units=units, gradient_sync=not unsharded, reduce_op=self.reduce_op)
         return dataclasses.replace(self.resolved, fsdp=fsdp)
 
 
@@ -88,10 +89,11 @@ class ParallelModule(nn.Module):
         state = self._hp
         flat, in_spec = pytree.tree_flatten((args, kwargs))
         resolved = state.resolved_for_flags()
-        key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved))
+        prefetch = recorded_prefetch(self) if resolved.fsdp is not None else {}
+        key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved), repr(prefetch))
         entry = state.cache.get(key)
         if entry is None:
-            entry = _compile(self, state, resolved, args, kwargs, flat)
+            entry = _compile(self, state, resolved, args, kwargs, flat, prefetch)
             state.cache[key] = entry
         state.last = entry
         return _run(self, entry, flat)
@@ -117,6 +119,14 @@ class ParallelModule(nn.Module):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError("set_reshard_after_forward takes True or False")
         self._hp.reshard_after_forward = reshard_after_forward
+
+    def set_reduce_op_type(self, reduce_op_type: str) -> None:
+        """"avg" (default): gradients of the global mean loss, equal to one device's. "sum": the
+        data-parallel ranks' gradients summed, i.e. scaled by the data-parallel degree."""
+        self._require_fsdp("set_reduce_op_type")
+        if reduce_op_type not in ("avg", "sum"):
+            raise ValueError(f"set_reduce_op_type takes 'avg' or 'sum', got {reduce_op_type!r}")
+        self._hp.reduce_op = reduce_op_type
 
     def _require_fsdp(self, method: str) -> None:
         if self._hp.resolved.fsdp is None:
@@ -145,7 +155,7 @@ def _flags_key(resolved: ResolvedPlan) -> tuple:
     fsdp = resolved.fsdp
     if fsdp is None:
         return ()
-    return (fsdp.gradient_sync, tuple(u.reshard_after_forward for u in fsdp.units))
+    return (fsdp.gradient_sync, fsdp.reduce_op, tuple(u.reshard_after_forward for u in fsdp.units))
 
 
 def _signature(x):
@@ -246,7 +256,10 @@ def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _compile(module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat) -> CompiledEntry:
+def _compile(
+    module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
+    explicit_prefetch: dict,
+) -> CompiledEntry:
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
     dumper = Dumper(state.dump_dir, rank)
@@ -283,7 +296,8 @@ def _compile(module: ParallelModule, state: _ParallelState, resolved_plan: Resol
     dumper.graph("lowered", local)
     local = run_passes(
         local, PassContext(
-            mesh=mesh, fsdp=resolved_plan.fsdp, disable_passes=state.disable_passes,
+            mesh=mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
+            disable_passes=state.disable_passes,
             on_pass=dumper.graph,
         )
     )

@@ -120,6 +120,9 @@ class FsdpPlan:
     # False while accumulating gradients (set_requires_gradient_sync(False)): each FSDP gradient
     # stays the unsharded partial sum of this rank's data, nothing is reduced.
     gradient_sync: bool = True
+    # set_reduce_op_type: "avg" gives the gradient of the global mean loss (one device's numbers);
+    # "sum" sums the data-parallel ranks' gradients instead, i.e. scales by the dp degree.
+    reduce_op: str = "avg"
 
     def unit(self, module_fqn: str) -> FsdpUnit:
         return next(u for u in self.units if u.module_fqn == module_fqn)
@@ -128,6 +131,43 @@ class FsdpPlan:
 # --- the FSDP2-style functional API ---------------------------------------------------------------
 
 _RECORD_ATTR = "_hp_fully_shard"
+
+
+class FullyShardedModule:
+    """Methods ``hp.fully_shard`` adds to a unit module (FSDP2 / HSDPModule names).
+
+    They record choices on the module; the parallelized root reads them when it compiles, and a
+    change recompiles (once per setting)."""
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """When this unit's parameters are gathered in forward, also issue these units' gathers."""
+        _check_units("set_modules_to_forward_prefetch", modules)
+        self._hp_forward_prefetch = list(modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """The same for backward (the units that run next in backward, i.e. earlier layers)."""
+        _check_units("set_modules_to_backward_prefetch", modules)
+        self._hp_backward_prefetch = list(modules)
+
+
+def _check_units(method: str, modules) -> None:
+    for m in modules:
+        if not hasattr(m, _RECORD_ATTR):
+            raise ValueError(
+                f"{method}: {type(m).__name__} is not an FSDP unit; call hp.fully_shard on it first"
+            )
+
+
+def recorded_prefetch(model: nn.Module) -> dict:
+    """{"forward"/"backward": {unit FQN: (unit FQNs to prefetch, ...)}} from the recorded calls."""
+    fqn_of = {id(m): fqn for fqn, m in model.named_modules()}
+    out: dict = {"forward": {}, "backward": {}}
+    for fqn, module in model.named_modules():
+        for phase in ("forward", "backward"):
+            targets = getattr(module, f"_hp_{phase}_prefetch", None)
+            if targets:
+                out[phase][fqn] = tuple(fqn_of[id(t)] for t in targets)
+    return out
 
 
 def fully_shard(
@@ -158,6 +198,9 @@ def fully_shard(
             "mesh": mesh,
         },
     )
+    if not isinstance(module, FullyShardedModule):
+        cls = type(module)
+        module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
     return module
 
 

@@ -30,6 +30,7 @@ class PassContext:
     mesh: object
     fsdp: object = None  # ResolvedPlan.fsdp (FsdpPlan) when the plan has fully_shard units
     prefetch_depth: int = 1  # how many FSDP units ahead all-gathers are issued
+    explicit_prefetch: dict | None = None  # {"forward"/"backward": {unit: (units to prefetch,)}}
     disable_passes: frozenset[str] = frozenset()
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
 

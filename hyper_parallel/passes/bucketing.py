@@ -113,6 +113,7 @@ def _fuse_all_gather(graph, members, label):
     _, size, group = members[0].args
     sample = members[0].meta["val"]
     emit = _Builder(graph, first_use, {"hp_bucket": label, "hp_role": "redistribute",
+                                       "hp_fsdp_unit": members[0].meta["hp_fsdp_unit"],
                                        **({"hp_fsdp_phase": "backward"} if "backward" in label else {})})
     if "backward" in label:
         emit.meta["partitioner_tag"] = "is_backward"

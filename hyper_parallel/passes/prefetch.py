@@ -10,7 +10,12 @@ wait, and the copy-out after it, moves to just before the next unit's reduce-sca
 the first node that needs the gradient), so the reduction overlaps the backward of the next unit
 while only one is in flight, as in FSDP2.
 
-Reads: ``hp_bucket``, ``hp_fsdp_phase`` on the fused collectives (bucketing), ``ctx.prefetch_depth``.
+Explicit lists (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``, in
+``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued before the wait
+of the unit that names them.
+
+Reads: ``hp_bucket``, ``hp_fsdp_phase``, ``hp_fsdp_unit`` on the fused collectives (bucketing),
+``ctx.prefetch_depth``, ``ctx.explicit_prefetch``.
 Writes: node order only (no node is added or removed), so numerics are unchanged. Idempotent: a
 collective already issued early is not moved again.
 """
@@ -61,6 +66,22 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     depth = getattr(ctx, "prefetch_depth", 1)
     graph = gm.graph
     gathers = _fused(graph, "all_gather", c10d.all_gather_into_tensor.default)
+    explicit = getattr(ctx, "explicit_prefetch", None) or {}
+    for phase, table in explicit.items():
+        # set_modules_to_{forward,backward}_prefetch: when a unit waits for its gather, the listed
+        # units' gathers are already in flight.
+        by_unit = {g.meta.get("hp_fsdp_unit"): g for g in gathers if g.meta.get("hp_fsdp_phase", "forward") == phase}
+        for unit, targets in table.items():
+            if unit not in by_unit:
+                continue
+            anchor = _wait_of(by_unit[unit])
+            for target in targets:
+                gather = by_unit.get(target)
+                order = _position(graph)
+                if gather is None or order[gather] < order[anchor]:
+                    continue
+                for node in _movable_chain(gather, anchor, order) or ():
+                    anchor.prepend(node)
     if depth > 0:
         for phase in ("forward", "backward"):
             ordered = [g for g in gathers if g.meta.get("hp_fsdp_phase", "forward") == phase]

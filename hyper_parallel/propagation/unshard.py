@@ -76,8 +76,8 @@ def insert_unshard_nodes(
                 gathered.meta[key] = first_user.meta[key]
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user not in (gathered, source))
         inserted += 1
-    if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None):
-        _cast_gradients(captured, fsdp, policy)
+    if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None) or fsdp.reduce_op == "sum":
+        _prepare_gradients(captured, fsdp, policy, resolved)
     captured.gm.recompile()
     return inserted
 
@@ -88,19 +88,33 @@ def _offloaded(fsdp) -> bool:
     return isinstance(fsdp.offload_policy, CPUOffloadPolicy)
 
 
-def _cast_gradients(captured: CapturedGraph, fsdp, policy) -> None:
-    reduce_dtype = policy.reduce_dtype or policy.param_dtype
+def _prepare_gradients(captured: CapturedGraph, fsdp, policy, resolved) -> None:
+    """Cast each FSDP gradient to ``reduce_dtype`` and, for reduce op "sum", scale it by the
+    data-parallel degree, before it leaves the graph (and is reduced)."""
+    reduce_dtype = (policy.reduce_dtype or policy.param_dtype) if policy is not None else None
+    scale = 1
+    if fsdp.reduce_op == "sum":
+        names, sizes = resolved.mesh_dim_names, resolved.mesh_shape
+        for axis in (fsdp.shard_axis, fsdp.replicate_axis):
+            if axis is not None:
+                scale *= sizes[names.index(axis)]
     graph = captured.gm.graph
     output = graph.output_node()
     slots = list(output.args[0])
     for i, (slot, info) in enumerate(zip(slots, captured.outputs)):
         if info.kind != "grad" or info.name not in fsdp.unit_of or slot is None:
             continue
-        if slot.meta["val"].dtype == reduce_dtype:
-            continue
-        with graph.inserting_before(output):
-            cast = graph.call_function(torch.ops.aten._to_copy.default, (slot,), {"dtype": reduce_dtype})
-        cast.meta["val"] = _retyped(slot.meta["val"], reduce_dtype)
-        cast.meta["partitioner_tag"] = "is_backward"
-        slots[i] = cast
+        grad = slot
+        if scale != 1:
+            with graph.inserting_before(output):
+                grad = graph.call_function(torch.ops.aten.mul.Tensor, (grad, scale))
+            grad.meta["val"] = slot.meta["val"]
+            grad.meta["partitioner_tag"] = "is_backward"
+        if reduce_dtype is not None and grad.meta["val"].dtype != reduce_dtype:
+            with graph.inserting_before(output):
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (grad,), {"dtype": reduce_dtype})
+            cast.meta["val"] = _retyped(grad.meta["val"], reduce_dtype)
+            cast.meta["partitioner_tag"] = "is_backward"
+            grad = cast
+        slots[i] = grad
     output.args = (type(output.args[0])(slots),)

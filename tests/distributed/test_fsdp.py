@@ -314,3 +314,40 @@ def test_uneven_shards_are_padded(dist4):
     summary = dist4.run(run_parity, "llama", "fsdp", (4,), ("dp",), model_overrides=overrides)[0]["summary"]
     assert _coll(summary, "forward", "all_gather", "dp")["count"] == UNITS
     assert _coll(summary, "backward", "reduce_scatter", "dp")["count"] == UNITS
+
+
+def explicit_prefetch_and_reduce_op():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    reference = build_model("llama")
+    model = copy.deepcopy(reference)
+    layers = model.model.layers
+    for layer in layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(model)
+    layers[0].set_modules_to_forward_prefetch([layers[1], layers[2]])
+    model = hp.parallelize(model, None, mesh)
+    from hyper_parallel.testing.parity import local_batch
+
+    full = global_batch("llama", 4, 16)
+    model(**local_batch(full, mesh))["loss"].backward()
+    forward, _ = model.compiled_programs()
+    c10d = torch.ops._c10d_functional
+    nodes = list(forward.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    gathers = {n.meta["hp_fsdp_unit"]: n for n in nodes if n.target is c10d.all_gather_into_tensor.default}
+    wait0 = next(iter(gathers["model.layers.0"].users))
+    early = [index[gathers[f"model.layers.{i}"]] < index[wait0] for i in (1, 2)]
+
+    # "sum": the dp ranks' gradients summed = world x the gradients of the global mean loss.
+    grads_avg = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_reduce_op_type("sum")
+    model(**local_batch(full, mesh))["loss"].backward()
+    world = dist.get_world_size()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), world * grads_avg[n])
+    return early
+
+
+def test_explicit_forward_prefetch_and_sum_reduction(dist2):
+    assert dist2.run(explicit_prefetch_and_reduce_op)[0] == [True, True]
