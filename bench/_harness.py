@@ -15,6 +15,17 @@ import warnings
 import torch.distributed as dist
 
 
+def add_model_args(parser) -> None:
+    """The example Llama's shape flags, with the defaults both step benchmarks use."""
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--intermediate", type=int, default=688)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, default=128)
+
+
 def _worker(rank: int, world: int, port: int, run, report, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if rank != 0:

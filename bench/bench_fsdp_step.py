@@ -49,20 +49,14 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import launch  # noqa: E402
+from _harness import add_model_args, launch  # noqa: E402
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="data-parallel degree = number of processes (default 4)")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--intermediate", type=int, default=688)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=128)
+    add_model_args(p)
     p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="timed steps per side and config (median reported)")
