@@ -26,6 +26,25 @@ def add_model_args(parser) -> None:
     parser.add_argument("--seq-len", type=int, default=128)
 
 
+def build_model(args):
+    """The example Llama of the shape flags, initialised from seed 0 (the same on every rank)."""
+    import torch
+
+    from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(128, args.seq_len),
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
 def _worker(rank: int, world: int, port: int, run, report, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if rank != 0:

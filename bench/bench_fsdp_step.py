@@ -49,8 +49,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import add_model_args, launch  # noqa: E402
-from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from _harness import add_model_args, build_model, launch  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -239,18 +238,8 @@ def run(args: argparse.Namespace) -> dict | None:
     torch.set_num_threads(args.threads)
     if args.batch % world:
         raise ValueError(f"--batch {args.batch} must be a multiple of --world {world}")
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(128, args.seq_len),
-    )
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
+    ref = build_model(args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     local_ids = ids.chunk(world, dim=0)[rank]
     batch = {"input_ids": local_ids, "labels": local_ids}
     ref_loss0 = ref(input_ids=ids, labels=ids)["loss"].item()

@@ -34,8 +34,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import add_model_args, launch  # noqa: E402
-from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from _harness import add_model_args, build_model, launch  # noqa: E402
 from hyper_parallel.models.plans import llama_tp_plan  # noqa: E402
 
 
@@ -118,18 +117,8 @@ def run(args: argparse.Namespace) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(128, args.seq_len),
-    )
-    torch.manual_seed(0)
-    ref = LlamaForCausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
+    ref = build_model(args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
 
     hp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     hp_model = hp.parallelize(copy.deepcopy(ref), llama_tp_plan(), hp_mesh)

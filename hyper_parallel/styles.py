@@ -155,14 +155,9 @@ def _unsupported_module(style: ParallelStyle, module_fqn: str, module: nn.Module
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class ColwiseParallel(ParallelStyle):
-    """Shard a Linear's output features (weight and bias ``S(0)``) or an Embedding's columns (weight ``S(1)``).
-
-    The input must be Replicate on the tensor-parallel axis; the output leaves the module as
-    ``output_layouts`` (default ``S(-1)``, sharded on the last dim). ``input_layouts`` (default R)
-    only documents how the input arrives. ``use_local_output`` is kept for API parity; compiled
-    modules exchange plain tensors, so it has no effect.
-    """
+class _LinearStyle(ParallelStyle):
+    """The fields Colwise and Rowwise share: the layout the input arrives in, the layout the output
+    leaves in (each a placement on the tensor-parallel axis), and ``use_local_output``."""
 
     input_layouts: Placement | None = None
     output_layouts: Placement | None = None
@@ -172,6 +167,17 @@ class ColwiseParallel(ParallelStyle):
         name = type(self).__name__
         _set(self, "input_layouts", _placement_or_none(self.input_layouts, "input_layouts", name))
         _set(self, "output_layouts", _placement_or_none(self.output_layouts, "output_layouts", name))
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class ColwiseParallel(_LinearStyle):
+    """Shard a Linear's output features (weight and bias ``S(0)``) or an Embedding's columns (weight ``S(1)``).
+
+    The input must be Replicate on the tensor-parallel axis; the output leaves the module as
+    ``output_layouts`` (default ``S(-1)``, sharded on the last dim). ``input_layouts`` (default R)
+    only documents how the input arrives. ``use_local_output`` is kept for API parity; compiled
+    modules exchange plain tensors, so it has no effect.
+    """
 
     def resolve(self, module_fqn: str, module: nn.Module, axis: str) -> StyleConstraints:
         """Linear: weight/bias S(0); Embedding: weight S(1); input R; output ``output_layouts`` (S(-1))."""
@@ -192,22 +198,13 @@ class ColwiseParallel(ParallelStyle):
 
 
 @dataclass(frozen=True, kw_only=True, repr=False)
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearStyle):
     """Shard a Linear's input features (weight ``S(1)``, bias R) or an Embedding's rows (weight ``S(0)``).
 
     A Linear needs its input sharded on the last dim (``S(-1)``); an Embedding needs replicated
     indices. Either produces partial sums, reduced to ``output_layouts`` (default R) as the output
     leaves the module. ``input_layouts`` (default ``S(-1)``) only documents how the input arrives.
     """
-
-    input_layouts: Placement | None = None
-    output_layouts: Placement | None = None
-    use_local_output: bool = True
-
-    def __post_init__(self) -> None:
-        name = type(self).__name__
-        _set(self, "input_layouts", _placement_or_none(self.input_layouts, "input_layouts", name))
-        _set(self, "output_layouts", _placement_or_none(self.output_layouts, "output_layouts", name))
 
     def resolve(self, module_fqn: str, module: nn.Module, axis: str) -> StyleConstraints:
         """Linear: weight S(1), bias R, input S(-1); Embedding: weight S(0), input R; output ``output_layouts`` (R)."""

@@ -68,6 +68,9 @@ _DEFAULT_TIMEOUT_ENV = "HP_TEST_TIMEOUT_S"
 _STACK_TAIL_CHARS = 6000
 
 
+_DEAD = object()  # _next_messages: the worker process exited with nothing left to read
+
+
 class RemoteError(RuntimeError):
     """A job raised in a worker and its exception type could not be rebuilt in the caller."""
 
@@ -524,6 +527,28 @@ class WorkerPool:
             child_conn.close()
             self._workers.append(_Worker(rank, proc, parent_conn, stack_path))
 
+    def _next_messages(self, ranks: set, timeout: float):
+        """Yield (rank, message) for the ranks in ``ranks`` that have something to report within
+        ``timeout``: the unpickled message, None if the pipe closed, or _DEAD if the process died
+        with nothing left to read."""
+        objs = {}
+        for r in ranks:
+            w = self._workers[r]
+            objs[w.conn] = (r, "conn")
+            objs[w.proc.sentinel] = (r, "dead")
+        for obj in multiprocessing.connection.wait(list(objs), timeout=timeout):
+            r, what = objs[obj]
+            if r not in ranks:  # already handled through its other handle
+                continue
+            w = self._workers[r]
+            if what == "dead" and not w.conn.poll():
+                yield r, _DEAD
+                continue
+            try:
+                yield r, pickle.loads(w.conn.recv_bytes())
+            except (EOFError, OSError):
+                yield r, None
+
     def _await_ready(self, t0: float) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         waiting = {w.rank for w in self._workers}
@@ -534,22 +559,10 @@ class WorkerPool:
                 raise PoolStartError(
                     f"ranks {sorted(waiting)} did not initialise within {self.start_timeout_s:.0f}s"
                     + self._stack_report(sorted(waiting)))
-            objs = {}
-            for r in waiting:
+            for r, msg in self._next_messages(waiting, remaining):
                 w = self._workers[r]
-                objs[w.conn] = (r, "conn")
-                objs[w.proc.sentinel] = (r, "dead")
-            for obj in multiprocessing.connection.wait(list(objs), timeout=remaining):
-                r, what = objs[obj]
-                if r not in waiting:
-                    continue
-                w = self._workers[r]
-                if what == "dead" and w.conn.poll():
-                    what = "conn"
-                if what == "conn":
-                    try:
-                        msg = pickle.loads(w.conn.recv_bytes())
-                    except (EOFError, OSError):
+                if msg is not _DEAD:
+                    if msg is None:
                         msg = ("init_error", r, "worker closed its pipe during start-up")
                     if msg[0] == "ready":
                         w.pid = msg[2]
@@ -704,23 +717,9 @@ class WorkerPool:
             limit = deadline if error_deadline is None else min(deadline, error_deadline)
             if limit - now <= 0:
                 break
-            objs = {}
-            for r in pending:
+            for r, reply in self._next_messages(pending, limit - now):
                 w = self._workers[r]
-                objs[w.conn] = (r, "conn")
-                objs[w.proc.sentinel] = (r, "dead")
-            for obj in multiprocessing.connection.wait(list(objs), timeout=limit - now):
-                r, what = objs[obj]
-                if r not in pending:
-                    continue
-                w = self._workers[r]
-                if what == "dead" and w.conn.poll():
-                    what = "conn"
-                if what == "conn":
-                    try:
-                        reply = pickle.loads(w.conn.recv_bytes())
-                    except (EOFError, OSError):
-                        reply = None
+                if reply is not _DEAD:
                     if reply is None:
                         w.proc.join(1.0)
                         replies[r] = (False, {"dead": True, "message":
