@@ -232,12 +232,15 @@ def gradient_accumulation_parity(mesh_shape, mesh_names, micro_steps=4, steps=2)
 def test_gradient_accumulation_without_sync(dist2, dist4, mesh_shape, mesh_names, pool_size):
     pool = {2: dist2, 4: dist4}[pool_size]
     backward = pool.run(gradient_accumulation_parity, mesh_shape, mesh_names)[0]
-    shard_axis = mesh_names[-1]
-    # Micro-steps communicate no gradients at all (only cross-entropy's scalar token count).
-    for summary in backward:
+    micro_steps = 4
+    # The compiled micro-steps before each sync step communicate no gradients at all (only
+    # cross-entropy's scalar token count). The sync step's one reduction per unit runs from the
+    # runtime (runtime/grad_accumulation.py); gradient_accumulation_parity checked its numbers.
+    for i, summary in enumerate(backward):
+        if i % micro_steps == micro_steps - 1:
+            continue
         assert "reduce_scatter" not in summary
         assert all(v["bytes"] == 4 for v in summary.get("all_reduce", {}).values())
-    assert shard_axis
 
 
 def reshard_flag_recompiles():
