@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", type=int, default=4, help="data-parallel degree = number of processes (default 4)")
     add_model_args(p)
+    p.add_argument("--prefetch-depth", type=int, default=None,
+                   help="FSDP units gathered ahead (default: hyper_parallel's choice for the backend, 0 on gloo)")
     p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="timed steps per side and config (median reported)")
@@ -146,7 +148,7 @@ def _build(ref, args, reshard: bool):
     world = dist.get_world_size()
     hp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     units = hp.FullyShard(units=("model.layers.*", ""), reshard_after_forward=reshard)
-    hp_model = hp.parallelize(copy.deepcopy(ref), {"fully_shard": units}, hp_mesh)
+    hp_model = hp.parallelize(copy.deepcopy(ref), {"fully_shard": units}, hp_mesh, prefetch_depth=args.prefetch_depth)
 
     torch_mesh = init_device_mesh("cpu", (world,))
     fsdp2_model = copy.deepcopy(ref)

@@ -14,6 +14,9 @@ Explicit lists (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``, in
 ``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued before the wait
 of the unit that names them.
 
+``ctx.prefetch_depth`` 0 (the default on gloo, see ``api._default_prefetch_depth``) moves nothing but
+the explicit lists.
+
 Reads: ``hp_bucket``, ``hp_fsdp_phase``, ``hp_fsdp_unit`` on the fused collectives (bucketing),
 ``ctx.prefetch_depth``, ``ctx.explicit_prefetch``.
 Writes: node order only (no node is added or removed), so numerics are unchanged. Idempotent: a
@@ -93,6 +96,10 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 chain = _movable_chain(ordered[k], anchor, order)
                 for node in chain or ():
                     anchor.prepend(node)
+    if depth == 0:  # no overlap wanted: leave each reduction waited where bucketing put it
+        graph.lint()
+        gm.recompile()
+        return gm
     for kind, target in (("reduce_scatter", c10d.reduce_scatter_tensor.default), ("all_reduce", c10d.all_reduce.default)):
         reductions = _fused(graph, kind, target)
         # One reduction in flight at a time (as FSDP2): unit k's is waited for just before unit

@@ -159,7 +159,9 @@ def test_fsdp_bf16_params_fp32_reduce(dist2):
 
 def prefetch_order():
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    model = hp.parallelize(build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    model = hp.parallelize(
+        build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh, prefetch_depth=1
+    )
     model(**global_batch("llama", 4, 16))["loss"].backward()
     c10d = torch.ops._c10d_functional
     report = {}
