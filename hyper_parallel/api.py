@@ -27,14 +27,19 @@ from torch.distributed.tensor import DTensor, Shard
 from . import compat
 from .capture import CapturedGraph, capture, flat_paths
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
-from .fully_shard import collect_recorded_fully_shard, recorded_prefetch, resolve_fully_shard
+from .fully_shard import (
+    collect_recorded_fully_shard, link_units_to_root, recorded_prefetch, resolve_fully_shard,
+)
 from .init import distribute_parameters
 from .lower import lower
 from .passes import PassContext, run_passes
 from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
 from .propagation.engine import PropagationReport, propagate
+from .propagation.accumulation import GRAD_ACCUM
+from .propagation.unshard import PREGATHERED
 from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
+from .runtime.unshard import GatheredParams, UnshardHandle, gather_unit, watch_optimizers
 from .spmd import check_spmd
 
 log = logging.getLogger(__name__)
@@ -61,9 +66,12 @@ class _ParallelState:
         self.cache: dict[Any, CompiledEntry] = {}
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.gradient_sync = True
+        self.all_reduce = True
         self.reshard_after_forward: bool | None = None  # None: as the plan says
         self.reduce_op = "avg"
-        self.accumulator = None  # GradientAccumulator while gradients are accumulated unsynced
+        self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
+        self.reshard_after_backward = True
+        self.gathered = GatheredParams()  # by unshard(), or kept by backward for the next forward
         self.last: CompiledEntry | None = None  # the program the last call ran
 
     def resolved_for_flags(self) -> ResolvedPlan:
@@ -73,10 +81,14 @@ class _ParallelState:
         units = fsdp.units
         if self.reshard_after_forward is not None:
             units = tuple(dataclasses.replace(u, reshard_after_forward=self.reshard_after_forward) for u in units)
-        # With accumulated gradients pending, the sync step also returns unsharded gradients: the
-        # accumulator reduces the sum once.
-        unsharded = not self.gradient_sync or (self.accumulator is not None and self.accumulator.pending)
-        fsdp = dataclasses.replace(fsdp, units=units, gradient_sync=not unsharded, reduce_op=self.reduce_op)
+        # Gradients pending from earlier micro-steps become inputs of this program, added to its
+        # own gradients before they are reduced (propagation/accumulation.py).
+        fsdp = dataclasses.replace(
+            fsdp, units=units, gradient_sync=self.gradient_sync, all_reduce=self.all_reduce,
+            accumulated=self.accumulator.pending, reduce_op=self.reduce_op,
+            pregathered=tuple(sorted(self.gathered.units)),
+            reshard_after_backward=self.reshard_after_backward,
+        )
         return dataclasses.replace(self.resolved, fsdp=fsdp)
 
 
@@ -104,6 +116,7 @@ class ParallelModule(nn.Module):
             raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; use assign=False")
         from .state_dict import StateDictOptions, set_model_state_dict
 
+        self._hp.gathered.clear()  # gathered from the old values
         return set_model_state_dict(self, state_dict, StateDictOptions(strict=strict))
 
     # --- HSDPModule / FSDP2 methods -----------------------------------------------------------
@@ -113,12 +126,29 @@ class ParallelModule(nn.Module):
         self._require_fsdp("set_requires_gradient_sync")
         self._hp.gradient_sync = bool(requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters gradients over the shard axis but skips the all-reduce over
+        the replicate axis (accumulation with reduce-scatter only); the next step with True
+        all-reduces the accumulated sum once. No effect without a replicate axis."""
+        self._require_fsdp("set_requires_all_reduce")
+        self._hp.all_reduce = bool(requires_all_reduce)
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Override every unit's reshard_after_forward (recompiles once per setting)."""
         self._require_fsdp("set_reshard_after_forward")
         if not isinstance(reshard_after_forward, bool):
             raise ValueError("set_reshard_after_forward takes True or False")
         self._hp.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps the gathered parameters, so the next forward (a gradient
+        accumulation micro-step) issues no all-gather; more memory, less communication. What is
+        already kept stays for the next forward (as in FSDP2); kept values are dropped once an
+        optimizer step changes the shards, or by reshard()."""
+        self._require_fsdp("set_reshard_after_backward")
+        if not isinstance(reshard_after_backward, bool):
+            raise ValueError(f"set_reshard_after_backward takes True or False, got {reshard_after_backward!r}")
+        self._hp.reshard_after_backward = reshard_after_backward
 
     def set_reduce_op_type(self, reduce_op_type: str) -> None:
         """"avg" (default): gradients of the global mean loss, equal to one device's. "sum": the
@@ -127,6 +157,52 @@ class ParallelModule(nn.Module):
         if reduce_op_type not in ("avg", "sum"):
             raise ValueError(f"set_reduce_op_type takes 'avg' or 'sum', got {reduce_op_type!r}")
         self._hp.reduce_op = reduce_op_type
+
+    def unshard(self, async_op: bool = False, *, recurse: bool = False) -> UnshardHandle | None:
+        """All-gather the root unit's parameters now (every unit's with ``recurse=True``), for the
+        next forward: it uses them and issues no forward all-gather for those units (a unit that
+        reshards after forward still gathers again in backward). ``async_op=True`` returns a
+        handle to ``wait()`` on; otherwise this waits."""
+        return self._unshard_units(self._units(None, recurse, "unshard"), async_op)
+
+    def reshard(self, *, recurse: bool = False) -> None:
+        """Free what :meth:`unshard` gathered and the next forward has not used yet."""
+        for unit in self._units(None, recurse, "reshard"):
+            self._hp.gathered.drop(unit)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for FSDP2 compatibility. Nothing to do: every compiled backward waits for its
+        own reductions before it returns, so no gradient reduction is ever left in flight."""
+        self._require_fsdp("set_is_last_backward")
+        if not isinstance(is_last_backward, bool):
+            raise ValueError(f"set_is_last_backward takes True or False, got {is_last_backward!r}")
+
+    def zero_grads(self) -> None:
+        """Drop every FSDP gradient: those accumulated without sync (which the optimizer cannot
+        see) and the parameters' ``.grad``."""
+        self._require_fsdp("zero_grads")
+        self._hp.accumulator.buffers.clear()
+        for p in self.parameters():
+            p.grad = None
+
+    def _units(self, unit: str | None, recurse: bool, method: str) -> list[str]:
+        self._require_fsdp(method)
+        units = [u.module_fqn for u in self._hp.resolved.fsdp.units]
+        if recurse:
+            return units if unit is None else [u for u in units if u == unit or u.startswith(unit + ".") or unit == ""]
+        unit = "" if unit is None else unit
+        if unit not in units:
+            raise ValueError(f"{method}: {unit or '<root>'!r} is not an FSDP unit; the units are {units}")
+        return [unit]
+
+    def _unshard_units(self, units: list[str], async_op: bool) -> UnshardHandle | None:
+        for unit in units:
+            self._hp.gathered.put(unit, gather_unit(self, self._hp.resolved.fsdp, unit, async_op))
+        handle = UnshardHandle([self._hp.gathered.units[u] for u in units])
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def _require_fsdp(self, method: str) -> None:
         if self._hp.resolved.fsdp is None:
@@ -155,7 +231,10 @@ def _flags_key(resolved: ResolvedPlan) -> tuple:
     fsdp = resolved.fsdp
     if fsdp is None:
         return ()
-    return (fsdp.gradient_sync, fsdp.reduce_op, tuple(u.reshard_after_forward for u in fsdp.units))
+    return (
+        fsdp.gradient_layout, fsdp.accumulated, fsdp.reduce_op, fsdp.pregathered, fsdp.reshard_after_backward,
+        tuple(u.reshard_after_forward for u in fsdp.units),
+    )
 
 
 def _signature(x):
@@ -192,6 +271,10 @@ def parallelize(
     fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
+        # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).
+        from .passes.reshard_after_forward import attach_post_forward_groups
+
+        resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
     distribute_parameters(model, resolved.param_placements, mesh)
     _offload_shards(model, resolved)
     dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
@@ -199,6 +282,9 @@ def parallelize(
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
     model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
     model._hp.prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
+    link_units_to_root(model)
+    model._hp.gathered = GatheredParams(model.parameters())
+    watch_optimizers(model._hp.gathered)
     return model
 
 
@@ -323,7 +409,7 @@ def _compile(
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)
 
-    axis_of_group = group_axis_names(mesh)
+    axis_of_group = group_axis_names(mesh, resolved_plan.fsdp)
     colls = {
         "forward": collectives(program.forward_gm, axis_of_group),
         "backward": collectives(program.backward_gm, axis_of_group),
@@ -376,25 +462,60 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
             primals.append(b.to_local() if isinstance(b, DTensor) else b)
         elif info.kind == "input":
             primals.append(flat[info.index])
-    entry.program.grad_hook = _gradient_hook(module, entry, params)
+        elif info.kind == GRAD_ACCUM:
+            primals.append(_pending_gradient(module._hp.accumulator, info.name, entry, len(primals)))
+        elif info.kind == PREGATHERED:
+            primals.append(module._hp.gathered.take(entry.resolved.fsdp.unit_of[info.name], info.name))
+    module._hp.gathered.clear()  # consumed by this forward
+    if entry.program.kept_gathered:
+        entry.program.kept_hook = _keep_gathered_hook(module, entry)
+    entry.program.grad_hook = _gradient_hook(module, entry)
     outs = entry.program(*primals)
     return pytree.tree_unflatten(list(outs), captured.out_spec)
 
 
-def _gradient_hook(module: ParallelModule, entry: CompiledEntry, params: dict):
-    """What the backward does with FSDP gradients the program left unsharded (accumulation)."""
-    state = module._hp
+def _keep_gathered_hook(module: ParallelModule, entry: CompiledEntry):
+    """Store the gathered parameters backward returns, for the next forward."""
+    unit_of = entry.resolved.fsdp.unit_of
+
+    def keep(values: dict[str, torch.Tensor]) -> None:
+        for fqn, value in values.items():
+            module._hp.gathered.put(unit_of[fqn], {fqn: value})
+
+    return keep
+
+
+def _pending_gradient(accumulator: GradientAccumulator, fqn: str, entry: CompiledEntry, primal_index: int):
+    """The gradient of ``fqn`` accumulated by earlier micro-steps (zeros if it got none there)."""
+    if fqn in accumulator.buffers:
+        return accumulator.take(fqn)
+    val = list(entry.program.forward_gm.graph.find_nodes(op="placeholder"))[primal_index].meta["val"]
+    return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+
+
+def _gradient_hook(module: ParallelModule, entry: CompiledEntry):
+    """What backward does with FSDP gradients that are not final yet (accumulation micro-steps)."""
     fsdp = entry.resolved.fsdp
-    if fsdp is None or fsdp.gradient_sync:
+    if fsdp is None:
         return None
-    if state.accumulator is None:
+    accumulator = module._hp.accumulator
+    layout = fsdp.gradient_layout
+    if layout != "reduced":
         primal_params = [
             info.name if info.kind == "param" and info.name in fsdp.unit_of else None
             for info in entry.captured.inputs if info.kind != "tangent"
         ]
-        state.accumulator = GradientAccumulator(fsdp, state.mesh, primal_params)
-    accumulator = state.accumulator
-    if not state.gradient_sync:
-        return accumulator.accumulate
-    shapes = {f: params[f].to_local().shape for f in fsdp.unit_of}
-    return lambda grads: accumulator.reduce(grads, shapes)
+        return accumulator.keep_hook(primal_params, layout)
+
+    def check_nothing_left(grads):
+        if accumulator.buffers:
+            raise RuntimeError(
+                "gradient accumulation: gradients of "
+                f"{sorted(accumulator.buffers)[:3]} were accumulated without sync but this "
+                "synchronising step did not reduce them (a micro-step's backward ran after this "
+                "step's forward, or the parameters got no gradient here); run each backward before "
+                "the next forward"
+            )
+        return grads
+
+    return check_nothing_left

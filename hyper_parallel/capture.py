@@ -75,6 +75,28 @@ class CapturedGraph:
     num_user_outputs: int
     input_paths: list[str]  # readable path of every flat user input
     output_paths: list[str]  # readable path of every flat user output
+    # Gradient output slot -> placeholder of the gradient accumulated for it by earlier micro-steps
+    # (propagation/accumulation.py); lowering adds the two.
+    pending_inputs: dict[int, torch.fx.Node] = dataclasses.field(default_factory=dict)
+
+    def add_input(self, kind: str, name: str, val: torch.Tensor) -> torch.fx.Node:
+        """A new non-differentiable primal input, placed after the last primal (the joint graph
+        keeps primals before tangents) with a ``None`` gradient slot (one slot per primal)."""
+        graph = self.gm.graph
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        last = max(i for i, info in enumerate(self.inputs) if info.kind != "tangent")
+        with graph.inserting_after(placeholders[last]):
+            node = graph.placeholder(f"{kind}_{sum(i.kind == kind for i in self.inputs)}")
+        node.meta["val"] = val
+        # Its gradient slot follows the other primals' (outputs that are not gradients, such as
+        # kept gathered parameters, stay last).
+        grad_end = self.num_user_outputs + sum(i.kind != "tangent" for i in self.inputs)
+        self.inputs.insert(last + 1, InputInfo(kind, name, -1))
+        output = graph.output_node()
+        slots = list(output.args[0])
+        output.args = (type(output.args[0])(slots[:grad_end] + [None] + slots[grad_end:]),)
+        self.outputs.insert(grad_end, OutputInfo("none", "", -1))
+        return node
 
 
 def _path_str(path) -> str:

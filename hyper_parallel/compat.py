@@ -34,6 +34,7 @@ from torch.distributed.tensor._op_schema import (  # noqa: F401
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: F401
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 
 
 def sharding_propagator():
@@ -89,3 +90,17 @@ def clear_sharding_caches() -> None:
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
         clear()
+
+
+def unflatten_mesh_axis(mesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """``mesh`` with ``axis`` split row-major into axes ``names`` of ``sizes`` (``DeviceMesh._unflatten``),
+    creating the new axes' process groups. Collective: every rank of the mesh calls it."""
+    return mesh._unflatten(axis, tuple(sizes), tuple(names))
+
+
+def wait_collective(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor behind an async functional-collective result (waits for it); other tensors
+    are returned as they are. DTensor's ``redistribute(async_op=True)`` gives such results."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return t.wait() if isinstance(t, AsyncCollectiveTensor) else t

@@ -45,10 +45,17 @@ class Collective:
         return f"{self.kind}[{self.axis}] {self.dtype}{list(self.shape)}"
 
 
-def group_axis_names(mesh) -> dict[str, str]:
-    """Process-group name → mesh axis name for every axis of ``mesh``."""
+def group_axis_names(mesh, fsdp=None) -> dict[str, str]:
+    """Process-group name → mesh axis name for every axis of ``mesh``; with ``fsdp`` (an FsdpPlan),
+    also "<shard axis>/k<k>" for the groups of k ranks that ``reshard_after_forward=<k>`` units
+    gather over in backward. Group names differ between ranks; these labels do not."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
-    return {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+    out = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+    for unit in fsdp.units if fsdp is not None else ():
+        k = unit.reshard_after_forward
+        if unit.post_forward_group is not None and isinstance(k, int) and not isinstance(k, bool):
+            out[unit.post_forward_group] = f"{fsdp.shard_axis}/k{k}"
+    return out
 
 
 def collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> list[Collective]:

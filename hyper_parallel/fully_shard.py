@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import compat
 from .layout import format_placements
 from .plan import ResolvedPlan, fqn_matches
 
@@ -98,11 +99,20 @@ class FullyShard:
 
 @dataclasses.dataclass(frozen=True)
 class FsdpUnit:
-    """One unit: its module, the parameters it owns (FQNs) and whether it reshards after forward."""
+    """One unit: its module, the parameters it owns (FQNs) and whether it reshards after forward.
+
+    ``reshard_after_forward``: True (keep only the shard), False (keep the gathered parameters), or
+    an int 1 < k < shard-axis size (FSDP2's "world size to reshard to"): each rank keeps 1/k of the
+    unit's parameters and backward gathers them over a group of k ranks, contiguous along the shard
+    axis. For such a unit, ``parallelize`` sets ``post_forward_group`` (that group's process-group
+    name on this rank) and ``post_forward_rank`` (this rank's position in it).
+    """
 
     module_fqn: str
     params: tuple[str, ...]
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
+    post_forward_group: str | None = None
+    post_forward_rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +130,54 @@ class FsdpPlan:
     # False while accumulating gradients (set_requires_gradient_sync(False)): each FSDP gradient
     # stays the unsharded partial sum of this rank's data, nothing is reduced.
     gradient_sync: bool = True
+    # HSDP, set_requires_all_reduce(False): gradients are reduce-scattered over the shard axis but
+    # stay partial sums over the replicate axis (accumulation with reduce-scatter only).
+    all_reduce: bool = True
+    # Gradients accumulated by earlier micro-steps that this program adds to its own before they
+    # are reduced: None, or the GRADIENT_LAYOUTS name of their layout.
+    accumulated: str | None = None
+    # Units whose parameters the user gathered ahead (``unshard()``): the program takes them
+    # gathered as inputs and all-gathers them only again in backward, when the unit reshards.
+    pregathered: tuple[str, ...] = ()
+    # set_reshard_after_backward(False): backward also returns the gathered parameters, kept for the
+    # next forward (gradient accumulation micro-steps then skip the forward all-gathers).
+    reshard_after_backward: bool = True
     # set_reduce_op_type: "avg" gives the gradient of the global mean loss (one device's numbers);
     # "sum" sums the data-parallel ranks' gradients instead, i.e. scales by the dp degree.
     reduce_op: str = "avg"
 
     def unit(self, module_fqn: str) -> FsdpUnit:
         return next(u for u in self.units if u.module_fqn == module_fqn)
+
+    @property
+    def gradient_layout(self) -> str:
+        """Which of GRADIENT_LAYOUTS this program leaves FSDP gradients in."""
+        if not self.gradient_sync:
+            return "unsharded"
+        if not self.all_reduce and self.replicate_axis is not None:
+            return "reduce_scattered"
+        return "reduced"
+
+    def gradient_placements(self, param: str, layout: str, axis_names, storage: tuple) -> tuple:
+        """Placements (one per mesh axis) of ``param``'s gradient in ``layout``; ``storage`` is the
+        parameter's own (sharded) placements, which "reduced" gradients have."""
+        if layout == "reduced":
+            return storage
+        if layout == "reduce_scattered":
+            return tuple(Partial("sum") if name == self.replicate_axis else p for name, p in zip(axis_names, storage))
+        if layout == "unsharded":
+            dp_axes = {self.shard_axis, self.replicate_axis}
+            return tuple(
+                Partial("sum") if name in dp_axes else p
+                for name, p in zip(axis_names, self.compute_placements[param])
+            )
+        raise ValueError(f"unknown gradient layout {layout!r}; expected one of {GRADIENT_LAYOUTS}")
+
+
+# How an FSDP gradient leaves a compiled backward: "reduced" (sharded like its parameter, the final
+# gradient), "reduce_scattered" (HSDP without the replicate all-reduce: sharded, a partial sum over
+# the replicate axis) or "unsharded" (no communication: this rank's partial sum, whole on dp axes).
+GRADIENT_LAYOUTS = ("reduced", "reduce_scattered", "unsharded")
 
 
 # --- the FSDP2-style functional API ---------------------------------------------------------------
@@ -148,6 +200,36 @@ class FullyShardedModule:
         """The same for backward (the units that run next in backward, i.e. earlier layers)."""
         _check_units("set_modules_to_backward_prefetch", modules)
         self._hp_backward_prefetch = list(modules)
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters for the next forward (see ParallelModule.unshard)."""
+        root, fqn = self._parallel_root("unshard")
+        return root._unshard_units(root._units(fqn, False, "unshard"), async_op)
+
+    def reshard(self) -> None:
+        """Free what :meth:`unshard` gathered for this unit and no forward used yet."""
+        root, fqn = self._parallel_root("reshard")
+        root._hp.gathered.pop(fqn, None)
+
+    def _parallel_root(self, method: str):
+        link = getattr(self, "_hp_parallel_root", None)
+        root = link() if link is not None else None
+        if root is None:
+            raise RuntimeError(
+                f"{method} needs the parallelized model: call hp.parallelize(model, None, mesh) on the "
+                "root first (the unit's parameters are sharded only then)"
+            )
+        return root, self._hp_unit_fqn
+
+
+def link_units_to_root(root: nn.Module) -> None:
+    """Let each ``fully_shard`` unit of the parallelized ``root`` reach it (unshard/reshard)."""
+    import weakref
+
+    for fqn, module in root.named_modules():
+        if isinstance(module, FullyShardedModule) and module is not root:
+            module._hp_parallel_root = weakref.ref(root)
+            module._hp_unit_fqn = fqn
 
 
 def _check_units(method: str, modules) -> None:
@@ -324,12 +406,29 @@ def _storage_placements(compute: tuple, names, sizes, shard_i: int, fqn: str, sh
             "inside tensor-parallel shards are not supported: use degrees that divide dim 0"
         )
     if later:
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        placements[shard_i] = _StridedShard(0, split_factor=math.prod(sizes[i] for i in later))
+        placements[shard_i] = compat.StridedShard(0, split_factor=math.prod(sizes[i] for i in later))
     else:
         placements[shard_i] = Shard(0)
     return tuple(placements)
+
+
+def _reshard_value(value: Any, unit: str | None, shard_axis: str, size: int) -> bool | int:
+    """``reshard_after_forward`` normalised as FSDP2 does: an int k must divide the shard-axis size;
+    k == size means True and k == 1 means False, so an int result is always 1 < k < size.
+    ``unit``: the unit's module FQN when the value was given per unit (``hp.fully_shard``)."""
+    where = "fully_shard" if unit is None else f"fully_shard unit {unit or '<root>'!r}:"
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise TypeError(f"{where} reshard_after_forward must be True, False or an int, got {value!r}")
+    if value <= 0 or size % value != 0:
+        divisors = [d for d in range(1, size + 1) if size % d == 0]
+        raise ValueError(
+            f"{where} reshard_after_forward={value} must divide the shard axis {shard_axis}={size} "
+            f"(it is the size of the smaller group parameters are resharded to after forward); "
+            f"use one of {divisors}, or True/False"
+        )
+    return True if value == size else False if value == 1 else value
 
 
 def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) -> ResolvedPlan:
@@ -343,18 +442,12 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
                 f"fully_shard shards over {axis!r}, which is not a data-parallel axis (those are "
                 f"{list(resolved.data_parallel_axes)}); name data-parallel axes 'dp*' or 'fsdp'"
             )
-    if isinstance(spec.reshard_after_forward, int) and not isinstance(spec.reshard_after_forward, bool):
-        size = sizes[names.index(shard_axis)]
-        if spec.reshard_after_forward <= 0 or size % spec.reshard_after_forward != 0:
-            raise ValueError(
-                f"fully_shard reshard_after_forward={spec.reshard_after_forward} must divide the "
-                f"shard axis {shard_axis}={size} (it is the size of the smaller group parameters "
-                "are resharded to after forward)"
-            )
-        raise ValueError(
-            "fully_shard reshard_after_forward=<int> (resharding to a smaller group) is not "
-            "supported yet; use True or False"
-        )
+    shard_size = sizes[names.index(shard_axis)]
+    per_unit_reshard = {  # hp.fully_shard calls: checked first, so an error names the unit
+        unit: _reshard_value(value, unit, shard_axis, shard_size)
+        for unit, value in getattr(spec, "_per_unit_reshard", {}).items()
+    }
+    default_reshard = _reshard_value(spec.reshard_after_forward, None, shard_axis, shard_size)
     owner = _assign_units(spec, model)
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_i = names.index(shard_axis)
@@ -363,7 +456,6 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
     for fqn, unit in owner.items():
         compute[fqn] = resolved.param_placements[fqn]
         storage[fqn] = _storage_placements(compute[fqn], names, sizes, shard_i, fqn, params[fqn].shape)
-    per_unit_reshard = getattr(spec, "_per_unit_reshard", {})
     units = []
     for unit in dict.fromkeys(owner.values()):
         members = tuple(f for f, u in owner.items() if u == unit)
@@ -374,8 +466,7 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
                 "one fused all-gather needs one dtype: set mixed_precision=MixedPrecisionPolicy("
                 "param_dtype=...) or split the unit"
             )
-        reshard = per_unit_reshard.get(unit, spec.reshard_after_forward)
-        units.append(FsdpUnit(unit, members, bool(reshard)))
+        units.append(FsdpUnit(unit, members, per_unit_reshard.get(unit, default_reshard)))
     fsdp = FsdpPlan(
         shard_axis=shard_axis,
         replicate_axis=replicate_axis,

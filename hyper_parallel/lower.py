@@ -4,7 +4,8 @@ Reads ``node.meta["hp_layout"]`` (propagation/engine.py). Writes a new GraphModu
 tensors with the same placeholders (``primals_*``, ``tangents_*``) and the same output slots, in
 which every layout change is an explicit ``torch.ops._c10d_functional`` collective followed by its
 ``wait_tensor``. Each new node carries in ``meta``: ``hp_source`` (the joint-graph node it comes
-from), ``hp_role`` ("compute" or "redistribute"), ``hp_layout`` of its source for compute nodes,
+from), ``hp_role`` ("compute", "redistribute", or "accumulate" for the add of a gradient accumulated by
+earlier micro-steps), ``hp_layout`` of its source for compute nodes,
 ``hp_redistribute`` ("S(0) -> R") for communication, and the source's ``stack_trace`` and module
 stacks, so dumps and errors point at the user's code.
 
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _COPIED_META = (
     "stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr",
-    "hp_fsdp_param", "hp_fsdp_unit",
+    "hp_fsdp_param", "hp_fsdp_unit", "hp_fsdp_phase",
 )
 
 
@@ -186,13 +187,28 @@ class _LocalInterpreter:
 
     def outputs(self, node, env):
         results = []
-        for slot, want, info in zip(node.args[0], node.meta["hp_layout"].inputs, self.captured.outputs):
+        slots = zip(node.args[0], node.meta["hp_layout"].inputs, self.captured.outputs)
+        for i, (slot, want, info) in enumerate(slots):
             if slot is None or want is None:
                 results.append(None)
                 continue
             grad_of = info.name if info.kind == "grad" else None
-            results.append(compat.local_of(_redistribute(env[slot], want, "output", grad_of)))
+            value = env[slot]
+            pending = self.captured.pending_inputs.get(i)
+            if pending is not None:
+                value = _add_pending(value, env[pending], slot.name, grad_of)
+            results.append(compat.local_of(_redistribute(value, want, "output", grad_of)))
         return results
+
+
+def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of: str) -> DTensor:
+    """``grad`` + the gradient accumulated for it by earlier micro-steps, added where ``grad``'s
+    way to its final layout passes through ``pending``'s layout (propagation/accumulation.py)."""
+    spec = compat.spec_of(pending)
+    grad = _redistribute(grad, spec, source_node_name, grad_of)
+    with fx_traceback.annotate({"hp_source": source_node_name, "hp_role": "accumulate"}):
+        total = compat.local_of(grad) + compat.local_of(pending)
+    return compat.dtensor_from_spec(total, spec)
 
 
 def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, list]:

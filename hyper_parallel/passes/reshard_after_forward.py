@@ -7,17 +7,39 @@ parameter, or of a cheap view of it computed in forward, is rewired to a copy of
 the backward region, right before its first backward use; the forward copy then dies after its
 last forward use and only the shard (a graph input) crosses to backward.
 
+``reshard_after_forward=<k>`` (FSDP2's "world size to reshard to", 1 < k < N for a shard axis of N
+ranks): each rank keeps 1/k of the gathered parameter instead of 1/N, and backward gathers over a
+group of k ranks (contiguous along the shard axis, e.g. one node) instead of all N. Right after the
+forward all-gather's wait, the rank at position p of its k-group keeps rows [p, p+1) * rows(w)/k of
+the gathered result w (a clone, so w itself can die); the backward copy of the all-gather gathers
+those pieces over the k-group. ``all_gather_into_tensor`` concatenates on dim 0 and every rank
+holds the same w, so the k pieces concatenate to w exactly: numerics are bit-identical to
+``reshard_after_forward=True``. :func:`attach_post_forward_groups` creates the k-groups (at
+``parallelize`` time, since creating a process group is collective).
+
 Reads: ``hp_fsdp_param``/``hp_fsdp_unit``/``hp_role`` (lowering) and ``partitioner_tag`` on nodes,
-``ctx.fsdp`` (units and their reshard flags). Writes: copied nodes with
-``meta["hp_fsdp_phase"] = "backward"``. Idempotent (backward uses already point at copies);
-numerics unchanged (the copies compute the same values).
+``ctx.fsdp`` (units, their reshard flags and ``post_forward_group``/``post_forward_rank``),
+``ctx.mesh`` (the shard axis's group). Writes: copied nodes with ``meta["hp_fsdp_phase"] =
+"backward"``; for int units, the kept piece (forward ``slice`` + ``clone``, ``meta["hp_fsdp_post_forward"]
+= k``, ``partitioner_tag="is_forward"``) and the backward all-gather over the k-group, which keeps
+the original's ``hp_fsdp_param``/``hp_fsdp_unit``/``hp_role`` so bucketing fuses a unit's backward
+gathers into one. Idempotent (backward uses already point at copies; kept pieces are never
+recomputed); numerics unchanged (the copies compute the same values).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
+
+from .. import compat
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+POST_FORWARD = "hp_fsdp_post_forward"  # meta key of a kept 1/k piece: k
 
 # Ops that only re-view or re-type a gathered parameter: recomputing them in backward is free next
 # to keeping their unsharded result alive.
@@ -50,6 +72,100 @@ def gathered_param_region(graph: torch.fx.Graph, params=None) -> set[torch.fx.No
     return region
 
 
+def post_forward_size(unit) -> int | None:
+    """k of a unit with ``reshard_after_forward=<k>``, else None."""
+    k = unit.reshard_after_forward
+    return k if isinstance(k, int) and not isinstance(k, bool) else None
+
+
+def attach_post_forward_groups(fsdp, mesh):
+    """``fsdp`` (an FsdpPlan) with ``post_forward_group``/``post_forward_rank`` set on every unit
+    with ``reshard_after_forward=<k>``: the shard axis of N ranks is split into N/k contiguous
+    groups of k, one split per distinct k. Creates process groups, so every rank calls it."""
+    if fsdp is None:
+        return fsdp
+    sizes = sorted({k for u in fsdp.units if (k := post_forward_size(u))})
+    if not sizes:
+        return fsdp
+    axis = fsdp.shard_axis
+    n = mesh.size(mesh.mesh_dim_names.index(axis))
+    groups = {}
+    for k in sizes:
+        inner = f"{axis}_k{k}"
+        split = compat.unflatten_mesh_axis(mesh, axis, (n // k, k), (f"{axis}_outer{k}", inner))
+        group = split.get_group(inner)
+        # The rank's index in the group is where its piece goes in the group's all-gather.
+        groups[k] = (group.group_name, dist.get_rank(group))
+    units = tuple(
+        dataclasses.replace(u, post_forward_group=groups[k][0], post_forward_rank=groups[k][1])
+        if (k := post_forward_size(u)) else u
+        for u in fsdp.units
+    )
+    return dataclasses.replace(fsdp, units=units)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Smaller:
+    """Where a unit's backward all-gather runs instead of the shard axis."""
+
+    k: int
+    group: str
+    position: int
+    shard_size: int
+    shard_group: str
+
+
+def _smaller_groups(fsdp, mesh) -> dict[str, _Smaller]:
+    out = {}
+    for u in fsdp.units:
+        k = post_forward_size(u)
+        if k is None:
+            continue
+        assert u.post_forward_group is not None, (
+            f"FSDP unit {u.module_fqn!r} reshards to {k} ranks but has no post-forward group: "
+            "attach_post_forward_groups was not called"
+        )
+        axis = mesh.mesh_dim_names.index(fsdp.shard_axis)
+        out[u.module_fqn] = _Smaller(
+            k, u.post_forward_group, u.post_forward_rank, mesh.size(axis), mesh.get_group(axis).group_name
+        )
+    return out
+
+
+def _fake(like: torch.Tensor, shape) -> torch.Tensor:
+    with like.fake_mode:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def _regather_kept_piece(graph, gather: torch.fx.Node, anchor: torch.fx.Node, to: _Smaller) -> torch.fx.Node:
+    """Keep this rank's 1/k of ``gather``'s forward result; return an all-gather of the pieces
+    over the k-group, inserted before ``anchor`` (it has the same value as ``gather``)."""
+    wait = next(u for u in gather.users if u.target is c10d.wait_tensor.default)
+    full = wait.meta["val"]
+    rows = full.shape[0] // to.shard_size * (to.shard_size // to.k)
+    lo = to.position * rows
+    kept = []
+    after = wait
+    for target, args in ((aten.slice.Tensor, (wait, 0, lo, lo + rows)), (aten.clone.default, None)):
+        with graph.inserting_after(after):
+            node = graph.call_function(target, args or (after,))
+        node.meta.update(wait.meta)
+        node.meta.update({
+            "val": _fake(full, [rows, *full.shape[1:]]), POST_FORWARD: to.k, "partitioner_tag": "is_forward",
+            "hp_redistribute": f"keep rows {lo}:{lo + rows} of {full.shape[0]} (reshard to {to.k} ranks)",
+        })
+        kept.append(node)
+        after = node
+    with graph.inserting_before(anchor):
+        regather = graph.call_function(c10d.all_gather_into_tensor.default, (kept[-1], to.k, to.group))
+    regather.meta.update(gather.meta)  # same value (and fake val) as the forward all-gather
+    regather.meta.update({
+        "hp_fsdp_phase": "backward", "partitioner_tag": "is_backward",
+        "hp_redistribute": f"{gather.meta.get('hp_redistribute', '')} (over {to.k} ranks)".lstrip(),
+    })
+    return regather
+
+
 def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     fsdp = getattr(ctx, "fsdp", None)
     if fsdp is None:
@@ -57,16 +173,24 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
     resharding = {p for u in fsdp.units if u.reshard_after_forward for p in u.params}
     graph = gm.graph
     # The forward region that may be recomputed: the all-gather chains of resharding parameters and
-    # the cheap views computed from them in forward.
-    region = gathered_param_region(graph, resharding)
+    # the cheap views computed from them in forward (not the pieces int units keep on purpose).
+    region = {n for n in gathered_param_region(graph, resharding) if POST_FORWARD not in n.meta}
     if not region:
         return gm
+    smaller = _smaller_groups(fsdp, ctx.mesh)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
 
     def copy_before(node: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node:
         if node not in region:
             return node
         if node not in copies:
+            to = smaller.get(node.meta.get("hp_fsdp_unit"))
+            if (
+                to is not None and node.target is c10d.all_gather_into_tensor.default
+                and tuple(node.args[1:]) == (to.shard_size, to.shard_group)
+            ):
+                copies[node] = _regather_kept_piece(graph, node, anchor, to)
+                return copies[node]
             for arg in node.all_input_nodes:
                 copy_before(arg, anchor)
             with graph.inserting_before(anchor):
@@ -77,7 +201,9 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
         return copies[node]
 
     for user in list(graph.nodes):
-        if not _is_backward(user) or user in copies.values():
+        # The output node counts as a backward use: a gathered parameter it returns is one kept
+        # after backward (set_reshard_after_backward(False)), which must not be kept from forward.
+        if not (_is_backward(user) or user.op == "output") or user in copies.values():
             continue
         for arg in list(user.all_input_nodes):
             if arg in region:

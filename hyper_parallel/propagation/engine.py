@@ -34,9 +34,10 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .. import compat
 from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
 from ..capture import CapturedGraph, module_fqn_of, source_line
+from .accumulation import GRAD_ACCUM, insert_gradient_accumulation
 from .boundaries import merge_boundaries
 from .rules import NoShardingRule, propagate_op
-from .unshard import insert_unshard_nodes
+from .unshard import GATHERED, PREGATHERED, insert_unshard_nodes
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,15 @@ class _Propagator:
         val = node.meta["val"]
         if info.kind in ("param", "buffer"):
             placements = self.resolved.param_placements[info.name]
+        elif info.kind == PREGATHERED:  # gathered ahead by unshard(): the computing layout
+            spec = make_spec(self.mesh, self.resolved.fsdp.compute_placements[info.name], val)
+            return NodeLayout(spec, (), "placeholder")
+        elif info.kind == GRAD_ACCUM:  # gradients pending from earlier micro-steps
+            fsdp = self.resolved.fsdp
+            placements = fsdp.gradient_placements(
+                info.name, fsdp.accumulated, self.axis_names, self.resolved.param_placements[info.name]
+            )
+            return NodeLayout(make_spec(self.mesh, placements, val), (), "placeholder")
         elif info.kind == "input":
             override = self.resolved.inputs.get(info.name)
             placements = (
@@ -285,20 +295,20 @@ class _Propagator:
                 wanted.append(None)
             elif info.kind == "output":
                 wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
+            elif info.kind == GATHERED:  # kept after backward: as computed with
+                spec = make_spec(self.mesh, self.resolved.fsdp.compute_placements[info.name], slot.meta["val"])
+                wanted.append(spec)
             else:  # gradient of a parameter: the parameter's own layout
                 wanted.append(make_spec(self.mesh, self._grad_placements(info.name), slot.meta["val"]))
         return NodeLayout(None, tuple(wanted), "output")
 
     def _grad_placements(self, param: str) -> tuple:
+        storage = self.resolved.param_placements[param]
         fsdp = self.resolved.fsdp
-        if fsdp is None or fsdp.gradient_sync or param not in fsdp.unit_of:
-            return self.resolved.param_placements[param]
-        # Accumulating without sync: unsharded, a partial sum over the data-parallel axes.
-        dp_axes = {fsdp.shard_axis, fsdp.replicate_axis}
-        return tuple(
-            Partial("sum") if name in dp_axes else p
-            for name, p in zip(self.axis_names, fsdp.compute_placements[param])
-        )
+        if fsdp is None or param not in fsdp.unit_of:
+            return storage
+        # Accumulating: unreduced, or reduced over the shard axis only (fully_shard.GRADIENT_LAYOUTS).
+        return fsdp.gradient_placements(param, fsdp.gradient_layout, self.axis_names, storage)
 
     def run(self) -> PropagationReport:
         graph = self.captured.gm.graph
@@ -351,6 +361,7 @@ def propagate(captured: CapturedGraph, resolved, mesh, storage_dtypes=None) -> P
     parameter in another (compute) dtype."""
     merge_boundaries(captured.gm, resolved)
     insert_unshard_nodes(captured, resolved, storage_dtypes or {}, mesh.device_type)
+    insert_gradient_accumulation(captured, resolved.fsdp)
     report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)

@@ -12,6 +12,12 @@ to ``param_dtype`` is placed before the unshard, so the all-gather moves ``param
 parameter's gradient is cast to ``reduce_dtype`` (default: ``param_dtype``, as FSDP2) before it leaves
 the graph, so its reduce-scatter runs in that dtype; the runtime casts the result to the storage dtype.
 
+Gathered ahead (``unshard()``, units in ``fsdp.pregathered``): the parameter's forward uses read a
+new ``pregathered`` input holding the gathered value instead; only when the unit reshards after
+forward does an unshard node remain, tagged backward (``hp_fsdp_phase``), for the backward uses.
+Kept after backward (``set_reshard_after_backward(False)``, ``fsdp.reshard_after_backward``): every
+gathered parameter becomes an extra output of the joint graph, after the gradients.
+
 CPU offload (``CPUOffloadPolicy``): shards, gradients and optimizer state stay on the host; when the
 mesh computes elsewhere, a host-to-device copy of the shard precedes the cast and the unshard (the
 runtime moves each gradient back to its parameter's device). On a CPU mesh there is nothing to copy.
@@ -22,7 +28,10 @@ from __future__ import annotations
 import torch
 
 from ..annotations import UNSHARD
-from ..capture import CapturedGraph
+from ..capture import CapturedGraph, OutputInfo
+
+PREGATHERED = "pregathered"  # InputInfo kind of a parameter the user gathered ahead (unshard())
+GATHERED = "gathered"  # OutputInfo kind of a gathered parameter kept after backward
 
 
 def _retyped(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,11 +51,19 @@ def insert_unshard_nodes(
     order = {n: i for i, n in enumerate(graph.nodes)}
     inserted = 0
     policy = fsdp.mixed_precision
-    for node, info in zip(list(graph.find_nodes(op="placeholder")), captured.inputs):
+    kept: dict[str, torch.fx.Node] = {}  # parameter FQN -> its gathered value at the end of backward
+    for node, info in zip(list(graph.find_nodes(op="placeholder")), list(captured.inputs)):
         if info.kind != "param" or info.name not in fsdp.unit_of or not node.users:
             continue
-        first_user = min(node.users, key=order.__getitem__)
         compute_val = node.meta["val"]
+        users = list(node.users)
+        phase = "is_forward"
+        if fsdp.unit_of[info.name] in fsdp.pregathered:
+            users, kept[info.name] = _route_to_pregathered(captured, node, info.name, fsdp)
+            if not users:
+                continue
+            phase = "is_backward"
+        first_user = min(users, key=order.__getitem__)
         source = node
         storage_dtype = storage_dtypes[info.name]
         if compute_val.dtype != storage_dtype:
@@ -56,7 +73,7 @@ def insert_unshard_nodes(
                     torch.ops.aten._to_copy.default, (node,), {"dtype": compute_val.dtype}
                 )
             source.meta["val"] = compute_val
-            source.meta["partitioner_tag"] = "is_forward"
+            source.meta["partitioner_tag"] = phase
         if _offloaded(fsdp) and compute_val.device.type != compute_device:
             # CPU offload: the shard lives on the host; copy it to the compute device first.
             with graph.inserting_before(first_user):
@@ -65,21 +82,50 @@ def insert_unshard_nodes(
                 )
             with compute_val.fake_mode:
                 source.meta["val"] = torch.empty_like(compute_val, device=compute_device)
-            source.meta["partitioner_tag"] = "is_forward"
+            source.meta["partitioner_tag"] = phase
         with graph.inserting_before(first_user):
             gathered = graph.call_function(UNSHARD, (source, info.name))
         gathered.meta["val"] = source.meta["val"]
         gathered.meta["hp_fsdp_param"] = info.name
         gathered.meta["hp_fsdp_unit"] = fsdp.unit_of[info.name]
+        if phase == "is_backward":  # gathered again for backward only (the unit reshards)
+            gathered.meta["partitioner_tag"] = phase
+            gathered.meta["hp_fsdp_phase"] = "backward"
         for key in ("nn_module_stack", "stack_trace"):
             if key in first_user.meta:
                 gathered.meta[key] = first_user.meta[key]
-        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user not in (gathered, source))
+        node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user in users)
+        kept[info.name] = gathered
         inserted += 1
+    if not fsdp.reshard_after_backward:
+        _keep_gathered(captured, kept)
     if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None) or fsdp.reduce_op == "sum":
         _prepare_gradients(captured, fsdp, policy, resolved)
     captured.gm.recompile()
     return inserted
+
+
+def _route_to_pregathered(captured: CapturedGraph, node: torch.fx.Node, fqn: str, fsdp) -> list:
+    """``unshard()`` gathered ``fqn`` ahead: its forward uses read a new ``pregathered`` input (the
+    gathered value, in the compute dtype) instead. Returns the uses still to be served by an
+    all-gather of the shard: the backward ones when the unit reshards after forward, else none."""
+    val = node.meta["val"]
+    with val.fake_mode:
+        gathered = captured.add_input(PREGATHERED, fqn, torch.empty_like(val))
+    reshards = fsdp.unit(fsdp.unit_of[fqn]).reshard_after_forward
+    regather = [u for u in node.users if u.meta.get("partitioner_tag") == "is_backward"] if reshards else []
+    node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user not in regather)
+    return regather, gathered
+
+
+def _keep_gathered(captured: CapturedGraph, kept: dict[str, torch.fx.Node]) -> None:
+    """``set_reshard_after_backward(False)``: the joint graph also returns every gathered FSDP
+    parameter (``OutputInfo("gathered", fqn)`` slots after the gradients), for the next forward
+    to use instead of gathering again. The reshard_after_forward pass points each at its backward
+    copy when the unit reshards after forward, so forward does not keep it."""
+    output = captured.gm.graph.output_node()
+    output.args = (type(output.args[0])(list(output.args[0]) + list(kept.values())),)
+    captured.outputs = list(captured.outputs) + [OutputInfo(GATHERED, fqn, -1) for fqn in kept]
 
 
 def _offloaded(fsdp) -> bool:

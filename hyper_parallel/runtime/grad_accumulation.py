@@ -1,68 +1,55 @@
-"""Gradient accumulation without communication, for FSDP/HSDP (``set_requires_gradient_sync``).
+"""Gradients kept between micro-steps of FSDP/HSDP gradient accumulation.
 
-While gradient sync is off, the compiled program leaves every FSDP parameter's gradient as the
-unsharded partial sum of this rank's data (no reduce-scatter); :class:`GradientAccumulator` adds
-those into per-parameter buffers and hands autograd nothing for them. On the next step with sync on,
-the program again returns unsharded partial gradients; the accumulator adds them to the buffers and
-reduces each unit's buffers once, through one flat buffer (reduce-scatter over the shard axis, then
-all-reduce over the HSDP replicate axis), and hands autograd the resulting shards. The numbers equal
-one large batch: the reduction is linear, so reducing the accumulated sum once equals summing the
-per-step reductions.
+``set_requires_gradient_sync(False)`` compiles programs that leave FSDP gradients unsharded and
+unreduced; HSDP's ``set_requires_all_reduce(False)`` compiles programs that reduce-scatter them but
+skip the replicate all-reduce. Those gradients are not final, so autograd gets ``None`` for them and
+this holder keeps them. The next program takes them as inputs and adds them to its own gradients in
+the graph (propagation/accumulation.py), so the step that syncs reduces the whole sum once, with the
+same fused, scheduled collectives as any step. No collective runs from here.
 
-These collectives run from the runtime, not from a graph: a known gap (see the issue note).
+Forward hands the pending gradients to the program (``take``); backward stores what the program
+returns (``keep``). Should two forwards run before their backwards, the second finds nothing pending
+and its gradients are added here instead, so nothing is counted twice.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 class GradientAccumulator:
-    def __init__(self, fsdp, mesh, primal_params: list[str | None]):
-        self.fsdp = fsdp
-        self.mesh = mesh
-        self.primal_params = primal_params  # per primal index: FSDP parameter FQN or None
-        self.buffers: dict[str, torch.Tensor] = {}
-        names = mesh.mesh_dim_names
-        self.shard_group = mesh.get_group(names.index(fsdp.shard_axis))
-        self.shard_size = mesh.size(names.index(fsdp.shard_axis))
-        self.replicate_group = (
-            mesh.get_group(names.index(fsdp.replicate_axis)) if fsdp.replicate_axis else None
-        )
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}  # parameter FQN -> pending local gradient
+        self.layout: str | None = None  # their fully_shard.GRADIENT_LAYOUTS name
 
     @property
-    def pending(self) -> bool:
-        return bool(self.buffers)
+    def pending(self) -> str | None:
+        """The layout of the pending gradients, or None when there are none."""
+        return self.layout if self.buffers else None
 
-    def accumulate(self, grads: list) -> list:
-        """No-sync step: keep the unsharded gradients, give autograd None for them."""
-        out = list(grads)
-        for i, fqn in enumerate(self.primal_params):
-            if fqn is None or grads[i] is None:
-                continue
-            g = grads[i]
-            self.buffers[fqn] = self.buffers[fqn] + g if fqn in self.buffers else g.clone()
-            out[i] = None
-        return out
+    def take(self, fqn: str) -> torch.Tensor:
+        """Hand ``fqn``'s pending gradient to a program (which adds it to its own)."""
+        return self.buffers.pop(fqn)
 
-    def reduce(self, grads: list, shard_shapes: dict[str, torch.Size]) -> list:
-        """Sync step: add this step's unsharded gradients, reduce each unit once, return shards."""
-        self.accumulate(grads)
-        out = list(grads)
-        index_of = {fqn: i for i, fqn in enumerate(self.primal_params) if fqn is not None}
-        for unit in self.fsdp.units:
-            members = [f for f in unit.params if f in self.buffers]
-            if not members:
-                continue
-            rows = [self.buffers[f].reshape(self.shard_size, -1) for f in members]
-            flat = torch.cat(rows, dim=1).reshape(-1)
-            shard = flat.new_empty(flat.numel() // self.shard_size)
-            dist.reduce_scatter_tensor(shard, flat, group=self.shard_group)
-            if self.replicate_group is not None:
-                dist.all_reduce(shard, group=self.replicate_group)
-            for f, piece in zip(members, shard.split([r.shape[1] for r in rows])):
-                if f in index_of:
-                    out[index_of[f]] = piece.reshape(shard_shapes[f])
-        self.buffers.clear()
-        return out
+    def keep_hook(self, primal_params: list[str | None], layout: str):
+        """A backward gradient hook that stores this step's (partial) FSDP gradients and gives
+        autograd ``None`` for them. ``primal_params``: per primal, its FSDP parameter FQN or None."""
+
+        def keep(grads: list) -> list:
+            if self.buffers and self.layout != layout:
+                raise RuntimeError(
+                    f"gradient accumulation: gradients pending in layout {self.layout!r} meet new ones in "
+                    f"{layout!r}; run each micro-step's backward before the next forward when changing "
+                    "set_requires_gradient_sync / set_requires_all_reduce"
+                )
+            out = list(grads)
+            for i, fqn in enumerate(primal_params):
+                if fqn is None or grads[i] is None:
+                    continue
+                pending = self.buffers.get(fqn)
+                self.buffers[fqn] = grads[i] if pending is None else pending + grads[i]
+                out[i] = None
+            self.layout = layout
+            return out
+
+        return keep

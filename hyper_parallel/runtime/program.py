@@ -45,9 +45,14 @@ class CompiledProgram:
     num_primals: int
     tangent_outputs: tuple[int, ...]  # which user outputs have a tangent input in backward
     differentiable: tuple[bool, ...]  # per user output
+    # FQNs of the gathered parameters backward returns after the gradients (kept for the next
+    # forward: set_reshard_after_backward(False)).
+    kept_gathered: tuple[str, ...] = ()
     # Set by the runtime per call: receives the backward's gradients and returns what autograd gets
-    # (gradient accumulation keeps unsharded gradients aside and reduces them at the sync step).
+    # (gradient accumulation keeps not-yet-reduced gradients aside for the next micro-step).
     grad_hook: object = None
+    # Set by the runtime per call: receives {FQN: gathered parameter} when kept_gathered is not empty.
+    kept_hook: object = None
 
     @classmethod
     def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
@@ -61,7 +66,8 @@ class CompiledProgram:
                 isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.find_nodes(op="placeholder")
             ):
                 raise NotImplementedError("dynamic shapes are not supported yet")
-        return cls(fw, bw, num_outputs, len(primals), tangents, differentiable)
+        kept = tuple(o.name for o in captured.outputs if o.kind == "gathered")
+        return cls(fw, bw, num_outputs, len(primals), tangents, differentiable, kept)
 
     def saved_for_backward(self) -> list[torch.fx.Node]:
         """The forward graph's outputs that backward consumes (activations, views, inputs)."""
@@ -78,6 +84,7 @@ class _RunStep(torch.autograd.Function):
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
         ctx.grad_hook = program.grad_hook
+        ctx.kept_hook = program.kept_hook
         ctx.primal_meta = [(p.dtype, p.device) if isinstance(p, torch.Tensor) else (None, None) for p in primals]
         ctx.save_for_backward(*saved)
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
@@ -90,7 +97,10 @@ class _RunStep(torch.autograd.Function):
         program: CompiledProgram = ctx.program
         tangents = [grad_outputs[i].contiguous() for i in program.tangent_outputs]
         grads = program.backward_gm(*ctx.saved_tensors, *tangents)
-        assert len(grads) == program.num_primals, (len(grads), program.num_primals)
+        assert len(grads) == program.num_primals + len(program.kept_gathered), len(grads)
+        grads, kept = grads[: program.num_primals], grads[program.num_primals :]
+        if kept and ctx.kept_hook is not None:
+            ctx.kept_hook(dict(zip(program.kept_gathered, kept)))
         if ctx.grad_hook is not None:
             grads = ctx.grad_hook(list(grads))
         # Gradients reduced in another dtype (mixed precision's reduce_dtype) or on another device

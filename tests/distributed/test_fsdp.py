@@ -2,6 +2,7 @@
 collective structure and volume of FSDP, read from the compile summary."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -199,14 +200,16 @@ def test_fsdp_passes_off_keep_numerics(dist2):
     assert _coll(summary, "backward", "all_gather", "dp")["count"] == 0  # nothing re-gathered
 
 
-def gradient_accumulation_parity(mesh_shape, mesh_names, micro_steps=4, steps=2):
-    """4 micro-batches with gradient sync off until the last == one step on the whole batch."""
+def gradient_accumulation_parity(mesh_shape, mesh_names, method, micro_steps=4, steps=2):
+    """4 micro-batches that skip communication (``method``: "gradient_sync" skips all of it,
+    "all_reduce" only HSDP's replicate all-reduce) until the last == one step on the whole batch."""
     from hyper_parallel.testing.parity import local_batch
 
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     reference = build_model("llama")
     model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    setter = {"gradient_sync": model.set_requires_gradient_sync, "all_reduce": model.set_requires_all_reduce}[method]
     collectives = []
     for step in range(steps):
         full = global_batch("llama", 4 * micro_steps, 16, seed=step + 1)
@@ -215,7 +218,7 @@ def gradient_accumulation_parity(mesh_shape, mesh_names, micro_steps=4, steps=2)
         micro = [{k: v[i::micro_steps] for k, v in full.items()} for i in range(micro_steps)]
         total = 0.0
         for i, batch in enumerate(micro):
-            model.set_requires_gradient_sync(i == micro_steps - 1)
+            setter(i == micro_steps - 1)
             loss = model(**local_batch(batch, mesh))["loss"] / micro_steps
             loss.backward()
             total += loss.item()
@@ -227,22 +230,35 @@ def gradient_accumulation_parity(mesh_shape, mesh_names, micro_steps=4, steps=2)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    return collectives
+    return collectives, len(model._hp.cache)
 
 
-@pytest.mark.parametrize("mesh_shape,mesh_names,pool_size", [((2,), ("dp",), 2), ((2, 2), ("dp_replicate", "dp_shard"), 4)])
-def test_gradient_accumulation_without_sync(dist2, dist4, mesh_shape, mesh_names, pool_size):
-    pool = {2: dist2, 4: dist4}[pool_size]
-    backward = pool.run(gradient_accumulation_parity, mesh_shape, mesh_names)[0]
-    micro_steps = 4
-    # The compiled micro-steps before each sync step communicate no gradients at all (only
-    # cross-entropy's scalar token count). The sync step's one reduction per unit runs from the
-    # runtime (runtime/grad_accumulation.py); gradient_accumulation_parity checked its numbers.
+@pytest.mark.parametrize(
+    "mesh_shape,mesh_names,method",
+    [
+        ((2,), ("dp",), "gradient_sync"),
+        ((2, 2), ("dp_replicate", "dp_shard"), "gradient_sync"),
+        ((2, 2), ("dp_replicate", "dp_shard"), "all_reduce"),
+    ],
+)
+def test_gradient_accumulation(dist2, dist4, mesh_shape, mesh_names, method):
+    pool = {2: dist2, 4: dist4}[math.prod(mesh_shape)]
+    backward, programs = pool.run(gradient_accumulation_parity, mesh_shape, mesh_names, method)[0]
+    micro_steps, hsdp = 4, len(mesh_shape) == 2
+    shard_axis, scalar = mesh_names[-1], 4  # cross-entropy's global token count, 4 bytes
+    # First micro-step, later micro-steps (pending gradients in), the sync step: 3 programs.
+    assert programs == 3
     for i, summary in enumerate(backward):
+        reduce_scatters = summary.get("reduce_scatter", {}).get(shard_axis, {}).get("count", 0)
+        all_reduces = summary.get("all_reduce", {})
         if i % micro_steps == micro_steps - 1:
-            continue
-        assert "reduce_scatter" not in summary
-        assert all(v["bytes"] == 4 for v in summary.get("all_reduce", {}).values())
+            # The sync step reduces everything accumulated once, in its compiled graph.
+            assert reduce_scatters == UNITS
+            if hsdp:
+                assert all_reduces["dp_replicate"]["count"] == UNITS + 1
+        else:
+            assert reduce_scatters == (UNITS if method == "all_reduce" else 0)
+            assert all(v["bytes"] == scalar for v in all_reduces.values()), all_reduces
 
 
 def reshard_flag_recompiles():

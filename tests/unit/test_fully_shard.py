@@ -70,8 +70,8 @@ def test_wrong_number_of_mesh_axes():
 def test_int_reshard_after_forward_must_divide_the_shard_axis():
     with pytest.raises(ValueError, match=r"reshard_after_forward=3 must divide the shard axis dp=4"):
         _resolve(_llama(), {"units": [""], "reshard_after_forward": 3}, hp.Layout((4,), ("dp",)))
-    with pytest.raises(ValueError, match=r"smaller group\) is not supported yet"):
-        _resolve(_llama(), {"units": [""], "reshard_after_forward": 2}, hp.Layout((4,), ("dp",)))
+    fsdp = _resolve(_llama(), {"units": [""], "reshard_after_forward": 2}, hp.Layout((4,), ("dp",))).fsdp
+    assert [u.reshard_after_forward for u in fsdp.units] == [2]
 
 
 def test_mixed_dtypes_in_one_unit_need_a_policy():
@@ -132,3 +132,40 @@ def test_cpu_offload_copies_shards_to_the_compute_device_before_unsharding():
     # On a CPU mesh (this machine) the shards already are where compute happens: no copies.
     assert _captured_with_unshards(offload=True, compute_device="cpu")[1] == 0
     assert _captured_with_unshards(offload=False, compute_device="cuda")[1] == 0
+
+
+def test_int_reshard_after_forward_normalised_like_fsdp2():
+    # k == shard-axis size is True, k == 1 is False; 1 < k < size stays an int (HSDP: the shard axis).
+    layout = hp.Layout((2, 4), ("dp_replicate", "dp_shard"))
+    for k, expected in ((4, True), (1, False), (2, 2)):
+        fsdp = _resolve(_llama(), {"units": ["model.layers.*", ""], "reshard_after_forward": k}, layout).fsdp
+        assert {u.reshard_after_forward for u in fsdp.units} == {expected}
+        assert all(type(u.reshard_after_forward) is type(expected) for u in fsdp.units)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2 must divide the shard axis dp_shard=3"):
+        _resolve(_llama(), {"units": [""], "reshard_after_forward": 2}, hp.Layout((2, 3), ("dp_replicate", "dp_shard")))
+
+
+def test_per_unit_int_reshard_after_forward_from_fully_shard_calls():
+    from hyper_parallel.fully_shard import collect_recorded_fully_shard
+
+    def recorded(layer_value, root_value=True):
+        model = _llama()
+        for layer in model.model.layers:
+            hp.fully_shard(layer, reshard_after_forward=layer_value)
+        hp.fully_shard(model, reshard_after_forward=root_value)
+        return model, collect_recorded_fully_shard(model)
+
+    model, spec = recorded(2, root_value=4)
+    fsdp = _resolve(model, spec, hp.Layout((4,), ("dp",))).fsdp
+    assert {u.module_fqn: u.reshard_after_forward for u in fsdp.units} == {
+        "model.layers.0": 2, "model.layers.1": 2, "": True,
+    }
+    model, spec = recorded(3)
+    with pytest.raises(ValueError, match=r"unit 'model.layers.0': reshard_after_forward=3 must divide the shard axis dp=4"):
+        _resolve(model, spec, hp.Layout((4,), ("dp",)))
+    model, spec = recorded(True, root_value=0)
+    with pytest.raises(ValueError, match=r"unit '<root>': reshard_after_forward=0 must divide"):
+        _resolve(model, spec, hp.Layout((4,), ("dp",)))
+    model, spec = recorded("yes")
+    with pytest.raises(TypeError, match=r"unit 'model.layers.0': reshard_after_forward must be True, False or an int"):
+        _resolve(model, spec, hp.Layout((4,), ("dp",)))

@@ -1,0 +1,153 @@
+"""The FSDP2 / HSDPModule methods that change what a step runs: unshard / reshard (gathering ahead
+of forward), zero_grads, set_is_last_backward. Each keeps single-device numerics."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import hyper_parallel as hp
+from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+LAYERS = 4
+UNITS = LAYERS + 1
+
+
+def _gathers(model, direction):
+    return model.compile_summary()["collectives"][direction].get("all_gather", {}).get("dp", {}).get("count", 0)
+
+
+def _check_grads(model, reference):
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def unshard_ahead_of_forward():
+    """Steps that gather ahead (all units, one unit, gathered then freed) equal the reference."""
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    reference = build_model("llama")
+    model = copy.deepcopy(reference)
+    for layer in model.model.layers:
+        hp.fully_shard(layer, mesh=mesh)
+    hp.fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the root keeps its parameters
+    model = hp.parallelize(model, None, mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    gathers = []
+    for step, before in enumerate(("none", "all", "one_layer", "unshard_then_reshard")):
+        full = global_batch("llama", 4, 16, seed=step + 1)
+        if before == "all":
+            handle = model.unshard(async_op=True, recurse=True)
+            handle.wait()
+        elif before == "one_layer":
+            assert model.model.layers[1].unshard() is None  # synchronous
+        elif before == "unshard_then_reshard":
+            model.unshard(recurse=True)
+            model.reshard(recurse=True)
+        loss = model(**local_batch(full, mesh))["loss"]
+        loss.backward()
+        ref_loss = reference(**full)["loss"]
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach())
+        _check_grads(model, reference)
+        gathers.append((_gathers(model, "forward"), _gathers(model, "backward")))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    return gathers
+
+
+def test_unshard_gathers_ahead_and_forward_skips_those_gathers(dist2):
+    gathers = dist2.run(unshard_ahead_of_forward)[0]
+    layers_regathered = LAYERS  # the layers reshard after forward; the root does not
+    assert gathers[0] == (UNITS, layers_regathered)
+    # Everything gathered ahead: no forward all-gather; the resharding layers gather in backward.
+    assert gathers[1] == (0, layers_regathered)
+    assert gathers[2] == (UNITS - 1, layers_regathered)
+    assert gathers[3] == gathers[0]  # reshard() dropped what unshard() gathered
+
+
+def zero_grads_drops_accumulated():
+    """zero_grads() discards gradients accumulated without sync: the next synced step's gradients
+    are that step's alone."""
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    reference = build_model("llama")
+    model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    model.set_is_last_backward(True)  # accepted; compiled backwards never leave reductions in flight
+    model.set_requires_gradient_sync(False)
+    model(**local_batch(global_batch("llama", 4, 16, seed=7), mesh))["loss"].backward()
+    assert model._hp.accumulator.buffers, "the unsynced step kept its gradients aside"
+    model.zero_grads()
+    model.set_requires_gradient_sync(True)
+    full = global_batch("llama", 4, 16, seed=8)
+    model(**local_batch(full, mesh))["loss"].backward()
+    reference(**full)["loss"].backward()
+    _check_grads(model, reference)
+    return True
+
+
+def test_zero_grads_discards_unsynced_gradients(dist2):
+    assert dist2.run(zero_grads_drops_accumulated) == [True, True]
+
+
+def method_errors():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    messages = []
+    dp_only = hp.parallelize(build_model("llama"), {}, mesh)
+    for call in (dp_only.unshard, dp_only.zero_grads):
+        try:
+            call()
+        except ValueError as e:
+            messages.append(str(e))
+    unsharded = build_model("llama")
+    hp.fully_shard(unsharded.model.layers[0], mesh=mesh)
+    try:
+        unsharded.model.layers[0].unshard()
+    except RuntimeError as e:
+        messages.append(str(e))
+    return messages
+
+
+def test_method_errors_say_what_to_do(dist2):
+    messages = dist2.run(method_errors)[0]
+    assert len(messages) == 3
+    assert "fully_shard" in messages[0] and "unshard" in messages[0]
+    assert "zero_grads" in messages[1]
+    assert "hp.parallelize" in messages[2]
+
+
+def keep_gathered_through_accumulation(micro_steps=3, steps=2):
+    """set_reshard_after_backward(False) during accumulation: micro-steps after the first gather
+    nothing in forward; numbers equal one large batch; an optimizer step makes the kept values
+    stale, so the next step gathers again."""
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    reference = build_model("llama")
+    model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    gathers = []
+    for step in range(steps):
+        full = global_batch("llama", 4 * micro_steps, 16, seed=step + 1)
+        reference(**full)["loss"].backward()
+        for i in range(micro_steps):
+            last = i == micro_steps - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            batch = {k: v[i::micro_steps] for k, v in full.items()}
+            (model(**local_batch(batch, mesh))["loss"] / micro_steps).backward()
+            gathers.append((_gathers(model, "forward"), _gathers(model, "backward")))
+        _check_grads(model, reference)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    # An optimizer step between a kept gather and the next forward: the kept values are dropped.
+    model.set_reshard_after_backward(False)
+    model(**local_batch(full, mesh))["loss"].backward()
+    opt.step()
+    model(**local_batch(full, mesh))["loss"].backward()
+    gathers.append((_gathers(model, "forward"), _gathers(model, "backward")))
+    return gathers
+
+
+def test_reshard_after_backward_false_skips_forward_gathers(dist2):
+    gathers = dist2.run(keep_gathered_through_accumulation)[0]
+    first, later = gathers[0], gathers[1]
+    assert first[0] == UNITS  # the first micro-step gathers every unit
+    assert later[0] == 0  # later micro-steps use what backward kept
+    assert gathers[2][0] == 0 and gathers[3][0] == UNITS  # a new step (after opt.step) gathers again
+    assert gathers[-1][0] == UNITS, "values kept before an optimizer step must not be used after it"
