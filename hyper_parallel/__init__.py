@@ -12,7 +12,9 @@ from .fully_shard import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, Off
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
+from .parallel_dims import ParallelDims
 from .plan import ParallelPlan, parallelize_module, shard_module
+from .recompute import CheckpointPolicy, checkpoint_wrapper
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,6 +35,8 @@ from .styles import (
 )
 
 __all__ = [
+    "CheckpointPolicy",
+    "checkpoint_wrapper",
     "CPUOffloadPolicy",
     "FullyShard",
     "MixedPrecisionPolicy",
@@ -46,6 +50,7 @@ __all__ = [
     "set_optimizer_state_dict",
     "ColwiseParallel",
     "Layout",
+    "ParallelDims",
     "ParallelModule",
     "ParallelPlan",
     "ParallelStyle",

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 from . import compat
-from .capture import CapturedGraph, capture, flat_paths
+from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .fully_shard import (
     collect_recorded_fully_shard, link_units_to_root, recorded_prefetch, resolve_fully_shard,
@@ -37,6 +37,7 @@ from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
 from .propagation.engine import PropagationReport, propagate
 from .propagation.accumulation import GRAD_ACCUM
 from .propagation.unshard import PREGATHERED
+from .recompute import resolve_recompute
 from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .runtime.unshard import GatheredParams, UnshardHandle, gather_unit, watch_optimizers
@@ -268,6 +269,7 @@ def parallelize(
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
     resolved = resolve_plan(full_plan, model, mesh)
     _check_unsupported(full_plan)
+    recompute = resolve_recompute(full_plan.recompute, model)
     fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
@@ -281,6 +283,7 @@ def parallelize(
     original_cls = type(model)
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
     model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
+    model._hp.recompute = recompute
     model._hp.prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
     link_units_to_root(model)
     model._hp.gathered = GatheredParams(model.parameters())
@@ -293,19 +296,25 @@ def _default_prefetch_depth(mesh) -> int:
     flight, workers crashed natively (heap corruption, SIGSEGV/SIGABRT) in about one full CI run out of
     four under load; the cause is not found yet (see the issue note). Prefetch is worth having on gloo
     too (FSDP step hp/FSDP2 0.84 with depth 1 vs 0.97 with 0, measured back to back), so
-    ``parallelize(..., prefetch_depth=1)`` turns it on explicitly."""
+    ``parallelize(..., prefetch_depth=1)`` turns it on explicitly, as does the environment
+    variable ``HYPER_PARALLEL_PREFETCH_DEPTH`` (for runs that cannot change the call)."""
+    from_env = os.environ.get("HYPER_PARALLEL_PREFETCH_DEPTH")
+    if from_env:
+        if not from_env.isdigit():
+            raise ValueError(f"HYPER_PARALLEL_PREFETCH_DEPTH must be a non-negative integer, got {from_env!r}")
+        return int(from_env)
     if not dist.is_initialized():
         return 1
     return 0 if dist.get_backend(mesh.get_group(0)) == "gloo" else 1
 
 
 def _check_unsupported(plan) -> None:
-    for key in ("recompute", "swap", "pipeline"):
+    for key in ("swap", "pipeline"):
         if getattr(plan, key, None):
             raise ValueError(
                 f"ParallelPlan.{key} is not supported yet by this build of hyper_parallel; "
-                f"remove the '{key}' entry (tensor_parallel, layouts, inputs and fully_shard are "
-                "supported)"
+                f"remove the '{key}' entry (tensor_parallel, layouts, inputs, fully_shard and "
+                "recompute are supported)"
             )
 
 
@@ -399,6 +408,7 @@ def _compile(
         local, PassContext(
             mesh=mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
             prefetch_depth=state.prefetch_depth,
+            recompute=state.recompute,
             disable_passes=state.disable_passes,
             on_pass=dumper.graph,
         )
@@ -437,6 +447,7 @@ def _saved_summary(program: CompiledProgram) -> dict:
 
     region = gathered_param_region(program.forward_gm.graph)
     total = gathered = 0
+    by_module: dict[str, dict[str, int]] = {}
     for node in program.saved_for_backward():
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or node.op == "placeholder":
@@ -445,7 +456,12 @@ def _saved_summary(program: CompiledProgram) -> dict:
         total += nbytes
         if node in region:
             gathered += nbytes
-    return {"bytes": total, "gathered_param_bytes": gathered}
+            continue
+        entry = by_module.setdefault(module_fqn_of(node), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+    # Activations by the module that computed them (gathered FSDP parameters counted apart).
+    return {"bytes": total, "gathered_param_bytes": gathered, "activations_by_module": dict(sorted(by_module.items()))}
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

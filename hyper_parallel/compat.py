@@ -104,3 +104,21 @@ def wait_collective(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def flatten_mesh(mesh, axes: tuple[str, ...], name: str):
+    """The axes ``axes`` of ``mesh`` joined into one 1-D axis called ``name`` (``DeviceMesh._flatten``),
+    registered on the root mesh and creating its process group. Collective: every rank calls it."""
+    return mesh[tuple(axes)]._flatten(name)
+
+
+def op_overload_name(target) -> str:
+    """``"aten.mm.default"`` for an aten/custom op overload, else the callable's name."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.name().replace('::', '.')}.{target._overloadname}"
+    return getattr(target, "__name__", str(target))
+
+
+def is_mutating_op(target) -> bool:
+    """Whether an op overload writes into one of its arguments."""
+    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable

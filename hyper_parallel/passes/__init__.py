@@ -18,6 +18,7 @@ from .bucketing import bucketing_pass
 from .cleanup import cleanup_pass
 from .cse import cse_pass
 from .prefetch import prefetch_pass
+from .recompute import recompute_pass
 from .reshard_after_forward import reshard_after_forward_pass
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class PassContext:
     fsdp: object = None  # ResolvedPlan.fsdp (FsdpPlan) when the plan has fully_shard units
     prefetch_depth: int = 1  # how many FSDP units ahead all-gathers are issued
     explicit_prefetch: dict | None = None  # {"forward"/"backward": {unit: (units to prefetch,)}}
+    recompute: object = None  # recompute.RecomputePlan when the plan recomputes modules
     disable_passes: frozenset[str] = frozenset()
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
 
@@ -38,6 +40,7 @@ class PassContext:
 PASSES: list[tuple[str, Callable]] = [
     ("cleanup", cleanup_pass),
     ("cse", cse_pass),
+    ("recompute", recompute_pass),
     ("reshard_after_forward", reshard_after_forward_pass),
     ("bucketing", bucketing_pass),
     ("prefetch", prefetch_pass),
