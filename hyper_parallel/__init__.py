@@ -14,7 +14,7 @@ from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
 from .parallel_dims import ParallelDims
 from .plan import ParallelPlan, parallelize_module, shard_module
-from .recompute import CheckpointPolicy, checkpoint_wrapper
+from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,7 +36,10 @@ from .styles import (
 
 __all__ = [
     "CheckpointPolicy",
+    "checkpoint",
     "checkpoint_wrapper",
+    "swap",
+    "swap_wrapper",
     "CPUOffloadPolicy",
     "FullyShard",
     "MixedPrecisionPolicy",

@@ -37,7 +37,7 @@ from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
 from .propagation.engine import PropagationReport, propagate
 from .propagation.accumulation import GRAD_ACCUM
 from .propagation.unshard import PREGATHERED
-from .recompute import resolve_recompute
+from .recompute import annotated_regions, capturing, resolve_activation_plan
 from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .runtime.unshard import GatheredParams, UnshardHandle, gather_unit, watch_optimizers
@@ -269,7 +269,7 @@ def parallelize(
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
     resolved = resolve_plan(full_plan, model, mesh)
     _check_unsupported(full_plan)
-    recompute = resolve_recompute(full_plan.recompute, model)
+    activation = resolve_activation_plan(full_plan.recompute, full_plan.swap, model)
     fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
@@ -283,7 +283,7 @@ def parallelize(
     original_cls = type(model)
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
     model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
-    model._hp.recompute = recompute
+    model._hp.activation = activation
     model._hp.prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
     link_units_to_root(model)
     model._hp.gathered = GatheredParams(model.parameters())
@@ -309,12 +309,12 @@ def _default_prefetch_depth(mesh) -> int:
 
 
 def _check_unsupported(plan) -> None:
-    for key in ("swap", "pipeline"):
+    for key in ("pipeline",):
         if getattr(plan, key, None):
             raise ValueError(
                 f"ParallelPlan.{key} is not supported yet by this build of hyper_parallel; "
-                f"remove the '{key}' entry (tensor_parallel, layouts, inputs, fully_shard and "
-                "recompute are supported)"
+                f"remove the '{key}' entry (tensor_parallel, layouts, inputs, fully_shard, "
+                "recompute and swap are supported)"
             )
 
 
@@ -394,7 +394,7 @@ def _compile(
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
-        with compat.reparametrize_module(module, fake_state):
+        with compat.reparametrize_module(module, fake_state), capturing():
             captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules)
     finally:
         module.__class__ = parallel_cls
@@ -408,7 +408,7 @@ def _compile(
         local, PassContext(
             mesh=mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
             prefetch_depth=state.prefetch_depth,
-            recompute=state.recompute,
+            activation=dataclasses.replace(state.activation, annotated=annotated_regions()),
             disable_passes=state.disable_passes,
             on_pass=dumper.graph,
         )
@@ -448,6 +448,7 @@ def _saved_summary(program: CompiledProgram) -> dict:
     region = gathered_param_region(program.forward_gm.graph)
     total = gathered = 0
     by_module: dict[str, dict[str, int]] = {}
+    swapped = {"count": 0, "bytes": 0}  # kept in host memory by the swap pass
     for node in program.saved_for_backward():
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or node.op == "placeholder":
@@ -457,11 +458,17 @@ def _saved_summary(program: CompiledProgram) -> dict:
         if node in region:
             gathered += nbytes
             continue
+        if node.meta.get("hp_swap_copy") == "to_host":
+            swapped["count"] += 1
+            swapped["bytes"] += nbytes
         entry = by_module.setdefault(module_fqn_of(node), {"count": 0, "bytes": 0})
         entry["count"] += 1
         entry["bytes"] += nbytes
     # Activations by the module that computed them (gathered FSDP parameters counted apart).
-    return {"bytes": total, "gathered_param_bytes": gathered, "activations_by_module": dict(sorted(by_module.items()))}
+    return {
+        "bytes": total, "gathered_param_bytes": gathered, "swapped": swapped,
+        "activations_by_module": dict(sorted(by_module.items())),
+    }
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

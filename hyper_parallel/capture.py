@@ -177,7 +177,9 @@ def capture(
     ``args``/``kwargs`` may be real or fake tensors with the *global* shapes; the joint graph
     describes single-device semantics, propagation and lowering make it distributed.
     """
-    with _boundary_annotations(model, boundaries or {}):
+    # preserve_node_meta keeps ``fx.traceback.annotate`` metadata (``node.meta["custom"]``, how
+    # hp.checkpoint / hp.swap mark code regions) through export and into the joint graph.
+    with _boundary_annotations(model, boundaries or {}), fx_traceback.preserve_node_meta():
         try:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         except Exception as exc:  # re-raised with the fix a user needs most often

@@ -122,3 +122,21 @@ def op_overload_name(target) -> str:
 def is_mutating_op(target) -> bool:
     """Whether an op overload writes into one of its arguments."""
     return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+
+
+# --- memory estimator and tracker (memory.py, testing/memory_tracker.py) -------------------------
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
+
+
+def storage_key(t: torch.Tensor):
+    """A hashable identity of a tensor's storage, equal for every view of it (held weakly)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (no autograd), any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t

@@ -241,6 +241,9 @@ def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
         for key in ("hp_redistribute", "hp_grad_of"):
             if key in custom:
                 node.meta[key] = custom[key]
+        region = (src.meta.get("custom") or {}).get("hp_region")
+        if region is not None:  # hp.checkpoint / hp.swap call the node was computed in
+            node.meta["hp_region"] = region
         if custom["hp_role"] == "compute":
             node.meta["hp_layout"] = src.meta["hp_layout"]
         for key in _COPIED_META:

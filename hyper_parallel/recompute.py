@@ -1,45 +1,68 @@
-"""Activation recompute as a plan entry: which modules recompute, and which of their values to keep.
+"""Activation memory as plan entries: which values backward recomputes, which it swaps to host.
 
-``ParallelPlan.recompute = {module glob: policy}``, policy one of:
+Regions come from three places:
 
-* ``"full"``: nothing computed inside the module is kept for backward; backward recomputes it from
-  the module's inputs (what ``torch.utils.checkpoint`` does to a module).
-* ``"selective"``: keep the outputs of the expensive ops (matmuls, attention, collectives) and
-  recompute the cheap ones (pointwise, norms, views) — the usual "selective activation
-  checkpointing" trade.
-* a callable ``policy(op_name: str, module_fqn: str) -> CheckpointPolicy`` deciding per op, where
-  ``op_name`` is the aten overload (``"aten.mm.default"``).
+* ``ParallelPlan.recompute = {module glob: policy}`` and ``hp.checkpoint_wrapper(module, policy)``;
+* ``ParallelPlan.swap = {module glob: True | policy}`` and ``hp.swap_wrapper(module)``;
+* ``hp.checkpoint(fn, *args, ...)`` / ``hp.swap(fn, *args, ...)`` called inside the model: while
+  the model is captured they mark the nodes ``fn`` produces (``node.meta["custom"]["hp_region"]``,
+  via ``torch.fx.traceback.annotate``); run eagerly (not parallelized) they behave like
+  ``torch.utils.checkpoint`` / ``torch.autograd.graph.save_on_cpu``, so a model stays runnable on
+  one device.
 
-``hp.checkpoint_wrapper(module, policy="full")`` records the same on a module, the way the
-``fully_shard`` calls do. :func:`resolve_recompute` turns either into a :class:`RecomputePlan`
-(module FQN -> :class:`CheckpointPolicy` decider) that the recompute pass reads.
+A recompute policy is ``"full"`` (recompute everything computed in the region), ``"selective"``
+(keep matmul, attention and collective outputs; recompute pointwise ops, norms, views) or a
+callable with the signature of torch's selective-checkpoint policies, ``policy(ctx, op, *args,
+**kwargs) -> CheckpointPolicy`` (``op`` the aten overload, ``args`` fake tensors of the op's
+inputs, ``ctx.module_fqn`` the module computing it); torch's own ``CheckpointPolicy`` values are
+accepted too. ``MUST_SWAP`` keeps a value by copying it to host memory.
 
-Random ops are always kept (their outputs are never recomputed), so recompute never changes
-numbers.
+Random ops are never recomputed (their outputs are kept), so recompute never changes numbers.
+:func:`resolve_activation_plan` turns the plan entries and recorded wrappers into an
+:class:`ActivationPlan` that the recompute and swap passes read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import itertools
 from typing import Any, Callable
 
+import torch
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from .plan import fqn_matches
 
 
 class CheckpointPolicy(enum.Enum):
-    """Per-op decision (the names of torch's selective-checkpoint policies)."""
+    """Per-op decision (HyperParallel's names; torch's selective-checkpoint values map onto them)."""
 
-    MUST_SAVE = "must_save"
-    PREFER_SAVE = "prefer_save"
-    MUST_RECOMPUTE = "must_recompute"
-    PREFER_RECOMPUTE = "prefer_recompute"
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+    MUST_SWAP = 4
 
     @property
     def saves(self) -> bool:
         return self in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+    @classmethod
+    def of(cls, value: Any) -> "CheckpointPolicy":
+        """Accept ours, torch.utils.checkpoint's (CPU_OFFLOAD means swap) or a bool (True = save)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, bool):
+            return cls.MUST_SAVE if value else cls.PREFER_RECOMPUTE
+        name = getattr(value, "name", None)
+        if name in ("MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD"):
+            return cls.MUST_SWAP
+        if name in cls.__members__:
+            return cls[name]
+        raise TypeError(f"a recompute policy returned {value!r}; return an hp.CheckpointPolicy")
 
 
 # Ops whose outputs "selective" keeps: the expensive ones to recompute.
@@ -56,106 +79,227 @@ SELECTIVE_SAVE_OPS = frozenset({
 # Ops whose result must never be recomputed: recomputing them would draw new random numbers.
 RANDOM_OPS = frozenset({
     "aten.native_dropout.default", "aten.bernoulli.default", "aten.bernoulli_.float",
-    "aten.rand.default", "aten.randn.default", "aten.rand_like.default", "aten.randn_like.default",
-    "aten.randint.default", "aten.randperm.default", "aten.uniform_.default", "aten.normal_.default",
+    "aten.bernoulli.p", "aten.rand.default", "aten.randn.default", "aten.rand_like.default",
+    "aten.randn_like.default", "aten.randint.default", "aten.randperm.default",
+    "aten.uniform_.default", "aten.normal_.default",
 })
 
-POLICY_NAMES = ("full", "selective")
-
-
-def _full(op_name: str, module_fqn: str) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective(op_name: str, module_fqn: str) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_SAVE if op_name in SELECTIVE_SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
 
 @dataclasses.dataclass(frozen=True)
-class RecomputeRegion:
+class OpContext:
+    """What a policy callable gets as ``ctx``."""
+
     module_fqn: str
-    policy_name: str  # "full", "selective" or the callable's name
-    decide: Callable[[str, str], CheckpointPolicy] = dataclasses.field(compare=False)
-
-    def saves(self, op_name: str, module_fqn: str) -> bool:
-        if op_name in RANDOM_OPS:
-            return True
-        decision = self.decide(op_name, module_fqn)
-        if not isinstance(decision, CheckpointPolicy):
-            raise TypeError(
-                f"recompute policy {self.policy_name!r} for module {self.module_fqn!r} returned "
-                f"{decision!r} for {op_name}; return an hp.CheckpointPolicy"
-            )
-        return decision.saves
+    is_recompute: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class RecomputePlan:
-    """The resolved ``recompute`` entry: regions, outermost first (a module inside a region belongs
-    to the outermost one)."""
+class Region:
+    """One recompute or swap region: a module (``module_fqn``) or an annotated call (``key``)."""
 
-    regions: tuple[RecomputeRegion, ...]
+    key: str  # module FQN, or "checkpoint:<n>" / "swap:<n>" for hp.checkpoint / hp.swap calls
+    kind: str  # "recompute" | "swap"
+    policy_name: str
+    policy: Callable | None = dataclasses.field(default=None, compare=False)
+    swap_inputs: bool = False  # hp.checkpoint(swap_inputs=True): the saved region inputs go to host
+    group_swap: bool = False  # one host copy per region (and dtype) instead of one per tensor
 
-    def region_of(self, module_fqn: str) -> RecomputeRegion | None:
-        for region in self.regions:
-            if region.module_fqn == "" or module_fqn == region.module_fqn or module_fqn.startswith(region.module_fqn + "."):
+    def decide(self, op_name: str, op, args, kwargs, module_fqn: str) -> CheckpointPolicy:
+        """What to do with a value of this region computed by ``op``."""
+        if op_name in RANDOM_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if self.policy_name == "selective":
+            save = op_name in SELECTIVE_SAVE_OPS
+            return CheckpointPolicy.PREFER_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        if self.policy is None:  # "full" recompute, or a swap region without a policy
+            return CheckpointPolicy.MUST_SWAP if self.kind == "swap" else CheckpointPolicy.PREFER_RECOMPUTE
+        try:
+            decision = self.policy(OpContext(module_fqn), op, *args, **kwargs)
+        except Exception as exc:
+            raise type(exc)(f"{self.kind} policy {self.policy_name!r} of region {self.key!r} failed on {op_name}: {exc}") from exc
+        return CheckpointPolicy.of(decision)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPlan:
+    """Module regions of the plan (outermost first) and the annotated regions of this capture."""
+
+    modules: tuple[Region, ...] = ()
+    annotated: dict = dataclasses.field(default_factory=dict, compare=False)  # key -> Region
+
+    def region_of(self, node: torch.fx.Node, module_fqn: str) -> Region | None:
+        """The region a forward node belongs to: an annotated call wins over a module region."""
+        custom = node.meta.get("custom") or {}
+        key = custom.get("hp_region") or node.meta.get("hp_region")
+        if key is not None and key in self.annotated:
+            return self.annotated[key]
+        for region in self.modules:
+            fqn = region.key
+            if fqn == "" or module_fqn == fqn or module_fqn.startswith(fqn + "."):
                 return region
         return None
 
+    def __bool__(self) -> bool:
+        return bool(self.modules or self.annotated)
 
-_RECORD_ATTR = "_hp_recompute"
+
+# --- module-level recording (checkpoint_wrapper / swap_wrapper) ---------------------------------
+
+_RECOMPUTE_ATTR = "_hp_recompute"
+_SWAP_ATTR = "_hp_swap"
 
 
 def checkpoint_wrapper(module: nn.Module, policy: Any = "full") -> nn.Module:
     """Mark ``module`` for recompute (``"full"``, ``"selective"`` or a policy callable); the
-    parallelized model recompute it in backward. The module is returned unchanged otherwise."""
-    _decider(policy, "checkpoint_wrapper(policy=...)")
-    setattr(module, _RECORD_ATTR, policy)
+    parallelized model recomputes it in backward. The module is otherwise unchanged."""
+    _policy(policy, "checkpoint_wrapper(policy=...)")
+    setattr(module, _RECOMPUTE_ATTR, policy)
     return module
 
 
-def collect_recorded_recompute(model: nn.Module) -> dict[str, Any]:
-    """``{module FQN: policy}`` from ``checkpoint_wrapper`` calls on ``model``'s modules."""
-    return {fqn: getattr(m, _RECORD_ATTR) for fqn, m in model.named_modules() if hasattr(m, _RECORD_ATTR)}
+def swap_wrapper(module: nn.Module, offload_to: str = "cpu", *, group_swap: bool = False) -> nn.Module:
+    """Mark ``module``: the activations it saves for backward are kept in host memory between
+    forward and backward (copied back one region ahead of their use)."""
+    if offload_to != "cpu":
+        raise ValueError(f"swap_wrapper(offload_to={offload_to!r}): only 'cpu' (host memory) is supported")
+    setattr(module, _SWAP_ATTR, {"group_swap": group_swap})
+    return module
 
 
-def _decider(policy: Any, where: str) -> tuple[str, Callable[[str, str], CheckpointPolicy]]:
+def _policy(policy: Any, where: str) -> tuple[str, Callable | None]:
     if policy == "full":
-        return "full", _full
+        return "full", None
     if policy == "selective":
-        return "selective", _selective
+        return "selective", None
     if callable(policy):
         return getattr(policy, "__name__", repr(policy)), policy
     raise ValueError(
         f"{where}: unknown recompute policy {policy!r}; use 'full', 'selective' or a callable "
-        "(op_name, module_fqn) -> hp.CheckpointPolicy"
+        "(ctx, op, *args, **kwargs) -> hp.CheckpointPolicy"
     )
 
 
-def resolve_recompute(spec: Any, model: nn.Module) -> RecomputePlan | None:
-    """The plan's ``recompute`` dict (globs) plus recorded ``checkpoint_wrapper`` calls, resolved
-    against ``model``'s modules."""
-    entries = dict(collect_recorded_recompute(model))
-    if spec is not None:
-        if not isinstance(spec, dict):
-            raise TypeError(
-                f"ParallelPlan.recompute must be a dict {{module glob: 'full' | 'selective' | policy}}, "
-                f"got {type(spec).__name__}"
+def _matched(spec: Any, model: nn.Module, entry: str) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict):
+        raise TypeError(f"ParallelPlan.{entry} must be a dict {{module glob: ...}}, got {type(spec).__name__}")
+    module_fqns = [fqn for fqn, _ in model.named_modules()]
+    out: dict[str, Any] = {}
+    for glob, value in spec.items():
+        matched = [fqn for fqn in module_fqns if fqn_matches(glob, fqn)] if glob else [""]
+        if not matched:
+            raise ValueError(
+                f"{entry}[{glob!r}] matches no module of {type(model).__name__}; globs match module "
+                "FQNs segment by segment, e.g. 'model.layers.*'"
             )
-        module_fqns = [fqn for fqn, _ in model.named_modules()]
-        for glob, policy in spec.items():
-            matched = [fqn for fqn in module_fqns if fqn_matches(glob, fqn)] if glob else [""]
-            if not matched:
-                raise ValueError(
-                    f"recompute[{glob!r}] matches no module of {type(model).__name__}; globs match "
-                    "module FQNs segment by segment, e.g. 'model.layers.*'"
-                )
-            for fqn in matched:
-                entries.setdefault(fqn, policy)
-    if not entries:
-        return None
-    regions = []
-    for fqn in sorted(entries, key=lambda f: (f.count(".") + (f != ""), f)):  # outermost first
-        name, decide = _decider(entries[fqn], f"recompute[{fqn!r}]")
-        regions.append(RecomputeRegion(fqn, name, decide))
-    return RecomputePlan(tuple(regions))
+        for fqn in matched:
+            out.setdefault(fqn, value)
+    return out
+
+
+def resolve_activation_plan(recompute: Any, swap: Any, model: nn.Module) -> ActivationPlan:
+    """The plan's ``recompute`` / ``swap`` entries plus recorded wrappers, against ``model``."""
+    regions: dict[str, Region] = {}
+    recompute_entries = {
+        **{f: getattr(m, _RECOMPUTE_ATTR) for f, m in model.named_modules() if hasattr(m, _RECOMPUTE_ATTR)},
+        **_matched(recompute, model, "recompute"),
+    }
+    for fqn, policy in recompute_entries.items():
+        name, fn = _policy(policy, f"recompute[{fqn!r}]")
+        regions[fqn] = Region(fqn, "recompute", name, fn)
+    swap_entries = {
+        **{f: getattr(m, _SWAP_ATTR) for f, m in model.named_modules() if hasattr(m, _SWAP_ATTR)},
+        **_matched(swap, model, "swap"),
+    }
+    for fqn, value in swap_entries.items():
+        if fqn in regions:
+            raise ValueError(
+                f"module {fqn!r} is in both recompute and swap; a value is either recomputed or "
+                "swapped: use a recompute policy that returns CheckpointPolicy.MUST_SWAP for some ops"
+            )
+        group = bool(value.get("group_swap")) if isinstance(value, dict) else False
+        if value is True or isinstance(value, dict):
+            regions[fqn] = Region(fqn, "swap", "all", None, group_swap=group)
+        elif callable(value):
+            regions[fqn] = Region(fqn, "swap", getattr(value, "__name__", repr(value)), value)
+        else:
+            raise ValueError(f"swap[{fqn!r}] must be True, {{'group_swap': bool}} or a policy callable, got {value!r}")
+    ordered = sorted(regions.values(), key=lambda r: (r.key.count(".") + (r.key != ""), r.key))
+    return ActivationPlan(tuple(ordered), dict(_ANNOTATED))
+
+
+# --- functional forms: hp.checkpoint / hp.swap ------------------------------------------------------
+
+_ANNOTATED: dict[str, Region] = {}  # regions marked by calls during the current capture
+_COUNTER = itertools.count()
+_CAPTURING = [False]
+
+
+@contextlib.contextmanager
+def capturing():
+    """Set while hyper_parallel captures a model: hp.checkpoint / hp.swap then mark regions."""
+    _ANNOTATED.clear()
+    _CAPTURING[0] = True
+    try:
+        yield
+    finally:
+        _CAPTURING[0] = False
+
+
+def annotated_regions() -> dict[str, Region]:
+    """The regions the last capture's hp.checkpoint / hp.swap calls marked."""
+    return dict(_ANNOTATED)
+
+
+def checkpoint(function, *args, swap_inputs: bool = False, policy_fn: Callable | None = None,
+               context_fn: Callable | None = None, group_swap: bool = False, **kwargs):
+    """Recompute ``function``'s activations in backward instead of keeping them (per-op
+    ``policy_fn`` as in torch's selective checkpointing); ``swap_inputs`` keeps the region's inputs
+    in host memory. Eagerly this is ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``."""
+    if _CAPTURING[0]:
+        name, fn = ("full", None) if policy_fn is None else _policy(policy_fn, "checkpoint(policy_fn=...)")
+        key = f"checkpoint:{next(_COUNTER)}"
+        _ANNOTATED[key] = Region(key, "recompute", name, fn, swap_inputs=swap_inputs, group_swap=group_swap)
+        with fx_traceback.annotate({"hp_region": key}):
+            return function(*args, **kwargs)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint, create_selective_checkpoint_contexts
+
+    if policy_fn is not None and context_fn is None:
+        def torch_policy(ctx, op, *a, **k):
+            decision = CheckpointPolicy.of(policy_fn(ctx, op, *a, **k))
+            return _TORCH_POLICY[decision]
+
+        context_fn = lambda: create_selective_checkpoint_contexts(torch_policy)  # noqa: E731
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+    if swap_inputs:
+        with torch.autograd.graph.save_on_cpu():
+            return torch_checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
+    return torch_checkpoint(function, *args, use_reentrant=False, **extra, **kwargs)
+
+
+def swap(function, *args, policy_fn: Callable | None = None, group_swap: bool = False, **kwargs):
+    """Keep the activations ``function`` saves for backward in host memory. Eagerly this is
+    ``torch.autograd.graph.save_on_cpu``."""
+    if _CAPTURING[0]:
+        key = f"swap:{next(_COUNTER)}"
+        name = "all" if policy_fn is None else getattr(policy_fn, "__name__", repr(policy_fn))
+        _ANNOTATED[key] = Region(key, "swap", name, policy_fn, group_swap=group_swap)
+        with fx_traceback.annotate({"hp_region": key}):
+            return function(*args, **kwargs)
+    with torch.autograd.graph.save_on_cpu():
+        return function(*args, **kwargs)
+
+
+def _torch_policies() -> dict:
+    from torch.utils.checkpoint import CheckpointPolicy as T
+
+    return {
+        CheckpointPolicy.MUST_SAVE: T.MUST_SAVE, CheckpointPolicy.PREFER_SAVE: T.PREFER_SAVE,
+        CheckpointPolicy.MUST_RECOMPUTE: T.MUST_RECOMPUTE,
+        CheckpointPolicy.PREFER_RECOMPUTE: T.PREFER_RECOMPUTE,
+        CheckpointPolicy.MUST_SWAP: T.MUST_CPU_OFFLOAD,
+    }
+
+
+_TORCH_POLICY = _torch_policies()

@@ -67,8 +67,17 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
+    # How each decoder layer's activations are kept for backward: "keep" (saved), "checkpoint"
+    # (hp.checkpoint: recomputed) or "swap" (hp.swap: kept in host memory). Eagerly these are
+    # torch.utils.checkpoint and save_on_cpu; parallelized, the compiler's recompute/swap passes.
+    layer_activations: str = "keep"
 
     def __post_init__(self) -> None:
+        if self.layer_activations not in ("keep", "checkpoint", "swap"):
+            raise ValueError(
+                f"LlamaConfig: layer_activations={self.layer_activations!r}; use 'keep', "
+                "'checkpoint' or 'swap'"
+            )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"LlamaConfig: hidden_size={self.hidden_size} is not divisible by "
@@ -292,6 +301,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
+        self.layer_activations = config.layer_activations
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -301,8 +311,14 @@ class LlamaModel(nn.Module):
         """Map token ids ``(b, s)`` to final hidden states ``(b, s, hidden)``."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(h, input_ids.shape[1])
+        mode = self.layer_activations
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if mode == "keep":
+                h = layer(h, cos, sin)
+            else:
+                from .. import recompute
+
+                h = (recompute.checkpoint if mode == "checkpoint" else recompute.swap)(layer, h, cos, sin)
         return self.norm(h)
 
 

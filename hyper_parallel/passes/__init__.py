@@ -20,6 +20,7 @@ from .cse import cse_pass
 from .prefetch import prefetch_pass
 from .recompute import recompute_pass
 from .reshard_after_forward import reshard_after_forward_pass
+from .swap import swap_pass
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ class PassContext:
     fsdp: object = None  # ResolvedPlan.fsdp (FsdpPlan) when the plan has fully_shard units
     prefetch_depth: int = 1  # how many FSDP units ahead all-gathers are issued
     explicit_prefetch: dict | None = None  # {"forward"/"backward": {unit: (units to prefetch,)}}
-    recompute: object = None  # recompute.RecomputePlan when the plan recomputes modules
+    activation: object = None  # recompute.ActivationPlan: recompute and swap regions
     disable_passes: frozenset[str] = frozenset()
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
 
@@ -42,6 +43,7 @@ PASSES: list[tuple[str, Callable]] = [
     ("cse", cse_pass),
     ("recompute", recompute_pass),
     ("reshard_after_forward", reshard_after_forward_pass),
+    ("swap", swap_pass),
     ("bucketing", bucketing_pass),
     ("prefetch", prefetch_pass),
 ]

@@ -1,22 +1,24 @@
 """recompute: values computed inside recompute regions are recomputed in backward, not saved.
 
 Without this pass every forward value that backward reads is saved between the two (the partitioner
-keeps exactly what the graph says). For each forward node inside a region of ``ctx.recompute``
-(``recompute.RecomputePlan``: a module and its policy) that the policy does not keep, each backward
-use is rewired to a copy of the node made in backward right before its first backward use, together
-with the chain of region values it is computed from. Values the chain needs from outside the region
-(the module's inputs, parameters) or that the policy keeps (``selective``: matmul, attention and
-collective outputs; random ops always) stay saved: with ``full`` only a region's inputs cross from
-forward to backward.
+keeps exactly what the graph says). For each forward node inside a recompute region of
+``ctx.activation`` (``recompute.ActivationPlan``: module regions of the plan, and the calls the
+model made to ``hp.checkpoint``) whose policy says recompute, each backward use is rewired to a copy
+of the node made in backward right before its first backward use, together with the chain of the
+region's values it is computed from. Values the chain needs from outside the region (the region's
+inputs, parameters) or that the policy keeps (``selective``: matmul, attention and collective
+outputs; random ops always) stay saved: with ``full`` only a region's inputs cross from forward to
+backward. Values a policy marks ``MUST_SWAP``, every saved value of a swap region, and with
+``swap_inputs`` the saved inputs of a checkpointed call, are marked for the swap pass.
 
 FSDP parameter all-gather chains are never recomputed here; they are inputs of the region, and the
 reshard_after_forward pass (which runs next) decides whether backward gathers them again.
 
-Reads: ``nn_module_stack`` (which module a node belongs to) and ``partitioner_tag`` /
-``hp_fsdp_phase`` (phase) on nodes, ``ctx.recompute``. Writes: copies tagged
-``partitioner_tag="is_backward"`` and ``meta["hp_recompute"] = <region module FQN>``. Idempotent
-(backward uses already read copies); numerics unchanged (the same ops run again on the same values;
-random ops are never recomputed).
+Reads: ``nn_module_stack`` and ``hp_region`` (which region a node belongs to), ``partitioner_tag`` /
+``hp_fsdp_phase`` (phase), ``val`` (fake inputs for policy callables), ``ctx.activation``. Writes:
+copies tagged ``partitioner_tag="is_backward"`` and ``meta["hp_recompute"] = <region>``;
+``meta["hp_swap"] = <region>`` on values to swap. Idempotent (backward uses already read copies);
+numerics unchanged (the same ops run again on the same values; random ops are never recomputed).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from __future__ import annotations
 import operator
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import compat
 from ..capture import module_fqn_of
+from ..recompute import CheckpointPolicy
 from .reshard_after_forward import _is_backward, gathered_param_region
 
 
@@ -37,39 +41,50 @@ def op_name(node: torch.fx.Node) -> str:
     return compat.op_overload_name(node.target)
 
 
+def _decision(region, node: torch.fx.Node, module_fqn: str) -> CheckpointPolicy:
+    source = node.args[0] if node.target is operator.getitem else node
+    args, kwargs = pytree.tree_map_only(
+        torch.fx.Node, lambda n: n.meta.get("val"), (source.args, source.kwargs)
+    )
+    return region.decide(op_name(node), source.target, args, kwargs, module_fqn)
+
+
 def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    plan = getattr(ctx, "recompute", None)
-    if plan is None:
+    plan = getattr(ctx, "activation", None)
+    if not plan:
         return gm
     graph = gm.graph
     sources = gathered_param_region(graph)
-    recomputed: dict[torch.fx.Node, str] = {}  # forward node -> its region's module FQN
+    recomputed: dict[torch.fx.Node, str] = {}  # forward node -> its region's key
+    swapped: dict[torch.fx.Node, object] = {}  # forward node -> its region
     for node in graph.nodes:
         if node.op != "call_function" or _is_backward(node) or node in sources:
             continue
         fqn = module_fqn_of(node)
-        region = plan.region_of(fqn)
-        if region is None or region.saves(op_name(node), fqn):
+        region = plan.region_of(node, fqn)
+        if region is None or compat.is_mutating_op(node.target):
             continue
-        if compat.is_mutating_op(node.target):  # never re-run a mutation
-            continue
-        recomputed[node] = region.module_fqn
-    if not recomputed:
-        return gm
+        decision = _decision(region, node, fqn)
+        if decision is CheckpointPolicy.MUST_SWAP:
+            swapped[node] = region
+        elif region.kind == "recompute" and not decision.saves:
+            recomputed[node] = region.key
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    region_inputs: dict[torch.fx.Node, object] = {}  # values recompute chains read from outside
 
-    def copy_before(node: torch.fx.Node, anchor: torch.fx.Node, region: str) -> torch.fx.Node:
+    def copy_before(node: torch.fx.Node, anchor: torch.fx.Node, key: str) -> torch.fx.Node:
         # Values of another region (e.g. the previous layer's output) are this region's inputs:
         # saved, not recomputed through (which would recompute every earlier layer again).
-        if recomputed.get(node) != region:
+        if recomputed.get(node) != key:
+            region_inputs.setdefault(node, plan.annotated.get(key))
             return node
         if node not in copies:
             for arg in node.all_input_nodes:
-                copy_before(arg, anchor, region)
+                copy_before(arg, anchor, key)
             with graph.inserting_before(anchor):
                 new = graph.node_copy(node, lambda a: copies.get(a, a))
             new.meta["partitioner_tag"] = "is_backward"
-            new.meta["hp_recompute"] = recomputed[node]
+            new.meta["hp_recompute"] = key
             copies[node] = new
         return copies[node]
 
@@ -79,6 +94,13 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for arg in list(user.all_input_nodes):
             if arg in recomputed:
                 user.replace_input_with(arg, copy_before(arg, user, recomputed[arg]))
+    # hp.checkpoint(swap_inputs=True): the region inputs its recompute reads go to host memory.
+    for node, region in region_inputs.items():
+        if region is not None and region.swap_inputs and node.op == "call_function" and node not in sources:
+            swapped.setdefault(node, region)
+    for node, region in swapped.items():
+        node.meta["hp_swap"] = region.key
+        node.meta["hp_swap_group"] = region.group_swap
     graph.lint()
     gm.recompile()
     return gm

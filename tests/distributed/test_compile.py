@@ -108,11 +108,11 @@ def test_recorded_plan_dtensor_params_and_cache(dist2):
 
 def unsupported_plan_entry():
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    hp.parallelize(build_model("mlp"), {"recompute": {"layers.*": "full"}}, mesh)
+    hp.parallelize(build_model("mlp"), {"pipeline": {"split_points": ["layers.1"]}}, mesh)
 
 
 def test_unsupported_plan_entry_is_rejected(dist2):
-    with pytest.raises(ValueError, match="recompute"):
+    with pytest.raises(ValueError, match="pipeline"):
         dist2.run(unsupported_plan_entry)
 
 

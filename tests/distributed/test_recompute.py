@@ -23,8 +23,12 @@ def _layer_activations(summary):
     return out
 
 
-def _keep_matmuls(op_name, module_fqn):
-    return hp.CheckpointPolicy.MUST_SAVE if op_name == "aten.mm.default" else hp.CheckpointPolicy.PREFER_RECOMPUTE
+def _keep_matmuls(ctx, op, *args, **kwargs):
+    """torch's selective-checkpoint policy signature."""
+    import torch
+
+    keep = op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    return hp.CheckpointPolicy.MUST_SAVE if keep else hp.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 PLANS = {
@@ -64,3 +68,35 @@ def test_recompute_with_fsdp_and_tensor_parallel(dist4):
 
     tp_plan = {**llama_tp_plan(), "recompute": {"model.layers.*": "selective"}}
     dist4.run(run_parity, "llama", tp_plan, (2, 2), ("dp", "tp"))
+
+
+def test_policy_callable_and_swap(dist2):
+    """A torch-style per-op policy keeping only matmuls, and swap regions (per tensor and grouped):
+    parity, and the swapped values cross to backward as host copies."""
+    none = dist2.run(run_parity, "llama", PLANS["none"], (2,), ("dp",))[0]["summary"]
+    policy = dist2.run(run_parity, "llama", PLANS["policy"], (2,), ("dp",))[0]["summary"]
+    selective = dist2.run(run_parity, "llama", PLANS["selective"], (2,), ("dp",))[0]["summary"]
+    # Keeping only matmuls keeps less than selective (which also keeps attention outputs).
+    total = lambda summary: sum(v["bytes"] for v in _layer_activations(summary).values())  # noqa: E731
+    assert 0 < total(policy) < total(selective) < total(none)
+    swapped = {}
+    for name, swap in (("per_tensor", True), ("grouped", {"group_swap": True})):
+        summary = dist2.run(run_parity, "llama", {"swap": {"model.layers.*": swap}}, (2,), ("dp",))[0]["summary"]
+        saved = summary["saved_for_backward"]
+        # Every activation a layer saves crosses to backward as a host copy, nothing else does.
+        assert saved["swapped"]["bytes"] == total(summary) == total(none)
+        swapped[name] = saved["swapped"]["count"]
+    per_layer = sum(v["count"] for v in _layer_activations(none).values())
+    assert swapped["per_tensor"] == per_layer
+    assert swapped["grouped"] < swapped["per_tensor"] and swapped["grouped"] >= LAYERS
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "swap"])
+def test_functional_checkpoint_and_swap_in_the_model(dist2, mode):
+    """hp.checkpoint / hp.swap called by the model (LlamaConfig.layer_activations) compile like the
+    plan entries; eagerly (the single-device reference) they are torch.utils.checkpoint / save_on_cpu."""
+    overrides = {"layer_activations": mode}
+    summary = dist2.run(run_parity, "llama", {}, (2,), ("dp",), model_overrides=overrides)[0]["summary"]
+    if mode == "checkpoint":
+        full = dist2.run(run_parity, "llama", PLANS["full"], (2,), ("dp",))[0]["summary"]
+        assert _layer_activations(summary) == _layer_activations(full)
