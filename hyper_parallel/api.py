@@ -32,6 +32,7 @@ from .fully_shard import (
 )
 from .init import distribute_parameters
 from .lower import lower
+from .memory import estimate_program
 from .passes import PassContext, run_passes
 from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
 from .propagation.engine import PropagationReport, propagate
@@ -222,6 +223,15 @@ class ParallelModule(nn.Module):
         entry = self._last_entry()
         return entry.program.forward_gm, entry.program.backward_gm
 
+    def memory_report(self, optimizer=None) -> dict:
+        """This rank's estimated memory for one training step of the program the last call ran
+        (hyper_parallel.memory): parameters, gradients, optimizer state, saved activations, the
+        forward / backward / optimizer-step peaks, the overall peak and the node (module, source
+        line) where it is reached. ``optimizer``: the optimizer instance (its real state once it has
+        stepped), or "sgd" / "sgd_momentum" / "adam" / "adamw"; None counts no optimizer state."""
+        entry = self._last_entry()
+        return estimate_program(entry.program, entry.captured, optimizer).as_dict()
+
     def _last_entry(self) -> CompiledEntry:
         if self._hp.last is None:
             raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
@@ -252,6 +262,7 @@ def parallelize(
     dump_dir: str | None = None,
     disable_passes: tuple[str, ...] = (),
     prefetch_depth: int | None = None,
+    bucket_cap_mb: float = 25,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
 
@@ -259,8 +270,12 @@ def parallelize(
     recorded by ``shard_module``/``parallelize_module``. The model's parameters are distributed now
     (from rank 0's values, so every rank starts identical); compilation happens on the first call.
     ``prefetch_depth``: FSDP units whose all-gather is issued ahead (default 1 on NCCL/HCCL, 0 on
-    gloo); ``disable_passes``: pass names to skip; ``dump_dir``: per-rank dumps of every stage.
+    gloo); ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
+    own (DDP's option and default); ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
+    dumps of every stage.
     """
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"parallelize(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MB")
     if mesh is None:
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
     if isinstance(model, ParallelModule):
@@ -284,6 +299,7 @@ def parallelize(
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
     model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
     model._hp.activation = activation
+    model._hp.gradient_bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
     model._hp.prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
     link_units_to_root(model)
     model._hp.gathered = GatheredParams(model.parameters())
@@ -409,6 +425,7 @@ def _compile(
             mesh=mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
             prefetch_depth=state.prefetch_depth,
             activation=dataclasses.replace(state.activation, annotated=annotated_regions()),
+            gradient_bucket_bytes=state.gradient_bucket_bytes,
             disable_passes=state.disable_passes,
             on_pass=dumper.graph,
         )
@@ -434,6 +451,7 @@ def _compile(
         "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
         "spmd_hash": digest,
         "inputs": {p: [str(pl) for pl in v] for p, v in input_placements.items()},
+        "memory": estimate_program(program, captured).as_dict(),  # no optimizer state: memory_report(opt) adds it
     }
     dumper.json("summary.json", summary)
     if rank == 0:

@@ -140,3 +140,16 @@ def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def use_boxed_calling_convention(gm: torch.fx.GraphModule) -> None:
+    """Make ``gm`` take one list of arguments and clear it on entry (aot_autograd's "boxed"
+    convention), so each argument can be freed inside the graph after its last use instead of
+    living until the call returns."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+
+
+def is_boxed_call(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` uses the boxed calling convention (frees each argument after its last use)."""
+    return bool(getattr(gm, "_boxed_call", False))

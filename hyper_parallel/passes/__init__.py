@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .bucketing import bucketing_pass
+from .bucketing import DEFAULT_GRADIENT_BUCKET_BYTES, bucketing_pass
 from .cleanup import cleanup_pass
 from .cse import cse_pass
 from .prefetch import prefetch_pass
@@ -34,6 +34,7 @@ class PassContext:
     prefetch_depth: int = 1  # how many FSDP units ahead all-gathers are issued
     explicit_prefetch: dict | None = None  # {"forward"/"backward": {unit: (units to prefetch,)}}
     activation: object = None  # recompute.ActivationPlan: recompute and swap regions
+    gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
     disable_passes: frozenset[str] = frozenset()
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
 

@@ -1,4 +1,5 @@
-"""bucketing: one fused all-gather per FSDP unit per use, one fused reduce-scatter per unit.
+"""bucketing: one fused all-gather per FSDP unit per use, one fused reduce-scatter per unit, and
+DDP-style buckets for the gradient all-reduces of parameters FSDP does not own.
 
 Lowering gives every FSDP parameter its own all-gather (forward, and again in backward when the
 unit reshards) and every gradient its own reduce-scatter (plus an all-reduce over the replicate axis
@@ -9,9 +10,14 @@ along dim 1), reduce-scattered once, and split back.
 
 Reads: ``hp_fsdp_param``/``hp_fsdp_phase``/``hp_role`` (all-gathers of unshard chains) and
 ``hp_grad_of`` (gradient redistributions) on nodes, ``ctx.fsdp`` (units, ``comm_fusion``).
+Data-parallel (and tensor-parallel replicated) gradients are all-reduced per parameter by lowering;
+here consecutive ones (in backward order, per reduce op, group and dtype) share one all-reduce of
+at most ``ctx.gradient_bucket_bytes`` (25 MB by default, as DDP), placed after the last gradient of
+the bucket is computed.
+
 Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"``; each
 parameter's slice of a fused all-gather keeps ``hp_fsdp_param``/``hp_fsdp_unit``; the
-per-parameter collectives are removed. Runs nothing when ``comm_fusion=False``. Idempotent (a
+per-parameter collectives are removed. FSDP fusion is skipped when ``comm_fusion=False``. Idempotent (a
 fused collective is never a candidate again); numerics unchanged (same elements, same reductions).
 """
 
@@ -25,6 +31,10 @@ import torch
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+
+# Gradient all-reduce buckets of parameters FSDP does not own: at most this many bytes each
+# (DDP's default bucket_cap_mb=25).
+DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
@@ -198,19 +208,45 @@ def _restore_topological_order(graph: torch.fx.Graph) -> None:
         previous = node
 
 
+def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int) -> list[list[torch.fx.Node]]:
+    """The all-reduces of gradients not owned by FSDP (data parallelism, and parameters replicated
+    under tensor parallelism), in the order backward produces them, cut into buckets of at most
+    ``cap_bytes`` per (reduce op, group, dtype): DDP's gradient buckets."""
+    buckets: list[list[torch.fx.Node]] = []
+    current: dict[tuple, tuple[list, int]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not c10d.all_reduce.default or "hp_bucket" in node.meta:
+            continue
+        param = node.meta.get("hp_grad_of")
+        if not param or (fsdp is not None and param in fsdp.unit_of) or _single_wait(node) is None:
+            continue
+        _, op, group = node.args
+        val = node.meta["val"]
+        key, nbytes = (op, group, val.dtype), val.numel() * val.element_size()
+        members, size = current.get(key, (None, 0))
+        if members is None or size + nbytes > cap_bytes:
+            members, size = [], 0
+            buckets.append(members)
+        members.append(node)
+        current[key] = (members, size + nbytes)
+    return [b for b in buckets if len(b) > 1]
+
+
 def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     fsdp = getattr(ctx, "fsdp", None)
-    if fsdp is None or not fsdp.comm_fusion:
-        return gm
     graph = gm.graph
-    all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
-    for (unit, phase, *_), members in all_gathers.items():
-        _fuse_all_gather(graph, members, f"{unit or '<root>'} {phase} all_gather ({len(members)} params)")
-    for (unit, *_), members in reduce_scatters.items():
-        _fuse_reduction(graph, members, f"{unit or '<root>'} reduce_scatter ({len(members)} params)")
-    # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
-    for (unit, *_), members in _buckets(graph, fsdp)[2].items():
-        _fuse_reduction(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
+    if fsdp is not None and fsdp.comm_fusion:
+        all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
+        for (unit, phase, *_), members in all_gathers.items():
+            _fuse_all_gather(graph, members, f"{unit or '<root>'} {phase} all_gather ({len(members)} params)")
+        for (unit, *_), members in reduce_scatters.items():
+            _fuse_reduction(graph, members, f"{unit or '<root>'} reduce_scatter ({len(members)} params)")
+        # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
+        for (unit, *_), members in _buckets(graph, fsdp)[2].items():
+            _fuse_reduction(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
+    cap = getattr(ctx, "gradient_bucket_bytes", DEFAULT_GRADIENT_BUCKET_BYTES)
+    for i, members in enumerate(_gradient_all_reduce_buckets(graph, fsdp, cap)):
+        _fuse_reduction(graph, members, f"gradient bucket {i} all_reduce ({len(members)} params)")
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()

@@ -12,6 +12,7 @@ import dataclasses
 
 import torch
 
+from .. import compat
 from ..capture import CapturedGraph
 from .partition import partition_by_phase
 
@@ -67,6 +68,9 @@ class CompiledProgram:
             ):
                 raise NotImplementedError("dynamic shapes are not supported yet")
         kept = tuple(o.name for o in captured.outputs if o.kind == "gathered")
+        # Backward frees each saved activation after its last use (as eager autograd does), not
+        # when it returns: it takes its arguments as one list that it clears.
+        compat.use_boxed_calling_convention(bw)
         return cls(fw, bw, num_outputs, len(primals), tangents, differentiable, kept)
 
     def saved_for_backward(self) -> list[torch.fx.Node]:
@@ -95,8 +99,9 @@ class _RunStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         program: CompiledProgram = ctx.program
-        tangents = [grad_outputs[i].contiguous() for i in program.tangent_outputs]
-        grads = program.backward_gm(*ctx.saved_tensors, *tangents)
+        args = [*ctx.saved_tensors, *[grad_outputs[i].contiguous() for i in program.tangent_outputs]]
+        ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
+        grads = program.backward_gm(args)
         assert len(grads) == program.num_primals + len(program.kept_gathered), len(grads)
         grads, kept = grads[: program.num_primals], grads[program.num_primals :]
         if kept and ctx.kept_hook is not None:

@@ -89,6 +89,7 @@ def run_parity(
     dump_dir: str | None = None,
     loss_rtol: float | None = None,
     disable_passes: tuple[str, ...] = (),
+    parallelize_options: dict | None = None,
 ) -> dict:
     """Train the parallel and the single-device model side by side; assert they agree each step.
 
@@ -100,7 +101,7 @@ def run_parity(
     reference = build_model(model, **(model_overrides or {}))
     parallel = hp.parallelize(
         copy.deepcopy(reference), build_plan(plan) if isinstance(plan, str) else plan, mesh,
-        dump_dir=dump_dir, disable_passes=disable_passes,
+        dump_dir=dump_dir, disable_passes=disable_passes, **(parallelize_options or {}),
     )
     make_opt = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),

@@ -17,12 +17,23 @@ NUM_LAYERS = 4  # the example Llama's default depth
 def test_data_parallel_2_ranks(dist2, model):
     results = dist2.run(run_parity, model, "dp", (2,), ("dp",))
     summary = results[0]["summary"]
-    num_params = {"mlp": 4, "llama": 4 * 9 + 3}[model]
-    # One all-reduce per parameter gradient (bucketing comes with FSDP); cross-entropy's backward
-    # also needs the global count of non-ignored tokens (one scalar) for an exact mean.
-    assert _counts(summary, "backward", "all_reduce", "dp") == num_params + (model == "llama")
+    # All gradients fit one 25 MB bucket: one all-reduce; cross-entropy's backward also needs the
+    # global count of non-ignored tokens (one scalar) for an exact mean.
+    assert _counts(summary, "backward", "all_reduce", "dp") == 1 + (model == "llama")
     # Forward: the global loss.
     assert _counts(summary, "forward", "all_reduce", "dp") == 1
+
+
+def test_data_parallel_gradient_buckets(dist2):
+    """bucket_cap_mb cuts the gradient all-reduces like DDP; without the bucketing pass there is one
+    per parameter. Both keep single-device numbers (run_parity checks every gradient)."""
+    grad_bytes = 180_800 * 4  # the example Llama's parameters, fp32
+    small = dist2.run(run_parity, "llama", "dp", (2,), ("dp",), parallelize_options={"bucket_cap_mb": 0.25})
+    summary = small[0]["summary"]["collectives"]["backward"]["all_reduce"]["dp"]
+    assert summary["count"] - 1 == -(-grad_bytes // (256 * 1024))  # ceil(bytes / cap) buckets + token count
+    assert summary["bytes"] == grad_bytes + 4
+    unfused = dist2.run(run_parity, "llama", "dp", (2,), ("dp",), disable_passes=("bucketing",))
+    assert _counts(unfused[0]["summary"], "backward", "all_reduce", "dp") == 4 * 9 + 3 + 1
 
 
 @pytest.mark.parametrize("model", ["mlp", "llama"])
@@ -62,8 +73,9 @@ def test_sequence_parallel(dist2):
     # Backward mirrored: reduce-scatter where forward gathered and vice versa.
     assert _counts(summary, "backward", "all_gather", "tp") == 2 * NUM_LAYERS + 1
     assert _counts(summary, "backward", "reduce_scatter", "tp") == 2 * NUM_LAYERS + 1
-    # The replicated norm weights see a partial gradient from each sequence shard: all-reduced.
-    assert _counts(summary, "backward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
+    # The replicated norm weights see a partial gradient from each sequence shard: all-reduced,
+    # in one gradient bucket.
+    assert _counts(summary, "backward", "all_reduce", "tp") == 1
 
 
 def test_2d_data_and_tensor_parallel(dist4):
