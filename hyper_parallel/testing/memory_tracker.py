@@ -1,0 +1,167 @@
+"""Measured memory of a region of eager code on any device: the oracle for the memory estimator.
+
+``torch.cuda.max_memory_allocated`` measures an accelerator's peak; the CPU has no such counter, so
+:class:`MemoryTracker` keeps one. It is a dispatch mode: every aten op that runs while it is active
+(the compiled GraphModules call aten ops, collectives included, and so do autograd and the
+optimizers) reports its outputs; an output storage that is not one of the op's inputs' storages is
+a new allocation, counted from then until the storage is freed (a finalizer on the storage's Python
+object, which torch keeps as long as the storage lives, so views and aliases keep it counted).
+Storages are deduplicated, so views, ``wait_tensor``'s returned buffer and in-place results never
+count twice. DTensor results count their local shards.
+
+Reads the tensors it is given as a baseline (what already exists: parameters, gradients, optimizer
+state, the batch); writes nothing. ``peak`` is baseline + the highest tracked live bytes.
+
+What it does not see, like the estimator: memory an op allocates and frees internally, allocator
+caching, and buffers of the communication backend outside torch's allocator.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.utils._pytree as pytree
+
+from .. import compat
+
+__all__ = ["MemoryTracker", "measure_training_memory", "unique_storage_bytes"]
+
+
+def _locals(value) -> list[torch.Tensor]:
+    return [compat.plain_tensor(t) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def unique_storage_bytes(tensors, device: str = "cpu") -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard)."""
+    seen = {}
+    for t in _locals(list(tensors)):
+        if t.device.type == device:
+            storage = t.untyped_storage()
+            seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+class MemoryTracker(compat.TorchDispatchMode):
+    """``with MemoryTracker(baseline_tensors) as tracker: step()``, then ``tracker.peak`` (bytes).
+
+    Counts storages on ``device`` (a device type) created by aten ops inside the block.
+    ``peak_op`` names the op whose output made the peak, ``at_peak`` the tracked bytes live then
+    by the op that allocated them.
+    """
+
+    def __init__(self, baseline=(), device: str = "cpu"):
+        super().__init__()
+        self.device = device
+        self.baseline = unique_storage_bytes(baseline, device)
+        self.live = 0  # bytes of tracked storages alive now
+        self.max_live = 0
+        self.peak_op = ""
+        self.at_peak: dict[str, int] = {}  # op name -> bytes of its outputs live at the peak
+        self._tracked: dict[int, tuple[int, str]] = {}  # id(storage) -> (nbytes, op name)
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + self.max_live
+
+    @property
+    def current(self) -> int:
+        return self.baseline + self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in _locals((args, kwargs)) if _has_storage(t)}
+        for t in _locals(out):
+            if t.device.type != self.device or not _has_storage(t):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in inputs or key in self._tracked:
+                continue
+            nbytes = storage.nbytes()
+            self._tracked[key] = (nbytes, str(func))
+            weakref.finalize(storage, self._freed, key)
+            self.live += nbytes
+            if self.live > self.max_live:
+                self.max_live, self.peak_op = self.live, str(func)
+                self.at_peak = {}
+                for size, op in self._tracked.values():
+                    self.at_peak[op] = self.at_peak.get(op, 0) + size
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.live -= self._tracked.pop(key, (0, ""))[0]
+
+
+def _has_storage(t: torch.Tensor) -> bool:
+    try:
+        t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # e.g. sparse or functional wrappers
+        return False
+    return True
+
+
+def measure_training_memory(
+    model: str,
+    plan,
+    mesh_shape: tuple[int, ...],
+    mesh_names: tuple[str, ...],
+    *,
+    optimizer: str = "sgd",
+    steps: int = 2,
+    batch: int = 8,
+    seq_len: int = 128,
+    model_overrides: dict | None = None,
+) -> dict:
+    """Run on every rank of a worker pool: train ``steps`` steps of the parallelized model and
+    return the last step's measured peaks next to the estimate for its program (``steps >= 2``).
+
+    A step is ``out = pmodel(**batch); out.loss.backward(); del out; opt.step(); opt.zero_grad()``
+    (the caller holds the outputs through backward, the estimator's ``keep_outputs=True``).
+    ``measured`` has the forward+backward peak, the optimizer step's peak (each with parameters,
+    existing gradients, optimizer state and the batch as baseline) and their maximum;
+    ``estimate`` is ``pmodel.memory_report(opt)`` after the step; ``summary_memory`` the compile
+    summary's entry; ``tracked_at_peak`` what the tracker saw live at the forward+backward peak.
+    """
+    if steps < 2:
+        raise ValueError("measure_training_memory: steps must be >= 2 (the first step compiles)")
+    import contextlib
+    import gc
+
+    import hyper_parallel as hp
+    from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+    mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
+    pmodel = hp.parallelize(build_model(model, **(model_overrides or {})), plan, mesh)
+    opt = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    }[optimizer](pmodel.parameters())
+
+    def existing(batch_tensors):
+        tensors = list(pmodel.parameters()) + list(pmodel.buffers()) + list(batch_tensors)
+        tensors += [p.grad for p in pmodel.parameters() if p.grad is not None]
+        tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    for step in range(steps):
+        inputs = local_batch(global_batch(model, batch, seq_len, seed=step + 1), mesh)
+        measured = step == steps - 1  # not the first step: it compiles (and creates AdamW's state)
+        gc.collect()
+        with MemoryTracker(existing(inputs.values())) if measured else contextlib.nullcontext() as step_tracker:
+            out = pmodel(**inputs)
+            out["loss"].backward()
+            del out
+        with MemoryTracker(existing(inputs.values())) if measured else contextlib.nullcontext() as opt_tracker:
+            opt.step()
+        opt.zero_grad()
+    return {
+        "measured": {
+            "forward_backward": step_tracker.peak,
+            "optimizer_step": opt_tracker.peak,
+            "peak": max(step_tracker.peak, opt_tracker.peak),
+        },
+        "tracked_at_peak": step_tracker.at_peak,
+        "estimate": pmodel.memory_report(opt),
+        "summary_memory": pmodel.compile_summary()["memory"],
+    }
