@@ -38,7 +38,7 @@ from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
 from .propagation.engine import PropagationReport, propagate
 from .propagation.accumulation import GRAD_ACCUM
 from .propagation.unshard import PREGATHERED
-from .recompute import annotated_regions, capturing, resolve_activation_plan
+from .recompute import annotated_regions, auto_candidates, capturing, resolve_activation_plan
 from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .runtime.unshard import GatheredParams, UnshardHandle, gather_unit, watch_optimizers
@@ -107,7 +107,8 @@ class ParallelModule(nn.Module):
         key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved), repr(prefetch))
         entry = state.cache.get(key)
         if entry is None:
-            entry = _compile(self, state, resolved, args, kwargs, flat, prefetch)
+            compile_fn = _compile_within_budget if state.activation.auto_blocks else _compile
+            entry = compile_fn(self, state, resolved, args, kwargs, flat, prefetch)
             state.cache[key] = entry
         state.last = entry
         return _run(self, entry, flat)
@@ -263,6 +264,7 @@ def parallelize(
     disable_passes: tuple[str, ...] = (),
     prefetch_depth: int | None = None,
     bucket_cap_mb: float = 25,
+    memory_budget_bytes: int | None = None,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
 
@@ -271,7 +273,8 @@ def parallelize(
     (from rank 0's values, so every rank starts identical); compilation happens on the first call.
     ``prefetch_depth``: FSDP units whose all-gather is issued ahead (default 1 on NCCL/HCCL, 0 on
     gloo); ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
-    own (DDP's option and default); ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
+    own (DDP's option and default); ``memory_budget_bytes``: the per-rank peak that
+    ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
     dumps of every stage.
     """
     if not bucket_cap_mb > 0:
@@ -285,6 +288,13 @@ def parallelize(
     resolved = resolve_plan(full_plan, model, mesh)
     _check_unsupported(full_plan)
     activation = resolve_activation_plan(full_plan.recompute, full_plan.swap, model)
+    if bool(activation.auto_blocks) != (memory_budget_bytes is not None):
+        raise ValueError(
+            "recompute='auto' needs parallelize(..., memory_budget_bytes=<per-rank bytes>)"
+            if activation.auto_blocks else
+            "memory_budget_bytes applies to recompute='auto'; set ParallelPlan(recompute='auto') or "
+            "drop memory_budget_bytes"
+        )
     fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
@@ -299,6 +309,8 @@ def parallelize(
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
     model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
     model._hp.activation = activation
+    model._hp.plan_swap = full_plan.swap
+    model._hp.memory_budget_bytes = memory_budget_bytes
     model._hp.gradient_bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
     model._hp.prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
     link_units_to_root(model)
@@ -384,8 +396,9 @@ def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
 
 def _compile(
     module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
-    explicit_prefetch: dict,
+    explicit_prefetch: dict, activation=None,
 ) -> CompiledEntry:
+    """``activation``: the recompute/swap plan to compile with (default: the module's)."""
     mesh = state.mesh
     rank = dist.get_rank() if dist.is_initialized() else 0
     dumper = Dumper(state.dump_dir, rank)
@@ -424,7 +437,7 @@ def _compile(
         local, PassContext(
             mesh=mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
             prefetch_depth=state.prefetch_depth,
-            activation=dataclasses.replace(state.activation, annotated=annotated_regions()),
+            activation=dataclasses.replace(activation or state.activation, annotated=annotated_regions()),
             gradient_bucket_bytes=state.gradient_bucket_bytes,
             disable_passes=state.disable_passes,
             on_pass=dumper.graph,
@@ -457,6 +470,52 @@ def _compile(
     if rank == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
     return CompiledEntry(captured, resolved, program, report, summary)
+
+
+def _compile_within_budget(
+    module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
+    explicit_prefetch: dict,
+) -> CompiledEntry:
+    """``recompute="auto"``: among :func:`recompute.auto_candidates` (each recomputing at least as
+    much as the one before, none more than full recompute of every block), compile the first
+    whose estimated peak (``summary["memory"]["peak"]``, the largest over ranks so every rank
+    picks the same program) fits ``memory_budget_bytes``, found by bisection."""
+    candidates = auto_candidates(state.activation.auto_blocks)
+    tried: dict[int, tuple[int, CompiledEntry]] = {}
+
+    def peak(i: int) -> int:
+        if i not in tried:
+            activation = resolve_activation_plan(candidates[i], state.plan_swap, module)
+            entry = _compile(module, state, resolved_plan, args, kwargs, flat, explicit_prefetch, activation)
+            value = torch.tensor([entry.summary["memory"]["peak"]], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            tried[i] = (int(value.item()), entry)
+        return tried[i][0]
+
+    budget = state.memory_budget_bytes
+    last = len(candidates) - 1
+    if peak(last) > budget:
+        raise ValueError(
+            f"recompute='auto': memory_budget_bytes={budget:,} cannot be met; recomputing every "
+            f"block fully still peaks at {peak(last):,} bytes per rank (the smallest achievable "
+            "with recompute). Raise the budget, shard more (fully_shard, tensor parallelism) or "
+            "use a smaller batch"
+        )
+    lo, hi = 0, last
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    entry = tried[lo][1]
+    entry.summary["recompute_auto"] = {
+        "memory_budget_bytes": budget, "estimated_peak": tried[lo][0], "chosen": candidates[lo],
+        "candidates_compiled": len(tried),
+    }
+    log.info("[recompute auto] %s", entry.summary["recompute_auto"])
+    return entry
 
 
 def _saved_summary(program: CompiledProgram) -> dict:

@@ -126,6 +126,8 @@ class ActivationPlan:
 
     modules: tuple[Region, ...] = ()
     annotated: dict = dataclasses.field(default_factory=dict, compare=False)  # key -> Region
+    # recompute="auto": the repeated blocks whose policy the compiler chooses to fit a budget.
+    auto_blocks: tuple[str, ...] = ()
 
     def region_of(self, node: torch.fx.Node, module_fqn: str) -> Region | None:
         """The region a forward node belongs to: an annotated call wins over a module region."""
@@ -198,8 +200,43 @@ def _matched(spec: Any, model: nn.Module, entry: str) -> dict[str, Any]:
     return out
 
 
+AUTO = "auto"
+
+
+def repeated_blocks(model: nn.Module) -> tuple[str, ...]:
+    """FQNs of the modules held in ``nn.ModuleList``s (the decoder layers of a transformer): the
+    units ``recompute="auto"`` chooses a policy for."""
+    return tuple(
+        f"{fqn}.{i}" if fqn else str(i)
+        for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)
+        for i in range(len(m))
+    )
+
+
+def auto_candidates(blocks: tuple[str, ...]) -> list[dict[str, str]]:
+    """``recompute`` entries from "save everything" to "recompute every block fully", each
+    recomputing at least as much as the one before: blocks turn selective one at a time, then
+    full one at a time. Every candidate recomputes no more than all-full does."""
+    candidates = []
+    for level in ("selective", "full"):
+        base = {b: "selective" for b in blocks} if level == "full" else {}
+        for k in range(0 if level == "selective" else 1, len(blocks) + 1):
+            candidates.append({**base, **{b: level for b in blocks[:k]}})
+    return candidates
+
+
 def resolve_activation_plan(recompute: Any, swap: Any, model: nn.Module) -> ActivationPlan:
-    """The plan's ``recompute`` / ``swap`` entries plus recorded wrappers, against ``model``."""
+    """The plan's ``recompute`` / ``swap`` entries plus recorded wrappers, against ``model``.
+    ``recompute="auto"`` leaves the choice to compile time (``auto_blocks``)."""
+    if recompute == AUTO:
+        blocks = repeated_blocks(model)
+        if not blocks:
+            raise ValueError(
+                f"recompute='auto' chooses a policy per repeated block (the modules in an "
+                f"nn.ModuleList), and {type(model).__name__} has none; give recompute as "
+                "{module glob: 'full' | 'selective'}"
+            )
+        return dataclasses.replace(resolve_activation_plan(None, swap, model), auto_blocks=blocks)
     regions: dict[str, Region] = {}
     recompute_entries = {
         **{f: getattr(m, _RECOMPUTE_ATTR) for f, m in model.named_modules() if hasattr(m, _RECOMPUTE_ATTR)},

@@ -100,3 +100,55 @@ def test_functional_checkpoint_and_swap_in_the_model(dist2, mode):
     if mode == "checkpoint":
         full = dist2.run(run_parity, "llama", PLANS["full"], (2,), ("dp",))[0]["summary"]
         assert _layer_activations(summary) == _layer_activations(full)
+
+
+def auto_recompute_within_budget():
+    """recompute='auto' fits a budget halfway between no recompute and full recompute, recomputes
+    no more than full recompute, keeps parity; an infeasible budget says the smallest peak."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    batch = local_batch(global_batch("llama", 4, 64), mesh)
+    reference = build_model("llama", max_position_embeddings=64)
+
+    def peak(plan, **options):
+        model = hp.parallelize(copy.deepcopy(reference), plan, mesh, **options)
+        model(**batch)["loss"].backward()
+        return model
+
+    none, full = (peak(PLANS[p]).compile_summary()["memory"]["peak"] for p in ("none", "full"))
+    budget = (none + full) // 2
+    auto = peak({"recompute": "auto"}, memory_budget_bytes=budget)
+    chosen = auto.compile_summary()["recompute_auto"]
+    loss = auto(**batch)["loss"]
+    loss.backward()
+    ref_loss = reference(**global_batch("llama", 4, 64))["loss"]
+    torch.testing.assert_close(loss, ref_loss)
+    try:
+        peak({"recompute": "auto"}, memory_budget_bytes=full // 2)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    for plan, options in (({"recompute": "auto"}, {}), ({}, {"memory_budget_bytes": budget})):
+        try:
+            hp.parallelize(copy.deepcopy(reference), plan, mesh, **options)
+        except ValueError as e:
+            error += "\n" + str(e)
+    return none, full, budget, chosen, auto.compile_summary()["memory"]["peak"], error
+
+
+def test_auto_recompute_fits_a_budget(dist2):
+    none, full, budget, chosen, peak, error = dist2.run(auto_recompute_within_budget)[0]
+    assert full < budget < none
+    assert peak <= budget and chosen["estimated_peak"] <= budget
+    # Something is recomputed, and never more than full recompute of every layer.
+    assert chosen["chosen"] and set(chosen["chosen"]) <= set(LAYER_MODULES)
+    assert chosen["chosen"] != {m: "full" for m in LAYER_MODULES}
+    assert "cannot be met" in error and f"{full:,}" in error
+    assert "needs parallelize(..., memory_budget_bytes=" in error
+    assert "memory_budget_bytes applies to recompute='auto'" in error
