@@ -152,3 +152,21 @@ def test_auto_recompute_fits_a_budget(dist2):
     assert "cannot be met" in error and f"{full:,}" in error
     assert "needs parallelize(..., memory_budget_bytes=" in error
     assert "memory_budget_bytes applies to recompute='auto'" in error
+
+
+@pytest.mark.parametrize("mode", ["selective", "policy", "swap", "auto"])
+def test_policies_with_fsdp(dist2, mode):
+    """Each policy composed with FSDP keeps single-device parity (loss and every gradient)."""
+    fsdp = {"fully_shard": {"units": ["model.layers.*", ""]}}
+    options = {}
+    if mode == "auto":
+        none = dist2.run(run_parity, "llama", fsdp, (2,), ("dp",), steps=1)[0]["summary"]["memory"]["peak"]
+        full = dist2.run(run_parity, "llama", {**fsdp, **PLANS["full"]}, (2,), ("dp",), steps=1)[0]["summary"]["memory"]["peak"]
+        plan, options = {**fsdp, "recompute": "auto"}, {"memory_budget_bytes": (none + full) // 2}
+    elif mode == "swap":
+        plan = {**fsdp, "swap": {"model.layers.*": {"group_swap": True}}}
+    else:
+        plan = {**fsdp, **PLANS[mode]}
+    summary = dist2.run(run_parity, "llama", plan, (2,), ("dp",), parallelize_options=options)[0]["summary"]
+    if mode == "auto":
+        assert summary["recompute_auto"]["estimated_peak"] <= options["memory_budget_bytes"]
