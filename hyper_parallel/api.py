@@ -60,13 +60,22 @@ class CompiledEntry:
 
 
 class _ParallelState:
-    def __init__(self, resolved: ResolvedPlan, mesh, original_cls, dump_dir, disable_passes):
+    def __init__(
+        self, resolved: ResolvedPlan, mesh, original_cls, parameters, *, dump_dir, disable_passes,
+        prefetch_depth: int, gradient_bucket_bytes: int, activation, plan_swap, memory_budget_bytes,
+    ):
         self.resolved = resolved
         self.mesh = mesh
         self.original_cls = original_cls
         self.dump_dir = dump_dir
         self.disable_passes = frozenset(disable_passes)
         self.cache: dict[Any, CompiledEntry] = {}
+        # Compile options.
+        self.prefetch_depth = prefetch_depth
+        self.gradient_bucket_bytes = gradient_bucket_bytes
+        self.activation = activation  # recompute.ActivationPlan
+        self.plan_swap = plan_swap  # the plan's swap entry (recompute="auto" re-resolves with it)
+        self.memory_budget_bytes = memory_budget_bytes
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.gradient_sync = True
         self.all_reduce = True
@@ -74,7 +83,8 @@ class _ParallelState:
         self.reduce_op = "avg"
         self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
         self.reshard_after_backward = True
-        self.gathered = GatheredParams()  # by unshard(), or kept by backward for the next forward
+        self.gathered = GatheredParams(parameters)  # by unshard(), or kept by backward for the next forward
+        watch_optimizers(self.gathered)
         self.last: CompiledEntry | None = None  # the program the last call ran
 
     def resolved_for_flags(self) -> ResolvedPlan:
@@ -216,15 +226,14 @@ def parallelize(
     dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
     original_cls = type(model)
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
-    model._hp = _ParallelState(resolved, mesh, original_cls, dump_dir, disable_passes)
-    model._hp.activation = activation
-    model._hp.plan_swap = full_plan.swap
-    model._hp.memory_budget_bytes = memory_budget_bytes
-    model._hp.gradient_bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
-    model._hp.prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
+    model._hp = _ParallelState(
+        resolved, mesh, original_cls, list(model.parameters()), dump_dir=dump_dir,
+        disable_passes=disable_passes,
+        prefetch_depth=_default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth,
+        gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), activation=activation,
+        plan_swap=full_plan.swap, memory_budget_bytes=memory_budget_bytes,
+    )
     link_units_to_root(model)
-    model._hp.gathered = GatheredParams(model.parameters())
-    watch_optimizers(model._hp.gathered)
     return model
 
 
@@ -429,6 +438,7 @@ def _compile_within_budget(
 
 def _saved_summary(program: CompiledProgram) -> dict:
     """Bytes kept from forward to backward, and how many of them are gathered FSDP parameters."""
+    from .passes.recompute import is_view_of_input
     from .passes.reshard_after_forward import gathered_param_region
 
     region = gathered_param_region(program.forward_gm.graph)
@@ -437,8 +447,8 @@ def _saved_summary(program: CompiledProgram) -> dict:
     swapped = {"count": 0, "bytes": 0}  # kept in host memory by the swap pass
     for node in program.saved_for_backward():
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or node.op == "placeholder":
-            continue
+        if not isinstance(val, torch.Tensor) or is_view_of_input(node):
+            continue  # inputs (and views of them, such as t(weight)) are held anyway
         nbytes = val.numel() * val.element_size()
         total += nbytes
         if node in region:

@@ -305,7 +305,7 @@ def checkpoint(function, *args, swap_inputs: bool = False, policy_fn: Callable |
     if policy_fn is not None and context_fn is None:
         def torch_policy(ctx, op, *a, **k):
             decision = CheckpointPolicy.of(policy_fn(ctx, op, *a, **k))
-            return _TORCH_POLICY[decision]
+            return _torch_policy(decision)
 
         context_fn = lambda: create_selective_checkpoint_contexts(torch_policy)  # noqa: E731
     extra = {"context_fn": context_fn} if context_fn is not None else {}
@@ -328,15 +328,8 @@ def swap(function, *args, policy_fn: Callable | None = None, group_swap: bool = 
         return function(*args, **kwargs)
 
 
-def _torch_policies() -> dict:
+def _torch_policy(decision: CheckpointPolicy):
+    """torch.utils.checkpoint's value for ours (eager selective checkpointing)."""
     from torch.utils.checkpoint import CheckpointPolicy as T
 
-    return {
-        CheckpointPolicy.MUST_SAVE: T.MUST_SAVE, CheckpointPolicy.PREFER_SAVE: T.PREFER_SAVE,
-        CheckpointPolicy.MUST_RECOMPUTE: T.MUST_RECOMPUTE,
-        CheckpointPolicy.PREFER_RECOMPUTE: T.PREFER_RECOMPUTE,
-        CheckpointPolicy.MUST_SWAP: T.MUST_CPU_OFFLOAD,
-    }
-
-
-_TORCH_POLICY = _torch_policies()
+    return T.MUST_CPU_OFFLOAD if decision is CheckpointPolicy.MUST_SWAP else T[decision.name]

@@ -41,6 +41,23 @@ def op_name(node: torch.fx.Node) -> str:
     return compat.op_overload_name(node.target)
 
 
+# Ops whose result shares its first argument's storage.
+VIEW_OPS = frozenset({
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default,
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.alias.default,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+})
+
+
+def is_view_of_input(node: torch.fx.Node) -> bool:
+    """Whether ``node`` only re-views a graph input (e.g. ``t(weight)``): keeping it costs nothing,
+    the input's storage lives anyway, so it is neither swapped nor counted as an activation."""
+    while node.op == "call_function" and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
 def _decision(region, node: torch.fx.Node, module_fqn: str) -> CheckpointPolicy:
     source = node.args[0] if node.target is operator.getitem else node
     args, kwargs = pytree.tree_map_only(
@@ -66,7 +83,8 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             continue
         decision = _decision(region, node, fqn)
         if decision is CheckpointPolicy.MUST_SWAP:
-            swapped[node] = region
+            if not is_view_of_input(node):  # copying a view of a parameter to host saves nothing
+                swapped[node] = region
         elif region.kind == "recompute" and not decision.saves:
             recomputed[node] = region.key
     copies: dict[torch.fx.Node, torch.fx.Node] = {}

@@ -100,6 +100,10 @@ def test_functional_checkpoint_and_swap_in_the_model(dist2, mode):
     if mode == "checkpoint":
         full = dist2.run(run_parity, "llama", PLANS["full"], (2,), ("dp",))[0]["summary"]
         assert _layer_activations(summary) == _layer_activations(full)
+    else:
+        plan = dist2.run(run_parity, "llama", {"swap": {"model.layers.*": True}}, (2,), ("dp",))[0]["summary"]
+        assert summary["saved_for_backward"]["swapped"] == plan["saved_for_backward"]["swapped"]
+        assert summary["saved_for_backward"]["swapped"]["count"] > 0
 
 
 def auto_recompute_within_budget():
