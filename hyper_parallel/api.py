@@ -184,6 +184,7 @@ def parallelize(
     prefetch_depth: int | None = None,
     bucket_cap_mb: float = 25,
     memory_budget_bytes: int | None = None,
+    materialize: bool = True,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
 
@@ -194,7 +195,8 @@ def parallelize(
     gloo); ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
     own (DDP's option and default); ``memory_budget_bytes``: the per-rank peak that
     ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
-    dumps of every stage.
+    dumps of every stage. ``materialize=False``: a meta-device model keeps meta shards (planning
+    only, see ``hyper_parallel.explain``: the module can be compiled and inspected, not run).
     """
     if not bucket_cap_mb > 0:
         raise ValueError(f"parallelize(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MB")
@@ -221,7 +223,7 @@ def parallelize(
         from .passes.reshard_after_forward import attach_post_forward_groups
 
         resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
-    distribute_parameters(model, resolved.param_placements, mesh)
+    distribute_parameters(model, resolved.param_placements, mesh, materialize=materialize)
     _offload_shards(model, resolved)
     dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
     original_cls = type(model)

@@ -1,0 +1,213 @@
+"""Measurements behind ``calibrate_cost_model.py``: compute rates, per-op and runtime overheads,
+gloo collective times and the alpha-beta fit, and the "cpu" profile built from them.
+
+Each function measures on the calling process (and, for ``measure_gloo``, the ranks of the default
+group) with whatever threads torch has; ``calibrate_cost_model.py`` sets one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from hyper_parallel.cost import comm as cost_comm
+from hyper_parallel.cost.hardware import CPU, HardwareProfile
+
+SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+
+
+def _median_time(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_local() -> dict:
+    """Matmul FLOP/s, copy bandwidth and op overheads in this process (1 thread)."""
+    torch.set_num_threads(1)
+    matmul = {}
+    for n in (128, 256, 512, 1024):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        reps = max(3, int(2e8 / n**3))
+        matmul[n] = 2 * n**3 / _median_time(lambda: torch.mm(a, b), reps)
+    src = torch.ones(16 << 20)  # 64 MiB fp32
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), 9)
+    x, y = torch.ones(16), torch.ones(16)
+    add, view = torch.ops.aten.add.Tensor, torch.ops.aten.view.default
+    n_ops = 2000
+
+    def many_adds():
+        for _ in range(n_ops):
+            add(x, y)
+
+    def many_views():
+        for _ in range(n_ops):
+            view(x, [4, 4])
+
+    return {
+        "matmul_flops_per_s": {str(k): v for k, v in matmul.items()},
+        "copy_bytes_per_s": copy_bw,
+        "op_overhead_s": _median_time(many_adds, 7) / n_ops,
+        "view_overhead_s": _median_time(many_views, 7) / n_ops,
+    }
+
+
+def _fit(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
+    """Least squares t = steps * alpha + moved * beta over (steps, moved_bytes, seconds), with
+    relative residuals (each row scaled by 1/t, so 4 KiB and 16 MiB points weigh alike) and both
+    constants kept non-negative (noise can make an unconstrained fit go below 0)."""
+    rows = [(s, m, max(t, 1e-7)) for s, m, t in samples]
+    a = torch.tensor([[s / t, m / t] for s, m, t in rows], dtype=torch.float64)
+    ones = torch.ones(len(rows), 1, dtype=torch.float64)
+    alpha, beta = torch.linalg.lstsq(a, ones).solution.flatten().tolist()
+    if alpha < 0:
+        alpha, beta = 0.0, torch.linalg.lstsq(a[:, 1:], ones).solution.item()
+    elif beta <= 0:
+        alpha, beta = torch.linalg.lstsq(a[:, :1], ones).solution.item(), 1e-12
+    return alpha, beta
+
+
+def measure_gloo(reps: int = 20) -> dict:
+    """Collective times between the ranks of the default group, two ways: "isolated" (median of
+    back-to-back calls) and "in_step" (each call after a ~0.3 ms compute burst, as in a training
+    step, minus the burst alone; mean, since a step's time is the sum of its collectives'). On a
+    loaded 2-core machine the second is several times the first: the waiting rank's threads have to
+    be scheduled again. The profile uses the in-step fit."""
+    import torch.distributed as dist
+
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+    n = dist.get_world_size()
+    a = torch.randn(128, 128)
+
+    def burst():
+        for _ in range(8):  # ~0.3 ms of matmuls
+            torch.mm(a, a)
+
+    def mean_time(fn, count: int) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            fn()
+        return (time.perf_counter() - t0) / count
+
+    dist.barrier()
+    burst_s = mean_time(burst, 50)
+    raw: dict = {mode: {"all_reduce": {}, "all_gather": {}} for mode in ("isolated", "in_step")}
+    samples: dict = {mode: [] for mode in raw}
+    for size in SIZES:
+        x = torch.ones(size // 4)
+        shard = torch.ones(size // 4 // n)
+        count = max(5, min(reps, int(reps * (1 << 20) / size)))
+        calls = {
+            "all_reduce": lambda: c10d.wait_tensor(c10d.all_reduce(x, "sum", group)),
+            "all_gather": lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(shard, n, group)),
+        }
+        for kind, call in calls.items():
+            dist.barrier()
+            iso = _median_time(call, count)
+            dist.barrier()
+            in_step = max(mean_time(lambda: (burst(), call()), count) - burst_s, 0.0)
+            # A collective ends when the slower rank's does.
+            times = torch.tensor([iso, in_step], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            local = size if kind == "all_reduce" else size // n
+            steps, moved = cost_comm.ring_volume(kind, local, n)
+            for mode, t in zip(("isolated", "in_step"), times.tolist()):
+                raw[mode][kind][str(size)] = t
+                samples[mode].append((steps, moved, t))
+    fits = {mode: _fit(v) for mode, v in samples.items()}
+    return {
+        "seconds": raw,
+        "fit": {mode: {"alpha_s": al, "bandwidth_bytes_per_s": 1 / be} for mode, (al, be) in fits.items()},
+    }
+
+
+def profile_from(local: dict, gloo: dict | None = None, runtime: dict | None = None) -> HardwareProfile:
+    """The cpu profile with this run's measurements in place of hardware.py's."""
+    peak = max(local["matmul_flops_per_s"].values())
+    changes = dict(
+        name="cpu-measured", peak_flops={"fp32": peak, "bf16": peak, "fp16": peak},
+        hbm_bandwidth=local["copy_bytes_per_s"],
+        op_overhead_s=local["op_overhead_s"], view_overhead_s=local["view_overhead_s"],
+    )
+    if gloo is not None:
+        fit = gloo["fit"]["in_step"]
+        bandwidth, latency = fit["bandwidth_bytes_per_s"], fit["alpha_s"]
+        changes.update(intra_node_bandwidth=bandwidth, intra_node_latency=latency,
+                       inter_node_bandwidth=bandwidth, inter_node_latency=latency)
+    if runtime is not None:
+        changes.update({k: runtime[k] for k in ("program_overhead_s", "boundary_overhead_s",
+                                                "optimizer_tensor_overhead_s")})
+    return dataclasses.replace(CPU, **changes)
+
+
+class _ManyParams(torch.nn.Module):
+    """``n`` tiny parameters and almost no compute: what is left of a step is the runtime's host
+    work per parameter (DTensor <-> local at the program boundary, autograd, the optimizer loop)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.ps = torch.nn.ParameterList([torch.nn.Parameter(torch.ones(4)) for _ in range(n)])
+
+    def forward(self, x):
+        for p in self.ps:
+            x = x * p
+        return x.sum()
+
+
+def measure_runtime(local: dict) -> dict:
+    """Host overheads of hyper_parallel's runtime, on a 1-rank world: the step time of
+    ``_ManyParams(n)`` for two ``n`` minus what ``simulate`` predicts for its graph ops; the slope
+    over boundary tensors (forward inputs + backward gradients) is ``boundary_overhead_s``, the
+    intercept split over the two programs ``program_overhead_s``; the optimizer's slope over
+    parameters is ``optimizer_tensor_overhead_s``."""
+    import torch.distributed as dist
+
+    import hyper_parallel as hp
+    from hyper_parallel.cost import optimizer_traffic, simulate
+
+    graph_only = dataclasses.replace(profile_from(local), program_overhead_s=0.0, boundary_overhead_s=0.0,
+                                     optimizer_tensor_overhead_s=0.0)
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    points = []
+    for n in (8, 64):
+        pmodel = hp.parallelize(_ManyParams(n), {}, mesh)
+        opt = torch.optim.SGD(pmodel.parameters(), lr=0.01)
+        x = torch.ones(2, 4)
+        fwd_bwd = lambda: pmodel(x).backward()  # noqa: E731
+        for _ in range(3):
+            fwd_bwd()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        fb_s = _median_time(fwd_bwd, 30)
+        opt_times = []
+        for _ in range(30):
+            fwd_bwd()
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            opt_times.append(time.perf_counter() - t0)
+        programs = pmodel.compiled_programs()
+        fwd, bwd = programs
+        boundary = len(fwd.graph.find_nodes(op="placeholder")) + optimizer_traffic(bwd)[1]
+        predicted = simulate(programs, {}, graph_only).step_s
+        points.append((n, boundary, fb_s - predicted, statistics.median(opt_times)))
+    (n0, b0, r0, o0), (n1, b1, r1, o1) = points
+    per_boundary = max((r1 - r0) / (b1 - b0), 0.0)
+    return {
+        "points": [{"params": n, "boundary_tensors": b, "unexplained_fwd_bwd_s": r, "optimizer_step_s": o}
+                   for n, b, r, o in points],
+        "boundary_overhead_s": per_boundary,
+        "program_overhead_s": max((r0 - per_boundary * b0) / 2, 0.0),
+        "optimizer_tensor_overhead_s": max((o1 - o0) / (n1 - n0), 0.0),
+    }

@@ -1,0 +1,94 @@
+"""``hyper-parallel`` command line (also ``python -m hyper_parallel``).
+
+Subcommands:
+
+- ``explain``: compile a plan for a simulated mesh on the fake process-group backend and print
+  one rank's memory, collectives, estimated step time and MFU (``hyper_parallel/explain.py``)::
+
+      hyper-parallel explain --model example --config llama3-70b --parallel dp_shard=-1,tp=8 \\
+          --world-size 1024 --plan fsdp+tp --hardware h100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .explain import HARDWARE, OPTIMIZERS
+    from .presets import MODEL_PRESETS, PLAN_PRESETS
+
+    parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    ex = sub.add_parser(
+        "explain", help="compile a plan on a simulated mesh and explain memory, communication and step time",
+        description="Compile MODEL with PLAN for a simulated mesh of --world-size ranks (torch's fake "
+        "process-group backend, meta tensors: no memory, no hardware) and print one rank's memory, "
+        "collectives per step, whether it fits the device, and the cost model's step time and MFU.",
+    )
+    ex.add_argument("--model", default="example",
+                    help="'example' (hyper_parallel.models.LlamaForCausalLM) or hf:<Architecture> "
+                    "(transformers, e.g. hf:LlamaForCausalLM); default: example")
+    ex.add_argument("--config", default="llama3-8b",
+                    help=f"model shape: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file of LlamaConfig "
+                    "fields (may name a preset under \"base\"); default: llama3-8b")
+    ex.add_argument("--parallel", default="dp_shard=-1",
+                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 (dp_replicate, dp_shard, tp; "
+                    "-1 infers dp_shard); default: dp_shard=-1")
+    ex.add_argument("--world-size", type=int, default=8, help="number of simulated ranks; default: 8")
+    ex.add_argument("--rank", type=int, default=0, help="the rank to simulate and report; default: 0")
+    ex.add_argument("--plan", default="fsdp",
+                    help=f"a preset ({', '.join(PLAN_PRESETS)}) or a Python file defining `plan` (a "
+                    "ParallelPlan/dict or plan(mesh_axes, config)); default: fsdp")
+    ex.add_argument("--hardware", default="h100", type=str.lower, choices=HARDWARE,
+                    help="hardware profile for memory capacity and the cost model; default: h100")
+    ex.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer state to count; default: adamw")
+    ex.add_argument("--local-batch", type=int, default=1,
+                    help="sequences per data-parallel rank (per-rank batch); default: 1")
+    ex.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence; default: 8192")
+    ex.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                    help="compute dtype (bf16 with FSDP: fp32 master weights, fp32 reduction); default: bf16")
+    ex.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                    help="activation recompute of every decoder layer; default: none")
+    ex.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of the config")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    return parser
+
+
+def _explain(args) -> int:
+    from .explain import explain, format_report
+
+    report = explain(
+        model=args.model, config=args.config, parallel=args.parallel, world_size=args.world_size,
+        plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
+        local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
+        num_layers=args.layers,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hyper-parallel`` console script. User errors (bad degrees, unknown
+    presets, plans that do not fit the model) print one ``error:`` line and exit with status 2."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "explain":
+            return _explain(args)
+    except (ValueError, TypeError, ImportError) as e:
+        parser.exit(2, f"hyper-parallel {args.command}: error: {e}\n")
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Hardware profiles: the peak rates and efficiencies the cost model turns FLOPs and bytes into time.
+
+A :class:`HardwareProfile` is pure data. Datasheet numbers are *peaks*; each profile also carries
+achievable-efficiency factors (what fraction of a peak real kernels and collectives reach), so that
+``time = work / (peak * efficiency)``. The efficiencies are deliberately coarse (one per resource,
+not per kernel shape): the model is for comparing plans and spotting exposed communication, not for
+predicting a step to the percent.
+
+Units: FLOP/s, bytes/s, bytes, seconds. Link bandwidths are per device and per direction, i.e. what
+one rank can push into the fabric while it also receives the same amount (the figure ring
+collectives are limited by).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "dtype_key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+    """One device type and the fabric between such devices."""
+
+    name: str
+    # Dense (no structured sparsity) peak FLOP/s per dtype key ("bf16", "fp16", "fp32", "tf32").
+    peak_flops: Mapping[str, float] = dataclasses.field(hash=False)
+    hbm_bandwidth: float  # device memory bytes/s
+    memory_bytes: int  # device memory capacity
+    devices_per_node: int
+    intra_node_bandwidth: float  # bytes/s per device per direction
+    intra_node_latency: float  # s per ring step
+    inter_node_bandwidth: float  # bytes/s per device per direction
+    inter_node_latency: float  # s per ring step
+    matmul_efficiency: float  # fraction of peak_flops large GEMMs / attention kernels reach
+    memory_efficiency: float  # fraction of hbm_bandwidth memory-bound kernels reach
+    link_efficiency: float  # fraction of link bandwidth collectives reach (NCCL "bus bandwidth")
+    op_overhead_s: float  # fixed cost of one kernel (launch / dispatch)
+    # Host-side costs that serialise with compute only where the host IS the device (CPU); on
+    # accelerators the host runs ahead of the device and they are taken as hidden (0).
+    view_overhead_s: float = 0.0  # a metadata-only op (view, getitem)
+    program_overhead_s: float = 0.0  # one call of a forward / backward program by the runtime
+    boundary_overhead_s: float = 0.0  # per tensor crossing a program boundary (DTensor <-> local, autograd)
+    optimizer_tensor_overhead_s: float | None = None  # per parameter in optimizer.step (None: op_overhead_s)
+    notes: str = ""
+
+    def __post_init__(self):
+        if not self.peak_flops:
+            raise ValueError(f"hardware profile {self.name!r}: peak_flops needs at least one dtype")
+        for field in ("matmul_efficiency", "memory_efficiency", "link_efficiency"):
+            value = getattr(self, field)
+            if not 0 < value <= 1:
+                raise ValueError(f"hardware profile {self.name!r}: {field}={value} must be in (0, 1]")
+        # A private copy, so the caller's dict cannot change a frozen profile (a plain dict, not a
+        # read-only proxy, so profiles pickle: test pools send them to worker processes).
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+
+    def flops_per_s(self, dtype: str | torch.dtype | None) -> float:
+        """Peak dense FLOP/s for ``dtype`` (a key or a torch dtype); fp32 when the profile has no
+        entry for it (e.g. integer ops), the slowest reasonable assumption."""
+        key = dtype_key(dtype)
+        return self.peak_flops.get(key) or self.peak_flops.get("fp32") or min(self.peak_flops.values())
+
+
+def dtype_key(dtype: str | torch.dtype | None) -> str:
+    """``torch.bfloat16`` → ``"bf16"`` and so on; strings pass through."""
+    if isinstance(dtype, str):
+        return dtype
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "fp32")
+
+
+T, G = 1e12, 1e9
+GB = 10**9  # vendors quote memory in decimal GB
+
+# Efficiencies shared by the NVIDIA profiles. matmul 0.70: cuBLAS reaches ~70-80% of dense peak on
+# large bf16 GEMMs (e.g. ~700 of 989 TFLOP/s on H100 SXM in NVIDIA's and third-party GEMM sweeps);
+# whole-model kernels mixes are lower, which the roofline of the non-matmul ops accounts for.
+# memory 0.80: STREAM-like copies reach ~80-90% of HBM peak. link 0.80: nccl-tests all_reduce bus
+# bandwidth is ~360-380 GB/s on 8xH100 NVLink4 (450 GB/s) and ~40-45 GB/s per 400G NDR NIC.
+# Latency per ring step: NVLink ~2 us, InfiniBand ~5 us (nccl-tests small-message times / steps).
+# op_overhead 4 us: a kernel launch plus the gap to the next kernel, paid by every kernel (no CUDA
+# graphs). fp32 matmuls use the fp32 peak; the tf32 entry is there for callers that enable TF32.
+_NVIDIA_EFF = dict(matmul_efficiency=0.70, memory_efficiency=0.80, link_efficiency=0.80, op_overhead_s=4e-6)
+
+H100 = HardwareProfile(
+    name="h100",
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense (1979 with sparsity), 494 tf32 dense,
+    # 67 fp32 (non-tensor-core); 80 GB HBM3 at 3.35 TB/s; NVLink4 900 GB/s bidirectional = 450 GB/s
+    # per direction; DGX/HGX H100: 8 GPUs per node, one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s.
+    peak_flops={"bf16": 989 * T, "fp16": 989 * T, "tf32": 494 * T, "fp32": 67 * T},
+    hbm_bandwidth=3.35e12, memory_bytes=80 * GB, devices_per_node=8,
+    intra_node_bandwidth=450 * G, intra_node_latency=2e-6,
+    inter_node_bandwidth=50 * G, inter_node_latency=5e-6,
+    **_NVIDIA_EFF,
+    notes="H100 SXM5 80GB, NVLink4, 400G NDR InfiniBand per GPU (vendor datasheets)",
+)
+
+H200 = dataclasses.replace(
+    H100,
+    name="h200",
+    # NVIDIA H200 SXM datasheet: same GH100 compute as H100 SXM; 141 GB HBM3e at 4.8 TB/s; NVLink4
+    # 900 GB/s bidirectional; HGX H200 8 GPUs per node, 400 Gb/s per GPU.
+    hbm_bandwidth=4.8e12, memory_bytes=141 * GB,
+    notes="H200 SXM 141GB, NVLink4, 400G NDR InfiniBand per GPU (vendor datasheets)",
+)
+
+A100 = HardwareProfile(
+    name="a100",
+    # NVIDIA A100 SXM4 80GB datasheet: 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32; HBM2e
+    # 2.039 TB/s; NVLink3 600 GB/s bidirectional = 300 GB/s per direction; DGX A100: 8 GPUs per node,
+    # one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s.
+    peak_flops={"bf16": 312 * T, "fp16": 312 * T, "tf32": 156 * T, "fp32": 19.5 * T},
+    hbm_bandwidth=2.039e12, memory_bytes=80 * GB, devices_per_node=8,
+    intra_node_bandwidth=300 * G, intra_node_latency=2e-6,
+    inter_node_bandwidth=25 * G, inter_node_latency=5e-6,
+    **_NVIDIA_EFF,
+    notes="A100 SXM4 80GB, NVLink3, 200G HDR InfiniBand per GPU (vendor datasheets)",
+)
+
+ASCEND_910B = HardwareProfile(
+    name="ascend-910b",
+    # UNCERTAIN: Huawei publishes no per-chip datasheet for the 910B; these are the figures commonly
+    # reported for the Atlas 800T A2 (8x 910B) server, with a range across 910B variants:
+    # fp16/bf16 313 TFLOP/s (910B3; 910B1 is reported at ~376, so +/-20%), fp32 taken as 1/4 of that;
+    # 64 GB HBM2e at ~1.6 TB/s; HCCS full mesh of 7 links x 56 GB/s (392 GB/s aggregate) per NPU,
+    # taken as 196 GB/s per direction; one 200 Gb/s RoCE port per NPU = 25 GB/s. Latencies and
+    # efficiencies are not published: HCCL is assumed to behave like NCCL (ring steps of ~3 / ~8 us)
+    # and the Cube units like tensor cores (0.6 of peak on large GEMMs).
+    peak_flops={"bf16": 313 * T, "fp16": 313 * T, "fp32": 78 * T},
+    hbm_bandwidth=1.6e12, memory_bytes=64 * GB, devices_per_node=8,
+    intra_node_bandwidth=196 * G, intra_node_latency=3e-6,
+    inter_node_bandwidth=25 * G, inter_node_latency=8e-6,
+    matmul_efficiency=0.60, memory_efficiency=0.75, link_efficiency=0.75, op_overhead_s=8e-6,
+    notes="Ascend 910B (Atlas 800T A2): unofficial figures, uncertain by ~20% (see hardware.py)",
+)
+
+# This machine: a 2-core x86 VM (AMD EPYC, AVX-512), one gloo rank per core with 1 intra-op thread
+# each, gloo over loopback TCP. CALIBRATED by ``bench/calibrate_cost_model.py`` (2026-11-22, torch
+# 2.13.0+cpu), measured with both ranks busy at once as in a 2-rank step:
+# - peak_flops: best fp32 square GEMM of 128..1024 (1 thread); bf16/fp16 set equal (no CPU tensor
+#   cores are modelled; these dtypes are rare on CPU here);
+# - hbm_bandwidth: a 64 MiB copy, read + write bytes (it halves when both ranks copy at once);
+# - op_overhead_s / view_overhead_s: a tiny aten.add / aten.view called through torch.ops, which is
+#   what each node of a compiled fx program pays;
+# - program / boundary / optimizer overheads: hyper_parallel's runtime host work, from step times
+#   of a model with 8 vs 64 tiny parameters minus the simulated graph (see measure_runtime there);
+# - links: alpha/beta fitted by least squares to comm.ring_volume's ring model over all_reduce and
+#   all_gather of 4 KiB..16 MiB, each issued after a ~0.3 ms compute burst as in a step. The same
+#   collectives back to back fit alpha ~65 us; inside steps the waiting rank must be rescheduled on
+#   the 2 shared cores, which is most of the ~0.6 ms alpha, and varies several-fold run to run.
+# Efficiencies are 1.0: the peaks are measured achievable rates. Both ranks share one "node" and the
+# same loopback, so intra = inter.
+CPU = HardwareProfile(
+    name="cpu",
+    peak_flops={"fp32": 117.2 * G, "bf16": 117.2 * G, "fp16": 117.2 * G},
+    hbm_bandwidth=24.0 * G, memory_bytes=24105 * 2**20, devices_per_node=2,  # `free`: 23.5 GiB
+    intra_node_bandwidth=2.016 * G, intra_node_latency=619.6e-6,
+    inter_node_bandwidth=2.016 * G, inter_node_latency=619.6e-6,
+    matmul_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
+    op_overhead_s=1.34e-6, view_overhead_s=1.53e-6,
+    program_overhead_s=41.3e-6, boundary_overhead_s=17.28e-6, optimizer_tensor_overhead_s=5.27e-6,
+    notes="gloo on this machine's 2 CPU cores, 1 thread per rank (calibrated, see hardware.py)",
+)
+
+PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, H200, A100, ASCEND_910B, CPU)}
+
+
+def get_profile(name: str | HardwareProfile) -> HardwareProfile:
+    """The profile called ``name`` (case-insensitive); a profile passes through."""
+    if isinstance(name, HardwareProfile):
+        return name
+    profile = PROFILES.get(str(name).lower())
+    if profile is None:
+        raise ValueError(
+            f"unknown hardware profile {name!r}; choose one of {sorted(PROFILES)} or pass a "
+            "hyper_parallel.cost.HardwareProfile"
+        )
+    return profile

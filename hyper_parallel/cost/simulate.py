@@ -1,0 +1,265 @@
+"""Step-time simulation of a rank's compiled programs: compute and communication on two streams.
+
+The forward then the backward GraphModule is walked in node order, as the runtime issues it:
+
+- a compute node runs on the compute stream for its roofline time (``compute.roofline_time``);
+- a collective is issued at its node (costing the compute stream one op overhead) and starts when
+  the communication stream is free; its result is ready ``comm.collective_time`` later;
+- ``wait_tensor`` blocks the compute stream until its collective is done; the blocked time is the
+  *exposed* communication.
+
+One communication stream, because NCCL / HCCL run the collectives of a process group in issue order
+on one internal stream, and gloo on one background thread per group; with several groups (dp and
+tp) real backends could overlap two collectives, so on multi-axis plans this is an upper bound on
+communication time. Each program call starts with the runtime's host work (the profile's
+``program_overhead_s`` plus ``boundary_overhead_s`` per forward input / backward gradient; zero on
+accelerator profiles, where the host runs ahead). After backward, the optimizer step is
+memory-bound: it reads and writes the parameters and optimizer state and reads the gradients once
+(``optimizer_traffic``), plus ``optimizer_tensor_overhead_s`` per parameter tensor (torch's
+per-parameter loop on CPU; foreach kernels on accelerators launch few).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..capture import module_fqn_of
+from ..compat import op_overload_name
+from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
+from .compute import node_work, roofline_time, tensor_bytes
+from .hardware import HardwareProfile, get_profile
+
+__all__ = ["Event", "Timeline", "StepEstimate", "simulate", "optimizer_traffic", "mfu"]
+
+_KIND_OF = {
+    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One interval on one stream. ``category``: "compute", "comm" or "wait"; ``stream``:
+    "compute" or "comm"; ``phase``: "forward", "backward" or "optimizer"."""
+
+    name: str
+    category: str
+    stream: str
+    start_s: float
+    end_s: float
+    node: str = ""
+    module: str = ""
+    op: str = ""
+    flops: int = 0
+    bytes: int = 0
+    phase: str = ""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Events in issue order."""
+
+    events: list[Event] = dataclasses.field(default_factory=list)
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def of(self, category: str) -> list[Event]:
+        return [e for e in self.events if e.category == category]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepEstimate:
+    """One rank's estimated training step. ``compute_s`` and ``comm_s`` are busy times of the two
+    streams; ``exposed_comm_s`` is the time compute waited for communication; ``step_s`` is the end
+    of the last event (forward + backward + optimizer). ``flops`` counts this rank's FLOPs."""
+
+    timeline: Timeline
+    profile: str
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    step_s: float
+    flops: int
+
+    def as_dict(self) -> dict:
+        """The totals, JSON-friendly (the timeline is left out: see ``to_chrome_trace``)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "timeline"}
+        out["num_events"] = len(self.timeline)
+        return out
+
+    def __str__(self) -> str:
+        return (f"step {self.step_s * 1e3:.3f} ms on {self.profile}: compute {self.compute_s * 1e3:.3f} ms, "
+                f"comm {self.comm_s * 1e3:.3f} ms ({self.exposed_comm_s * 1e3:.3f} ms exposed), optimizer "
+                f"{self.optimizer_s * 1e3:.3f} ms, {self.flops / 1e9:.3f} GFLOP")
+
+
+def _programs(programs) -> list[torch.fx.GraphModule]:
+    if isinstance(programs, torch.fx.GraphModule):
+        return [programs]
+    if hasattr(programs, "forward_gm"):  # a runtime CompiledProgram
+        return [programs.forward_gm, programs.backward_gm]
+    return list(programs)
+
+
+class _Simulator:
+    def __init__(self, axes: Mapping[str, AxisInfo], profile: HardwareProfile):
+        self.axes, self.profile = axes, profile
+        self.events: list[Event] = []
+        self.compute_t = 0.0  # when the compute stream is next free
+        self.comm_t = 0.0  # when the communication stream is next free
+        self.ready: dict[torch.fx.Node, float] = {}  # collective (or its getitem) -> result ready
+        self.exposed = 0.0
+        self.flops = 0
+
+    def _axis(self, node: torch.fx.Node) -> AxisInfo:
+        group = group_name_of(node.args[-1])
+        axis = self.axes.get(group)
+        if axis is not None:
+            return axis
+        size = group_size_of(node)
+        if size is None:
+            raise ValueError(
+                f"cost model: collective {node.name} ({op_overload_name(node.target)}) runs on process group "
+                f"{group!r}, which is not in the axis table (known: {sorted(self.axes)}); pass "
+                "axis_infos(mesh) or an AxisInfo for it"
+            )
+        return unknown_axis(group, size)
+
+    def _emit(self, node, category, stream, start, end, phase, flops=0, nbytes=0, name=None) -> None:
+        self.events.append(Event(
+            name=name or op_overload_name(node.target), category=category, stream=stream, start_s=start, end_s=end,
+            node=node.name, module=module_fqn_of(node), op=op_overload_name(node.target), flops=flops, bytes=nbytes,
+            phase=phase,
+        ))
+
+    def run(self, gm: torch.fx.GraphModule, phase: str) -> None:
+        # The runtime's host work around the program: converting each boundary tensor (forward:
+        # its inputs; backward: the gradients it returns) between DTensor and local, autograd.
+        if phase == "forward":
+            boundary = len(gm.graph.find_nodes(op="placeholder"))
+        else:
+            boundary = sum(isinstance(g, torch.fx.Node) for g in pytree.tree_leaves(gm.graph.output_node().args))
+        host = self.profile.program_overhead_s + boundary * self.profile.boundary_overhead_s
+        if host > 0:
+            self.events.append(Event(f"{phase} runtime", "compute", "compute", self.compute_t, self.compute_t + host,
+                                     op="runtime", phase=phase))
+            self.compute_t += host
+        for node in gm.graph.nodes:
+            work = node_work(node)
+            if work.kind == "none":
+                continue
+            if work.kind == "comm":
+                self._collective(node, work.bytes, phase)
+            elif work.kind == "wait":
+                self._wait(node, phase)
+            else:
+                if node.target is operator.getitem and node.args[0] in self.ready:
+                    self.ready[node] = self.ready[node.args[0]]  # a coalesced collective's piece
+                duration = roofline_time(work, self.profile)
+                if duration > 0:  # views are free on accelerators (the host runs ahead): no event
+                    self._emit(node, "compute", "compute", self.compute_t, self.compute_t + duration, phase,
+                               work.flops, work.bytes)
+                self.compute_t += duration
+                self.flops += work.flops
+        # A program returns only once every collective it issued is done (the runtime waits on
+        # them all): a collective never waited on is exposed here.
+        pending = max((t for n, t in self.ready.items() if n.graph is gm.graph), default=0.0)
+        if pending > self.compute_t:
+            self._emit(gm.graph.output_node(), "wait", "compute", self.compute_t, pending, phase, name="wait (end)")
+            self.exposed += pending - self.compute_t
+            self.compute_t = pending
+
+    def _collective(self, node: torch.fx.Node, nbytes: int, phase: str) -> None:
+        axis = self._axis(node)
+        kind = _KIND_OF[node.target._opname]
+        # Issuing costs the compute stream a launch; the transfer then waits for the comm stream.
+        issue = self.profile.op_overhead_s
+        if issue > 0:
+            self._emit(node, "compute", "compute", self.compute_t, self.compute_t + issue, phase, name=f"issue {kind}")
+            self.compute_t += issue
+        start = max(self.compute_t, self.comm_t)
+        end = start + collective_time(kind, nbytes, axis, self.profile)
+        self.comm_t = self.ready[node] = end
+        self._emit(node, "comm", "comm", start, end, phase, nbytes=nbytes, name=f"{kind}[{axis.name}]")
+
+    def _wait(self, node: torch.fx.Node, phase: str) -> None:
+        ready = self.ready.get(node.args[0])
+        if ready is not None and ready > self.compute_t:
+            self._emit(node, "wait", "compute", self.compute_t, ready, phase, name="wait")
+            self.exposed += ready - self.compute_t
+            self.compute_t = ready
+
+
+def optimizer_traffic(backward_gm: torch.fx.GraphModule, state_per_param: int = 0) -> tuple[int, int]:
+    """(bytes, tensors) one optimizer step moves, from the gradients ``backward_gm`` returns: each
+    gradient is read once, its parameter (same size) read and written, and ``state_per_param``
+    parameter-sized state tensors read and written (SGD 0, momentum 1, Adam/AdamW 2)."""
+    grads = [g for g in backward_gm.graph.output_node().args[0] if isinstance(g, torch.fx.Node)]
+    sizes = [tensor_bytes(g.meta.get("val")) for g in grads]
+    return sum(sizes) * (1 + 2 + 2 * state_per_param), len(sizes)
+
+
+def simulate(
+    programs: Sequence[torch.fx.GraphModule] | torch.fx.GraphModule,
+    axes: Mapping[str, AxisInfo],
+    profile: HardwareProfile | str,
+    optimizer_bytes: int = 0,
+    optimizer_tensors: int = 0,
+) -> StepEstimate:
+    """Estimate one training step of ``programs`` (``(forward_gm, backward_gm)`` as
+    ``ParallelModule.compiled_programs()`` returns them, a ``CompiledProgram``, or any sequence of
+    GraphModules run one after another) on ``profile``. ``axes``: ``{process-group name: AxisInfo}``
+    (``comm.axis_infos(mesh)``); a group missing from it is treated as inter-node when the
+    collective states its size, else it is an error. ``optimizer_bytes`` / ``optimizer_tensors``:
+    the optimizer step's memory traffic and tensor count (``optimizer_traffic``); 0 = no step."""
+    profile = get_profile(profile)
+    sim = _Simulator(axes, profile)
+    gms = _programs(programs)
+    phase_ends = []
+    for i, gm in enumerate(gms):
+        sim.run(gm, "forward" if i == 0 else "backward")
+        phase_ends.append(sim.compute_t)
+    optimizer_s = 0.0
+    if optimizer_bytes or optimizer_tensors:
+        per_tensor = profile.optimizer_tensor_overhead_s
+        per_tensor = profile.op_overhead_s if per_tensor is None else per_tensor
+        memory_s = optimizer_bytes / (profile.hbm_bandwidth * profile.memory_efficiency)
+        optimizer_s = memory_s + optimizer_tensors * per_tensor
+        sim.events.append(Event("optimizer.step", "compute", "compute", sim.compute_t, sim.compute_t + optimizer_s,
+                                op="optimizer.step", bytes=optimizer_bytes, phase="optimizer"))
+        sim.compute_t += optimizer_s
+    events = sim.events
+    compute_s = sum(e.duration_s for e in events if e.category == "compute")
+    forward_s = phase_ends[0] if phase_ends else 0.0
+    backward_s = (phase_ends[-1] - forward_s) if len(phase_ends) > 1 else 0.0
+    return StepEstimate(
+        timeline=Timeline(events), profile=profile.name, compute_s=compute_s,
+        comm_s=sum(e.duration_s for e in events if e.category == "comm"), exposed_comm_s=sim.exposed,
+        forward_s=forward_s, backward_s=backward_s, optimizer_s=optimizer_s, step_s=sim.compute_t, flops=sim.flops,
+    )
+
+
+def mfu(flops_per_step: float, step_s: float, profile: HardwareProfile | str,
+        dtype: str | torch.dtype = "bf16") -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the profile's dense peak for ``dtype``."""
+    if step_s <= 0:
+        raise ValueError(f"mfu: step time must be positive, got {step_s}")
+    return flops_per_step / step_s / get_profile(profile).flops_per_s(dtype)

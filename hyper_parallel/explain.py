@@ -1,0 +1,412 @@
+"""Planning at scale without hardware: compile a plan for a simulated mesh and explain one rank.
+
+``hyper-parallel explain`` (``hyper_parallel/cli.py``) and :func:`explain` build the model on the
+meta device, start torch's ``fake`` process-group backend with the requested world size (one
+process plays rank 0, or ``rank``; collectives are never executed), build the mesh with
+:class:`~hyper_parallel.ParallelDims`, and compile the plan exactly as a real run would: capture on
+fake tensors of the global shapes, propagation, lowering, every pass, the partition. Nothing is
+materialised and no step runs (:func:`compile_for_explain`). From the compiled per-rank programs it
+reports:
+
+- memory: the estimator of ``hyper_parallel/memory.py`` (``ParallelModule.memory_report``):
+  parameters, gradients, optimizer state, saved activations, the peak and where it is reached,
+  and whether the peak fits the device's memory;
+- communication: every collective of the step by kind and mesh axis, forward and backward
+  (``compile_summary()["collectives"]``; bytes are the local input of each collective);
+- time: the step simulated by the cost model (``hyper_parallel/cost``) on a hardware profile,
+  with MFU and tokens per second per device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import re
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from . import presets
+from .memory import format_bytes, optimizer_model
+
+__all__ = ["compile_for_explain", "compile_signature", "explain", "fake_world", "format_report"]
+
+log = logging.getLogger(__name__)
+
+HARDWARE = ("h100", "h200", "a100", "ascend-910b")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "none")
+# Device memory when the cost model is unavailable (vendor datasheets, decimal GB).
+_MEMORY_BYTES = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9, "ascend-910b": 64 * 10**9}
+
+
+# --- the simulated world and compiling without running -------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """A default process group of ``world_size`` ranks on torch's ``fake`` backend, this process
+    being ``rank``; destroyed on exit. An already initialised fake group of that size is reused
+    (and left alone)."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world size must be a positive integer, got {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size} ranks (0 .. {world_size - 1})")
+    if dist.is_initialized():
+        backend, size, me = dist.get_backend(), dist.get_world_size(), dist.get_rank()
+        if backend != "fake" or size != world_size or me != rank:
+            raise ValueError(
+                f"a default process group is already initialised ({backend}, rank {me} of {size}); "
+                f"explain needs a fake one of {world_size} ranks as rank {rank}: destroy it first"
+            )
+        yield
+        return
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def compile_signature(pmodel, args: tuple = (), kwargs: dict | None = None):
+    """Compile ``pmodel`` (a ParallelModule) for the signature of ``args``/``kwargs`` (per-rank
+    local inputs; meta or fake tensors are fine) as its first call would, without running it.
+    The program then backs ``compile_summary()``, ``compiled_programs()`` and ``memory_report()``.
+    Returns the compiled entry (api.CompiledEntry)."""
+    from . import api
+    from .fully_shard import recorded_prefetch
+
+    kwargs = kwargs or {}
+    state = pmodel._hp
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    resolved = state.resolved_for_flags()
+    prefetch = recorded_prefetch(pmodel) if resolved.fsdp is not None else {}
+    key = (in_spec, tuple(api._signature(x) for x in flat), api._flags_key(resolved), repr(prefetch))
+    entry = state.cache.get(key)
+    if entry is None:
+        compile_fn = api._compile_within_budget if state.activation.auto_blocks else api._compile
+        entry = compile_fn(pmodel, state, resolved, args, kwargs, flat, prefetch)
+        state.cache[key] = entry
+    state.last = entry
+    return entry
+
+
+def compile_for_explain(model: torch.nn.Module, plan: Any, mesh, args: tuple = (), kwargs: dict | None = None,
+                        **parallelize_options):
+    """``parallelize(model, plan, mesh, materialize=False)`` and compile it for ``args``/``kwargs``
+    without running: for a meta-device model on a (fake) mesh, nothing is allocated but the
+    programs. The returned module can be inspected (``compile_summary``, ``memory_report``,
+    ``compiled_programs``) but not called: its parameters hold no data."""
+    from .api import parallelize
+
+    pmodel = parallelize(model, plan, mesh, materialize=False, **parallelize_options)
+    compile_signature(pmodel, args, kwargs)
+    return pmodel
+
+
+# --- models ----------------------------------------------------------------------------------------
+
+
+def build_model(source: str, fields: dict[str, Any]) -> tuple[torch.nn.Module, Any]:
+    """A model on the meta device: ``"example"`` (hyper_parallel.models.LlamaForCausalLM) or
+    ``"hf:<Architecture>"`` (a transformers class built from its config class with ``fields``).
+    Returns (model, its config)."""
+    from .init import init_empty_weights
+
+    if source == "example":
+        from .models.llama import LlamaConfig, LlamaForCausalLM
+
+        known = {f.name for f in dataclasses.fields(LlamaConfig)}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown LlamaConfig fields {unknown}; valid fields: {sorted(known)}")
+        config = LlamaConfig(**fields)
+        with init_empty_weights():
+            model = LlamaForCausalLM(config)
+        return model, config
+    if source.startswith("hf:"):
+        return _build_hf(source[3:], fields)
+    raise ValueError(f"--model {source!r}: choose 'example' or 'hf:<Architecture>' (e.g. hf:LlamaForCausalLM)")
+
+
+def _build_hf(architecture: str, fields: dict[str, Any]):
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"--model hf:{architecture} needs transformers, an optional dependency: "
+            "pip install transformers (or pip install -e '.[dev]')"
+        ) from e
+    cls = getattr(transformers, architecture, None)
+    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
+        raise ValueError(
+            f"--model hf:{architecture}: transformers {transformers.__version__} has no model class "
+            f"{architecture!r} (e.g. hf:LlamaForCausalLM, hf:MistralForCausalLM, hf:Qwen2ForCausalLM)"
+        )
+    fields = dict(fields)
+    fields.pop("layer_activations", None)  # the example model's own option
+    config = cls.config_class(**fields, use_cache=False, attn_implementation="sdpa")
+    from .init import init_empty_weights
+
+    with init_empty_weights():
+        model = cls(config)
+    model.train()
+    return model, config
+
+
+# --- explain ---------------------------------------------------------------------------------------
+
+
+def _uses_fp32_masters(plan: Any) -> bool:
+    """The plan's FSDP keeps fp32 master weights and computes in a lower param_dtype."""
+    fs = plan.get("fully_shard") if isinstance(plan, dict) else getattr(plan, "fully_shard", None)
+    if fs is None:
+        return False
+    from .fully_shard import FullyShard
+
+    policy = FullyShard.from_value(fs).mixed_precision
+    return policy is not None and policy.param_dtype is not None
+
+
+def explain(
+    model: str = "example",
+    config: str | dict = "llama3-8b",
+    parallel: str | dict = "dp_shard=-1",
+    world_size: int = 8,
+    plan: str = "fsdp",
+    hardware: str = "h100",
+    *,
+    rank: int = 0,
+    optimizer: str = "adamw",
+    local_batch: int = 1,
+    seq_len: int = 8192,
+    dtype: str = "bf16",
+    recompute: str = "none",
+    num_layers: int | None = None,
+) -> dict:
+    """Compile ``plan`` for ``model`` on a simulated ``world_size``-rank mesh and return the
+    report of rank ``rank`` (a JSON-friendly dict; :func:`format_report` prints it).
+
+    ``config``: a preset name, a JSON path (see :func:`presets.load_model_config`) or a dict of
+    config fields; ``parallel``: ParallelDims degrees (``"dp_shard=-1,tp=8"`` or a dict);
+    ``plan``: a plan preset or a Python file defining ``plan``; ``local_batch`` sequences of
+    ``seq_len`` tokens per data-parallel rank; ``dtype``: "bf16" (FSDP presets: bf16 compute over
+    fp32 master weights with fp32 gradient reduction; otherwise bf16 parameters) or "fp32";
+    ``num_layers`` overrides the config's ``num_hidden_layers``."""
+    started = time.perf_counter()
+    if hardware.lower() not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)}")
+    hardware = hardware.lower()
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"unknown dtype {dtype!r}; choose bf16 or fp32")
+    for name, value in (("local batch", local_batch), ("sequence length", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(config, dict):
+        config_name, fields = "custom", dict(config)
+    else:
+        config_name, fields = presets.load_model_config(config)
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    degrees = presets.parse_parallel(parallel) if isinstance(parallel, str) else dict(parallel)
+
+    from .parallel_dims import ParallelDims
+
+    dims = ParallelDims(**degrees, world_size=world_size, seq_len=seq_len, model_config=fields)
+    axes = dims.mesh_axes()
+    choice = presets.build_plan(plan, axes, fields, mixed_precision=dtype == "bf16", recompute=recompute)
+    compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    net, _ = build_model(model, fields)
+    num_params = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values())
+    masters = _uses_fp32_masters(choice.plan)
+    if not masters and compute_dtype != torch.float32:
+        net = net.to(compute_dtype)
+    precision = (
+        f"{dtype} compute, fp32 master weights" + (", fp32 gradient reduction" if masters else "")
+        if masters else f"{dtype} parameters and compute"
+    )
+
+    with fake_world(world_size, rank):
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            ids = torch.zeros(local_batch, seq_len, dtype=torch.long)
+        compile_start = time.perf_counter()
+        pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids})
+        compile_s = time.perf_counter() - compile_start
+        summary = pmodel.compile_summary()
+        labels = _flattened_axis_labels(mesh)
+        memory = pmodel.memory_report(optimizer)
+        step = _simulate(pmodel, mesh, hardware, optimizer, dtype)
+
+    dp_degree = math.prod(size for axis, size in axes.items() if axis.startswith("dp"))
+    tokens = local_batch * seq_len * dp_degree
+    device_bytes = step.pop("memory_bytes", None) or _MEMORY_BYTES[hardware]
+    if step.get("available"):
+        step["tokens_per_s_per_device"] = tokens / step["step_s"] / world_size
+    notes = list(choice.notes)
+    if summary.get("fallbacks"):
+        notes.append(f"{len(summary['fallbacks'])} op(s) without a sharding rule run replicated: "
+                     f"{sorted(summary['fallbacks'])[:5]}")
+    return {
+        "model": {"source": model, "config": config_name, "num_params": num_params, "fields": fields},
+        "plan": {"name": choice.name, "recompute": recompute, "notes": notes},
+        "mesh": {"axes": axes, "world_size": world_size, "rank": rank},
+        "batch": {"local_batch": local_batch, "seq_len": seq_len, "global_batch": local_batch * dp_degree,
+                  "tokens_per_step": tokens},
+        "precision": precision,
+        "optimizer": optimizer,
+        "memory": memory,
+        "device": {"name": hardware, "memory_bytes": device_bytes, "fits": memory["peak"] <= device_bytes,
+                   "peak_fraction": memory["peak"] / device_bytes},
+        "collectives": {"forward": _relabel(summary["collectives"]["forward"], labels),
+                        "backward": _relabel(summary["collectives"]["backward"], labels),
+                        "per_step": _relabel(summary["collectives_per_step"], labels)},
+        "step": step,
+        "compile_s": compile_s,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def _flattened_axis_labels(mesh) -> dict[str, str]:
+    """Process-group name -> alias for the meshes flattened from ``mesh``'s root (ParallelDims'
+    ``dp`` / ``fsdp`` / ``loss``): reductions over several data-parallel axes run on those groups,
+    which the compile summary names by their (rank-dependent) group name."""
+    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    labels = {}
+    for alias, flat in getattr(root, "_flatten_mapping", {}).items():
+        labels[flat.get_group(0).group_name] = flat.mesh_dim_names[0] if flat.mesh_dim_names else alias
+    return labels
+
+
+def _relabel(table: dict, labels: dict[str, str]) -> dict:
+    """``{kind: {axis: entry}}`` with flattened groups' names replaced by their aliases."""
+    out: dict = {}
+    for kind, per_axis in table.items():
+        merged: dict = {}
+        for axis, entry in per_axis.items():
+            name = labels.get(axis, axis)
+            if name in merged:
+                merged[name] = {k: merged[name][k] + entry[k] for k in ("count", "bytes")}
+            else:
+                merged[name] = dict(entry)
+        out[kind] = dict(sorted(merged.items()))
+    return out
+
+
+def _simulate(pmodel, mesh, hardware: str, optimizer: str, dtype: str) -> dict:
+    """The cost model's estimate of one step, or {"available": False, "reason": ...}."""
+    try:
+        from .cost import axis_infos, get_profile, mfu, optimizer_traffic, simulate
+    except ImportError as e:  # the cost model is optional here: memory and communication still work
+        return {"available": False, "reason": f"cost model not available ({e})"}
+    from .debug import group_axis_names
+
+    profile = get_profile(hardware)
+    forward, backward = pmodel.compiled_programs()
+    fsdp = pmodel._hp.last.resolved.fsdp
+    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp))
+    opt_bytes, opt_tensors = optimizer_traffic(backward, optimizer_model(optimizer).state)
+    if optimizer == "none":
+        opt_bytes = opt_tensors = 0
+    try:
+        est = simulate((forward, backward), axes, profile, opt_bytes, opt_tensors)
+    except Exception as e:  # noqa: BLE001 - memory and communication are still worth printing
+        log.warning("explain: the cost model failed: %s", e, exc_info=True)
+        return {"available": False, "reason": f"the cost model failed: {type(e).__name__}: {e}",
+                "memory_bytes": profile.memory_bytes}
+    return {**est.as_dict(), "available": True, "profile": profile.name,
+            "mfu": mfu(est.flops, est.step_s, profile, dtype) if est.step_s > 0 else 0.0,
+            "memory_bytes": profile.memory_bytes}
+
+
+# --- text ------------------------------------------------------------------------------------------
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+
+
+def _short_site(site: dict) -> str:
+    """``backward node in module (file.py:N: code)``, the code cut to fit a terminal line."""
+    text = f"{site['phase']} {site['node']}".strip()
+    if site.get("module"):
+        text += f" in {site['module']}"
+    match = re.match(r'File "([^"]+)", line (\d+), in [^:]+: (.*)', site.get("source") or "")
+    if match:
+        path, line, code = match.groups()
+        code = code if len(code) <= 48 else code[:45] + "..."
+        text += f" ({os.path.basename(path)}:{line}: {code})"
+    return text
+
+
+def format_report(report: dict) -> str:
+    """The report as a short terminal table."""
+    m, mesh, batch, mem, dev = report["model"], report["mesh"], report["batch"], report["memory"], report["device"]
+    axes = " x ".join(f"{a}={s}" for a, s in mesh["axes"].items()) or "1 rank"
+    layers = m["fields"].get("num_hidden_layers")
+    lines = [
+        f"model     {m['config']} ({m['source']}, {layers} layers, {_fmt_count(m['num_params'])} parameters)",
+        f"plan      {report['plan']['name']}"
+        + (f", recompute {report['plan']['recompute']}" if report["plan"]["recompute"] != "none" else "")
+        + f"; {report['precision']}; optimizer {report['optimizer']}",
+        f"mesh      {axes} ({mesh['world_size']} ranks, simulated); showing rank {mesh['rank']}",
+        f"batch     {batch['local_batch']} x {batch['seq_len']} tokens per data-parallel rank; "
+        f"global {batch['global_batch']} x {batch['seq_len']} = {batch['tokens_per_step']:,} tokens per step",
+        "",
+        "memory per rank (estimate)",
+    ]
+    rows = [
+        ("parameters", mem["params"]), ("gradients", mem["grads"]),
+        ("optimizer state", mem["optimizer_state"]), ("saved activations", mem["saved_activations"]),
+        ("peak", mem["peak"]),
+    ]
+    lines += [f"  {name:<20}{format_bytes(value):>12}" for name, value in rows]
+    lines.append(f"  {'peak at':<20}{_short_site(mem['peak_site'])}")
+    verdict = "fits" if dev["fits"] else "DOES NOT FIT"
+    lines.append(
+        f"  {dev['name'] + ' memory':<20}{format_bytes(dev['memory_bytes']):>12}  -> {verdict} "
+        f"(peak = {dev['peak_fraction'] * 100:.0f}% of device memory)"
+    )
+    lines += ["", "collectives per step (bytes = each collective's local input)",
+              f"  {'kind':<16}{'axis':<14}{'fwd':>6}{'bwd':>6}{'bytes/step':>14}"]
+    fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
+    for kind, per_axis in report["collectives"]["per_step"].items():
+        for axis, entry in per_axis.items():
+            nf = fwd.get(kind, {}).get(axis, {}).get("count", 0)
+            nb = bwd.get(kind, {}).get(axis, {}).get("count", 0)
+            lines.append(f"  {kind:<16}{axis:<14}{nf:>6}{nb:>6}{format_bytes(entry['bytes']):>14}")
+    step = report["step"]
+    lines.append("")
+    if step.get("available"):
+        lines += [
+            f"step time (cost model, {step['profile']}): {_fmt_s(step['step_s'])}"
+            f"  (forward {_fmt_s(step['forward_s'])}, backward {_fmt_s(step['backward_s'])}, "
+            f"optimizer {_fmt_s(step['optimizer_s'])})",
+            f"  compute {_fmt_s(step['compute_s'])}, communication {_fmt_s(step['comm_s'])} of which "
+            f"{_fmt_s(step['exposed_comm_s'])} exposed",
+            f"  MFU {step['mfu'] * 100:.1f}%  ({step['flops'] / 1e12:.1f} TFLOP per rank per step"
+            + (", recompute included" if report["plan"]["recompute"] != "none" else "") + "), "
+            f"{step['tokens_per_s_per_device']:,.0f} tokens/s per device",
+        ]
+    else:
+        lines.append(f"step time: cost model not available ({step.get('reason', '')})")
+    for note in report["plan"]["notes"]:
+        lines.append(f"note: {note}")
+    lines.append(f"compiled in {report['compile_s']:.1f} s (explain total {report['wall_s']:.1f} s)")
+    return "\n".join(lines)

@@ -1,0 +1,257 @@
+"""``hyper-parallel explain``: compile on torch's fake process-group backend (one process plays one
+rank of a large mesh, meta tensors, nothing runs) and report memory and communication.
+
+The numbers are checked against analytic values computed here from the Llama 3 8B shape (2 layers,
+short sequences so each compile takes seconds), independently of the compiler: FSDP on 64 ranks and
+Megatron TP on 8. Each ``explain`` call starts and destroys its own fake default process group;
+the fixture below checks that none leaks into other test files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from hyper_parallel import presets
+from hyper_parallel.cli import main
+from hyper_parallel.explain import explain, format_report
+
+L = 2  # decoder layers (the 8B preset has 32)
+BF16, FP32 = 2, 4
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_leak():
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process (leaked by another test)")
+    yield
+    assert not dist.is_initialized(), "explain left its fake process group behind"
+
+
+def shapes_8b(layers: int = L) -> dict[str, list[tuple[int, ...]]]:
+    """Parameter shapes of the Llama 3 8B shape per FSDP unit, from the published config."""
+    h, ffn, vocab, heads, kv = 4096, 14336, 128256, 32, 8
+    hd = h // heads
+    layer = [(h,), (heads * hd, h), (kv * hd, h), (kv * hd, h), (h, heads * hd), (h,), (ffn, h), (ffn, h), (h, ffn)]
+    return {**{f"layer{i}": layer for i in range(layers)}, "root": [(vocab, h), (h,), (vocab, h)]}
+
+
+def padded_shard(shape: tuple[int, ...], n: int) -> int:
+    """Elements of one rank's FSDP shard: dim 0 split in ceil(d0 / n) rows (padded as FSDP2)."""
+    return math.ceil(shape[0] / n) * math.prod(shape[1:])
+
+
+def test_fsdp_64_ranks_memory_and_collectives_match_analytic():
+    n, batch, seq = 64, 1, 256
+    report = explain(config="llama3-8b", num_layers=L, parallel="dp_shard=-1", world_size=n, plan="fsdp",
+                     local_batch=batch, seq_len=seq, optimizer="adamw", hardware="h100")
+    units = shapes_8b()
+    shard = {u: sum(padded_shard(s, n) for s in shapes) for u, shapes in units.items()}
+
+    mem = report["memory"]
+    assert mem["params"] == sum(shard.values()) * FP32  # fp32 master shards
+    assert mem["grads"] == sum(shard.values()) * FP32
+    assert mem["optimizer_state"] == 2 * sum(shard.values()) * FP32  # AdamW: exp_avg, exp_avg_sq
+    assert 0 < mem["saved_activations"] < mem["peak"]
+
+    fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
+    # Forward: one fused all-gather per unit of its bf16 shard.
+    assert fwd["all_gather"]["dp_shard"] == {"count": L + 1, "bytes": sum(shard.values()) * BF16}
+    # Backward (reshard_after_forward): every unit gathered again, except what backward does not
+    # read: the embedding table (its gradient is an index-add of the output gradient).
+    embedding = padded_shard(units["root"][0], n)
+    assert bwd["all_gather"]["dp_shard"] == {"count": L + 1, "bytes": (sum(shard.values()) - embedding) * BF16}
+    # One fused reduce-scatter per unit in fp32 (reduce_dtype): its input is the whole padded
+    # unit (n shards); each rank keeps 1/n of it.
+    assert bwd["reduce_scatter"]["dp_shard"] == {"count": L + 1, "bytes": n * sum(shard.values()) * FP32}
+    # The global loss and token count: one scalar all-reduce each way; nothing else.
+    assert fwd["all_reduce"] == {"dp_shard": {"count": 1, "bytes": 4}}
+    assert bwd["all_reduce"] == {"dp_shard": {"count": 1, "bytes": 4}}
+    assert set(fwd) == {"all_gather", "all_reduce"} and set(bwd) == {"all_gather", "all_reduce", "reduce_scatter"}
+
+    assert report["device"]["memory_bytes"] > 0
+    assert report["device"]["fits"] == (mem["peak"] <= report["device"]["memory_bytes"])
+    assert report["batch"]["tokens_per_step"] == n * batch * seq
+    text = format_report(report)
+    assert "dp_shard=64" in text and "reduce_scatter" in text and "fits" in text
+
+
+def test_megatron_tp_8_ranks_memory_and_collectives_match_analytic():
+    tp, batch, seq, h, vocab = 8, 2, 256, 4096, 128256
+    report = explain(config="llama3-8b", num_layers=L, parallel="tp=8", world_size=tp, plan="tp",
+                     local_batch=batch, seq_len=seq, optimizer="adamw", rank=3)
+    shapes = [s for unit in shapes_8b().values() for s in unit]
+    sharded = sum(math.prod(s) for s in shapes if len(s) == 2)  # every matrix: colwise/rowwise/vocab
+    replicated = sum(math.prod(s) for s in shapes if len(s) == 1)  # the RMSNorm weights
+    per_rank = (sharded // tp + replicated) * BF16  # bf16 parameters (no FSDP master copy)
+
+    mem = report["memory"]
+    assert mem["params"] == per_rank
+    assert mem["grads"] == per_rank
+    assert mem["optimizer_state"] == 2 * per_rank
+
+    fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
+    activation = batch * seq * h * BF16
+    # Forward: o_proj and down_proj partial sums per layer, plus the vocab-parallel embedding.
+    assert fwd["all_reduce"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * activation}}
+    # Backward mirrors it: the q/k/v and gate/up input gradients (each group summed, then reduced
+    # once) per layer, plus lm_head's input gradient.
+    assert bwd["all_reduce"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * activation}}
+    # The vocab-sharded logits are gathered for the loss (fp32, positions 0..s-2) and for the
+    # returned logits (bf16); their gradients are local slices.
+    logits = batch * (seq - 1) * (vocab // tp) * FP32 + batch * seq * (vocab // tp) * BF16
+    assert fwd["all_gather"] == {"tp": {"count": 2, "bytes": logits}}
+    assert set(bwd) == {"all_reduce"}
+    assert report["mesh"] == {"axes": {"tp": 8}, "world_size": 8, "rank": 3}
+
+
+def test_cost_model_step_time_and_mfu_when_available():
+    pytest.importorskip("hyper_parallel.cost")
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1024}
+    report = explain(config=config, parallel="dp_shard=-1,tp=2", world_size=16, plan="fsdp+tp", seq_len=128,
+                     hardware="a100")
+    step = report["step"]
+    assert step["available"] and step["profile"] == "a100"
+    assert step["step_s"] > 0 and 0 < step["mfu"] < 1 and step["flops"] > 0
+    assert step["exposed_comm_s"] <= step["comm_s"]
+    assert "step time (cost model, a100)" in format_report(report)
+
+
+def test_without_cost_model_memory_and_collectives_still_work(monkeypatch):
+    monkeypatch.setitem(sys.modules, "hyper_parallel.cost", None)  # import fails
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}
+    report = explain(config=config, parallel="dp_shard=-1", world_size=4, plan="fsdp", seq_len=64, hardware="h200")
+    assert report["step"]["available"] is False
+    assert report["device"]["memory_bytes"] == 141 * 10**9
+    assert report["memory"]["params"] > 0 and report["collectives"]["per_step"]
+    assert "step time: cost model not available" in format_report(report)
+
+
+def test_hsdp_collectives_are_labelled_by_axis_names():
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}
+    report = explain(config=config, parallel="dp_replicate=2,dp_shard=-1,tp=2", world_size=16, plan="fsdp+tp",
+                     seq_len=64)
+    per_step = report["collectives"]["per_step"]
+    axes = {axis for per_axis in per_step.values() for axis in per_axis}
+    # The loss reduction runs over ParallelDims' flattened "dp" (dp_replicate x dp_shard) group.
+    assert axes == {"dp", "dp_replicate", "dp_shard", "tp"}
+    assert per_step["all_reduce"]["dp_replicate"]["count"] == 2  # HSDP: one per unit after its RS
+
+
+def test_cli_json_plan_file_and_python_m(tmp_path, capsys):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"base": "llama3-8b", "hidden_size": 256, "intermediate_size": 512,
+                                  "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}))
+    plan = tmp_path / "my_plan.py"
+    plan.write_text("from hyper_parallel.models import llama_tp_plan\nplan = llama_tp_plan()\n")
+    assert main(["explain", "--config", str(config), "--parallel", "dp_shard=-1,tp=2", "--world-size", "4",
+                 "--plan", str(plan), "--seq-len", "64", "--optimizer", "sgd", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["fields"]["num_hidden_layers"] == 1 and report["plan"]["name"] == "my_plan.py"
+    assert report["memory"]["optimizer_state"] == 0  # plain SGD keeps no state
+    assert report["collectives"]["forward"]["all_reduce"]["tp"]["count"] == 2 * 1 + 1
+    # A data-parallel axis without FSDP: the gradients are all-reduced over it.
+    assert "dp_shard" in report["collectives"]["backward"]["all_reduce"]
+
+    out = subprocess.run([sys.executable, "-m", "hyper_parallel", "explain", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--world-size" in out and "fsdp+tp" in out
+
+
+def test_hf_model_on_fake_backend():
+    pytest.importorskip("transformers")
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}
+    report = explain(model="hf:LlamaForCausalLM", config=config, parallel="dp_shard=-1", world_size=32,
+                     plan="fsdp", seq_len=64)
+    # 8 heads of 32 and 8 key/value heads: q, k, v and o are all 256 x 256.
+    per_rank = sum(padded_shard(s, 32) for s in [(1024, 256), (256,), (1024, 256), (256,), (256, 256), (256, 256),
+                                                   (256, 256), (256, 256), (256,), (512, 256), (512, 256), (256, 512)])
+    assert report["memory"]["params"] == per_rank * FP32
+    assert report["collectives"]["forward"]["all_gather"]["dp_shard"]["count"] == 2
+
+
+def test_compile_for_explain_with_init_device_mesh():
+    import torch
+
+    import hyper_parallel as hp
+    from hyper_parallel.explain import compile_for_explain, fake_world
+    from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
+
+    with fake_world(4, rank=2):
+        mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+        with hp.init_empty_weights():
+            model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))
+        ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        pmodel = compile_for_explain(model, {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh,
+                                     kwargs={"input_ids": ids, "labels": ids})
+        assert all(p.to_local().is_meta for p in pmodel.parameters())  # nothing materialised
+        assert pmodel.compile_summary()["collectives"]["forward"]["all_gather"]["dp_shard"]["count"] == 3
+        forward, backward = pmodel.compiled_programs()
+        assert len(forward.graph.nodes) and len(backward.graph.nodes)
+
+
+# --- bad input: clear errors that name the value and the choices --------------------------------
+
+
+@pytest.mark.parametrize("spec, named", [
+    ("tp8", ["'tp8'", "KEY=VALUE", "dp_shard"]),
+    ("tp=eight", ["'eight'", "not an integer"]),
+    ("dp_shard=-1,zp=2", ["'zp'", "dp_replicate", "dp_shard", "tp"]),
+    ("tp=2,tp=4", ["tp is given twice"]),
+    ("pp=4,dp_shard=-1", ["pp=4", "not supported by explain"]),
+    ("", ["empty"]),
+])
+def test_bad_parallel_strings(spec, named):
+    with pytest.raises(ValueError) as err:
+        presets.parse_parallel(spec)
+    for text in named:
+        assert text in str(err.value)
+
+
+def test_unknown_presets_name_the_value_and_the_choices():
+    with pytest.raises(ValueError, match=r"'llama3-7b'.*llama3-405b, llama3-70b, llama3-8b"):
+        presets.load_model_config("llama3-7b")
+    with pytest.raises(ValueError, match=r"'zero3'.*fsdp, tp, fsdp\+tp"):
+        presets.build_plan("zero3", {"dp_shard": 8}, {})
+    with pytest.raises(ValueError, match=r"'fsdp' shards over the dp_shard axis"):
+        presets.build_plan("fsdp", {"tp": 8}, {})
+
+
+def test_unknown_hf_architecture():
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"hf:NoSuchModel.*no model class 'NoSuchModel'"):
+        explain(model="hf:NoSuchModel", config={"num_hidden_layers": 1}, world_size=2)
+
+
+def test_cli_errors_exit_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--parallel", "dp_shard=-1,tq=8", "--world-size", "16"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown degree 'tq'" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["explain", "--hardware", "tpu"])
+    assert "invalid choice: 'tpu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["explain", "--config", "llama3-8b", "--parallel", "tp=3", "--world-size", "3", "--plan", "tp"])
+    assert "tp=3 does not divide" in capsys.readouterr().err
+
+
+def test_fsdp_tp_preset_keeps_vocab_tp_only_when_fsdp_can_shard_it():
+    even = presets.build_plan("fsdp+tp", {"dp_shard": 32, "tp": 8}, {"vocab_size": 128256})
+    assert "lm_head" in even.plan["tensor_parallel"] and not even.notes
+    uneven = presets.build_plan("fsdp+tp", {"dp_shard": 128, "tp": 8}, {"vocab_size": 128256})
+    assert "lm_head" not in uneven.plan["tensor_parallel"]
+    assert "model.embed_tokens" not in uneven.plan["tensor_parallel"]
+    assert "16032 vocabulary rows" in uneven.notes[0]
+    full = presets.build_plan("fsdp", {"dp_shard": 8}, {}, recompute="full")
+    assert full.plan["recompute"] == {"model.layers.*": "full"}
