@@ -387,6 +387,7 @@ def _compile(
         "memory": estimate_program(program, captured).as_dict(),  # no optimizer state: memory_report(opt) adds it
     }
     dumper.json("summary.json", summary)
+    dumper.report_data(program, captured, mesh, resolved_plan.fsdp)  # passes/memory/trace for `report`
     if rank == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
     return CompiledEntry(captured, resolved, program, report, summary)

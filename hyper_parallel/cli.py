@@ -7,6 +7,12 @@ Subcommands:
 
       hyper-parallel explain --model example --config llama3-70b --parallel dp_shard=-1,tp=8 \\
           --world-size 1024 --plan fsdp+tp --hardware h100
+
+- ``report``: one self-contained HTML page about a compile from its dump directory (passes, layouts,
+  the estimated timeline, memory over the step) plus the step's Chrome trace
+  (``hyper_parallel/report/``)::
+
+      hyper-parallel report /tmp/dump --rank 0 --out report.html
 """
 
 from __future__ import annotations
@@ -57,6 +63,23 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="activation recompute of every decoder layer; default: none")
     ex.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of the config")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    ex.add_argument("--trace", default=None, metavar="FILE",
+                    help="also write the simulated step as a Chrome trace JSON (open it in Perfetto)")
+    ex.add_argument("--dump-dir", default=None, metavar="DIR",
+                    help="also write the compile's dumps (graphs per pass, layouts, summary, the step trace "
+                    "on --hardware) for `hyper-parallel report DIR`")
+    rep = sub.add_parser(
+        "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
+        description="Read DUMP_DIR (written by parallelize(..., dump_dir=DUMP_DIR) or HYPER_PARALLEL_DUMP_DIR) "
+        "and write one self-contained HTML page for one rank: summary, nodes each pass added and removed, "
+        "the layout table with search, collectives on the cost model's estimated timeline, memory over the "
+        "step; plus the simulated step as a Chrome trace JSON (open it in Perfetto).",
+    )
+    rep.add_argument("dump_dir", metavar="DUMP_DIR", help="the dump directory (holds rank<N>/ folders)")
+    rep.add_argument("--rank", type=int, default=None, help="the rank to report on; default: the lowest in the dump")
+    rep.add_argument("--out", default=None,
+                     help="the HTML file to write; default: DUMP_DIR/report.html (the trace goes next to it, "
+                     "as <name>.trace.json)")
     return parser
 
 
@@ -67,12 +90,21 @@ def _explain(args) -> int:
         model=args.model, config=args.config, parallel=args.parallel, world_size=args.world_size,
         plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
         local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
-        num_layers=args.layers,
+        num_layers=args.layers, trace_path=args.trace, dump_dir=args.dump_dir,
     )
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(format_report(report))
+    return 0
+
+
+def _report(args) -> int:
+    from .report import write_report
+
+    page, trace = write_report(args.dump_dir, rank=args.rank, out=args.out)
+    print(f"report: {page}")
+    print(f"trace:  {trace}" if trace else "trace:  none (the dump has no trace.json: the cost model was skipped)")
     return 0
 
 
@@ -84,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "explain":
             return _explain(args)
+        if args.command == "report":
+            return _report(args)
     except (ValueError, TypeError, ImportError) as e:
         parser.exit(2, f"hyper-parallel {args.command}: error: {e}\n")
     parser.error(f"unknown command {args.command!r}")

@@ -3,8 +3,11 @@
 ``Dumper`` writes, under ``dump_dir/rank<r>/``: one ``NN_<stage>.py`` per pipeline stage (graph code),
 ``layouts.tsv`` (node, op, module FQN, input layouts, output layout, local shape, source line),
 ``forward.py``/``backward.py`` (the partitioned programs) and ``summary.json`` (collectives per step
-by kind and mesh axis with count and bytes, fallbacks, plan-imposed redistributions). Everything is
-written deterministically: the same model, plan, mesh and inputs give byte-identical files.
+by kind and mesh axis with count and bytes, fallbacks, plan-imposed redistributions); for
+``hyper-parallel report``: ``passes.json`` (per stage, the nodes it added, removed and moved),
+``memory.json`` (live bytes over the step) and ``trace.json`` (the cost model's simulated step, a
+Chrome trace). Everything is written deterministically: the same model, plan, mesh and inputs give
+byte-identical files.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 
 import torch
@@ -19,6 +23,7 @@ import torch
 from .capture import module_fqn_of, source_line
 
 c10d = torch.ops._c10d_functional
+log = logging.getLogger(__name__)
 
 COLLECTIVE_KINDS = {
     c10d.all_reduce.default: "all_reduce",
@@ -124,7 +129,9 @@ class Dumper:
 
     def __init__(self, dump_dir: str | None, rank: int):
         self.dir = os.path.join(dump_dir, f"rank{rank}") if dump_dir else None
+        self.rank = rank
         self.step = 0
+        self.stages: list[tuple[str, str, list]] = []  # (stage, file, graph_nodes) for passes.json
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
 
@@ -136,11 +143,147 @@ class Dumper:
     def graph(self, stage: str, gm: torch.fx.GraphModule) -> None:
         if self.dir:
             code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-            self._write(f"{self.step:02d}_{stage}.py", code)
+            file = f"{self.step:02d}_{stage}.py"
+            self._write(file, code)
+            self.stages.append((stage, file, graph_nodes(gm)))
             self.step += 1
+
+    def _remove(self, name: str) -> None:
+        if self.dir and os.path.exists(os.path.join(self.dir, name)):
+            os.remove(os.path.join(self.dir, name))
 
     def text(self, name: str, text: str) -> None:
         self._write(name, text)
 
-    def json(self, name: str, data) -> None:
-        self._write(name, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    def json(self, name: str, data, indent: int | None = 2) -> None:
+        separators = None if indent else (",", ":")
+        self._write(name, json.dumps(data, indent=indent, sort_keys=True, separators=separators) + "\n")
+
+    def report_data(self, program, captured, mesh, fsdp=None) -> None:
+        """The files ``hyper-parallel report`` reads besides the graphs, layouts.tsv and
+        summary.json: ``passes.json`` (per stage, nodes added / removed / moved), ``memory.json``
+        (live bytes over the step, :func:`memory.live_series`) and ``trace.json`` (the cost
+        model's simulated step as a Chrome trace, for Perfetto). The cost model and the memory
+        series are diagnostics: if one fails, a warning is logged and its file is skipped, the
+        compile goes on."""
+        if not self.dir:
+            return
+        self.json("passes.json", {"rank": self.rank, "stages": pass_report(self.stages)})
+        try:
+            from .memory import CATEGORIES, live_series
+
+            est, points = live_series(program, captured)
+            self.json("memory.json", {"categories": list(CATEGORIES), "estimate": est.as_dict(), "points": points},
+                      indent=None)
+        except Exception as e:  # noqa: BLE001 - a dump must never break compilation
+            log.warning("dump: memory series skipped (%s: %s)", type(e).__name__, e, exc_info=True)
+            self._remove("memory.json")  # not a stale one from an earlier compile
+        try:
+            trace, _ = step_trace(program, mesh, fsdp, self.rank)
+            self.json("trace.json", trace, indent=None)
+        except Exception as e:  # noqa: BLE001
+            log.warning("dump: cost-model step trace skipped (%s: %s)", type(e).__name__, e, exc_info=True)
+            self._remove("trace.json")
+
+
+# --- report data: what ``hyper-parallel report`` needs beyond the graph code --------------------
+#
+# The report (hyper_parallel/report/) must work from a dump directory alone, copied off a cluster,
+# so the dump carries what the .py files cannot give back: node identities per stage (passes.json),
+# the simulated step (trace.json) and live memory over the step (memory.json).
+
+# Mesh device type -> the cost model's hardware profile for the dumped step trace.
+DEVICE_PROFILES = {"cpu": "cpu", "cuda": "h100", "npu": "ascend-910b"}
+PROFILE_ENV = "HYPER_PARALLEL_DUMP_HARDWARE"  # overrides the profile (a name in cost.PROFILES)
+
+
+def graph_nodes(gm: torch.fx.GraphModule) -> list[tuple[str, str, str]]:
+    """(name, op, module FQN) of every node but the output, in graph order."""
+    return [
+        (node.name, node.op if node.op != "call_function" else str(node.target), module_fqn_of(node))
+        for node in gm.graph.nodes
+        if node.op != "output"
+    ]
+
+
+def _longest_increasing(values: list[int]) -> set[int]:
+    """Indices of one longest strictly increasing subsequence of ``values`` (patience sorting)."""
+    import bisect
+
+    tails: list[int] = []  # tails[k]: index of the smallest tail of an increasing run of length k+1
+    tail_values: list[int] = []
+    prev = [-1] * len(values)
+    for i, v in enumerate(values):
+        k = bisect.bisect_left(tail_values, v)
+        if k > 0:
+            prev[i] = tails[k - 1]
+        if k == len(tails):
+            tails.append(i)
+            tail_values.append(v)
+        else:
+            tails[k], tail_values[k] = i, v
+    keep, i = set(), tails[-1] if tails else -1
+    while i >= 0:
+        keep.add(i)
+        i = prev[i]
+    return keep
+
+
+def node_diff(before: list[tuple[str, str, str]], after: list[tuple[str, str, str]]) -> dict:
+    """What a stage did to a graph, by node name: nodes added, removed, and moved (the fewest
+    nodes whose moving explains the new order of the nodes both graphs have)."""
+    entry = lambda n: {"node": n[0], "op": n[1], "module": n[2]}  # noqa: E731
+    names_before = {n[0] for n in before}
+    names_after = {n[0] for n in after}
+    position = {n[0]: i for i, n in enumerate(after)}
+    common = [n for n in before if n[0] in names_after]
+    keep = _longest_increasing([position[n[0]] for n in common])
+    return {
+        "nodes_before": len(before),
+        "nodes_after": len(after),
+        "added": [entry(n) for n in after if n[0] not in names_before],
+        "removed": [entry(n) for n in before if n[0] not in names_after],
+        "moved": [entry(n) for i, n in enumerate(common) if i not in keep],
+    }
+
+
+def pass_report(stages: list[tuple[str, str, list[tuple[str, str, str]]]]) -> list[dict]:
+    """Per dumped stage, in order (``(stage, file, nodes)`` as :class:`Dumper` records them), what
+    it changed relative to the stage before. The partition's two programs (``forward``,
+    ``backward``) are compared together with the last joint graph: their union is what the
+    partition kept, added (e.g. recomputed nodes) or dropped."""
+    out: list[dict] = []
+    joint: list[tuple[str, str, str]] = []
+    program: dict[str, list] = {}
+    for stage, file, nodes in stages:
+        if stage in ("forward", "backward"):
+            program[stage] = nodes
+            continue
+        out.append({"stage": stage, "file": file, **node_diff(joint, nodes)})
+        joint = nodes
+    if program:
+        union = list({n[0]: n for part in program.values() for n in part}.values())
+        diff = node_diff(joint, union)
+        diff["moved"] = []  # two programs have no single order to compare
+        files = [f for s, f, _ in stages if s in program]
+        out.append({"stage": "partition", "file": ", ".join(files), **diff,
+                    "programs": {name: len(nodes) for name, nodes in sorted(program.items())}})
+    return out
+
+
+def step_trace(program, mesh, fsdp=None, rank: int = 0, hardware: str | None = None) -> tuple[dict, dict]:
+    """The cost model's simulated step of ``program`` (a CompiledProgram) as (Chrome trace dict,
+    totals). Hardware: ``hardware``, else env ``HYPER_PARALLEL_DUMP_HARDWARE``, else by the mesh's
+    device type (:data:`DEVICE_PROFILES`). The optimizer step is modelled as plain SGD (no
+    optimizer state), matching the summary's memory estimate, which counts none either."""
+    from .cost import axis_infos, get_profile, optimizer_traffic, simulate, to_chrome_trace
+
+    name = hardware or os.environ.get(PROFILE_ENV) or DEVICE_PROFILES.get(mesh.device_type, "h100")
+    profile = get_profile(name)
+    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp))
+    opt_bytes, opt_tensors = optimizer_traffic(program.backward_gm, 0)
+    est = simulate((program.forward_gm, program.backward_gm), axes, profile, opt_bytes, opt_tensors)
+    trace = to_chrome_trace(est.timeline, rank=rank)
+    totals = {**est.as_dict(), "optimizer_model": "sgd (no state)", "device_type": mesh.device_type}
+    trace["otherData"] = {k: totals[k] for k in sorted(totals)}
+    return trace, totals

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -190,6 +191,8 @@ def explain(
     dtype: str = "bf16",
     recompute: str = "none",
     num_layers: int | None = None,
+    trace_path: str | None = None,
+    dump_dir: str | None = None,
 ) -> dict:
     """Compile ``plan`` for ``model`` on a simulated ``world_size``-rank mesh and return the
     report of rank ``rank`` (a JSON-friendly dict; :func:`format_report` prints it).
@@ -199,7 +202,10 @@ def explain(
     ``plan``: a plan preset or a Python file defining ``plan``; ``local_batch`` sequences of
     ``seq_len`` tokens per data-parallel rank; ``dtype``: "bf16" (FSDP presets: bf16 compute over
     fp32 master weights with fp32 gradient reduction; otherwise bf16 parameters) or "fp32";
-    ``num_layers`` overrides the config's ``num_hidden_layers``."""
+    ``num_layers`` overrides the config's ``num_hidden_layers``; ``trace_path``: also write the
+    simulated step as a Chrome trace JSON there (open it in Perfetto); ``dump_dir``: write the
+    compile's dumps there as ``parallelize(dump_dir=)`` does, with the step trace of ``hardware``
+    (``hyper-parallel report DUMP_DIR`` turns them into a page)."""
     started = time.perf_counter()
     if hardware.lower() not in HARDWARE:
         raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)}")
@@ -240,12 +246,26 @@ def explain(
         with torch.device("meta"):
             ids = torch.zeros(local_batch, seq_len, dtype=torch.long)
         compile_start = time.perf_counter()
-        pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids})
+        pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids},
+                                     dump_dir=dump_dir)
         compile_s = time.perf_counter() - compile_start
         summary = pmodel.compile_summary()
         labels = _flattened_axis_labels(mesh)
         memory = pmodel.memory_report(optimizer)
         step = _simulate(pmodel, mesh, hardware, optimizer, dtype)
+    timeline = step.pop("timeline", None)
+    if trace_path is not None and timeline is None:
+        raise ValueError(f"explain(trace_path={trace_path!r}): no simulated step to trace ({step.get('reason')})")
+    if timeline is not None:
+        from .cost import to_chrome_trace
+
+        trace = to_chrome_trace(timeline, rank=rank)
+        # The dump's own trace prices the step on the mesh's device (cpu here); this one is the
+        # requested hardware with the requested optimizer.
+        paths = [trace_path] + ([os.path.join(dump_dir, f"rank{rank}", "trace.json")] if dump_dir else [])
+        for path in filter(None, paths):
+            with open(path, "w") as f:
+                json.dump(trace, f, sort_keys=True)
 
     dp_degree = math.prod(size for axis, size in axes.items() if axis.startswith("dp"))
     tokens = local_batch * seq_len * dp_degree
@@ -323,9 +343,11 @@ def _simulate(pmodel, mesh, hardware: str, optimizer: str, dtype: str) -> dict:
         log.warning("explain: the cost model failed: %s", e, exc_info=True)
         return {"available": False, "reason": f"the cost model failed: {type(e).__name__}: {e}",
                 "memory_bytes": profile.memory_bytes}
-    return {**est.as_dict(), "available": True, "profile": profile.name,
-            "mfu": mfu(est.flops, est.step_s, profile, dtype) if est.step_s > 0 else 0.0,
-            "memory_bytes": profile.memory_bytes}
+    positive = est.step_s > 0
+    return {**est.as_dict(), "available": True, "profile": profile.name, "model_flops": est.model_flops,
+            "mfu": mfu(est.model_flops, est.step_s, profile, dtype) if positive else 0.0,
+            "hfu": mfu(est.flops, est.step_s, profile, dtype) if positive else 0.0,
+            "memory_bytes": profile.memory_bytes, "timeline": est.timeline}
 
 
 # --- text ------------------------------------------------------------------------------------------
@@ -400,8 +422,9 @@ def format_report(report: dict) -> str:
             f"optimizer {_fmt_s(step['optimizer_s'])})",
             f"  compute {_fmt_s(step['compute_s'])}, communication {_fmt_s(step['comm_s'])} of which "
             f"{_fmt_s(step['exposed_comm_s'])} exposed",
-            f"  MFU {step['mfu'] * 100:.1f}%  ({step['flops'] / 1e12:.1f} TFLOP per rank per step"
-            + (", recompute included" if report["plan"]["recompute"] != "none" else "") + "), "
+            f"  MFU {step['mfu'] * 100:.1f}%  ({step['model_flops'] / 1e12:.1f} model TFLOP per rank per step"
+            + (f"; with recompute {step['flops'] / 1e12:.1f} TFLOP, HFU {step['hfu'] * 100:.1f}%"
+               if step["recompute_flops"] else "") + "), "
             f"{step['tokens_per_s_per_device']:,.0f} tokens/s per device",
         ]
     else:

@@ -47,7 +47,8 @@ import torch.utils._pytree as pytree
 from . import compat
 
 __all__ = [
-    "MemoryEstimate", "OptimizerModel", "PeakSite", "estimate", "estimate_program", "format_bytes", "optimizer_model",
+    "MemoryEstimate", "OptimizerModel", "PeakSite", "estimate", "estimate_program", "format_bytes", "live_series",
+    "optimizer_model",
 ]
 
 # Collectives whose output is a fresh communication buffer.
@@ -327,6 +328,7 @@ def estimate(
     optimizer: Any = None,
     keep_outputs: bool = True,
     device: str | None = None,
+    series: list | None = None,
 ) -> MemoryEstimate:
     """Estimate one rank's peak memory for one training step of ``program`` (a ``CompiledProgram``).
 
@@ -335,6 +337,7 @@ def estimate(
     :func:`optimizer_model`; an optimizer instance that has stepped contributes its real state
     bytes. ``keep_outputs``: the caller holds the user outputs (e.g. logits) until backward ends.
     ``device``: the device type counted (default: the first non-CPU device in the program, else CPU).
+    ``series``: a list to append the live-bytes point of every moment to (see :func:`live_series`).
     """
     fwd, bwd = program.forward_gm, program.backward_gm
     runner = _MetaRunner()
@@ -419,7 +422,7 @@ def estimate(
     else:
         step_temps = model.per_tensor_temporaries * max(trainable, default=0)
 
-    return _sweep(timeline, storages, start, state, step_temps, model.name, device)
+    return _sweep(timeline, storages, start, state, step_temps, model.name, device, series)
 
 
 def estimate_program(program, captured, optimizer: Any = None, keep_outputs: bool = True) -> MemoryEstimate:
@@ -429,14 +432,26 @@ def estimate_program(program, captured, optimizer: Any = None, keep_outputs: boo
     return estimate(program, kinds, optimizer=optimizer, keep_outputs=keep_outputs)
 
 
+def live_series(program, captured, optimizer: Any = None, keep_outputs: bool = True) -> tuple[MemoryEstimate, list[dict]]:
+    """:func:`estimate_program` plus the live bytes over the step, as the estimate's replay counts
+    them: one point per moment (each node of forward then backward, and each phase's start and
+    end), then one for the optimizer step. A point is ``{"phase", "node", "module", "bytes",
+    "live"}`` with ``live`` the bytes per category in :data:`CATEGORIES` order; the largest
+    ``bytes`` is the estimate's ``peak``. For plots (``hyper-parallel report``)."""
+    kinds = [info.kind for info in captured.inputs if info.kind != "tangent"]
+    points: list[dict] = []
+    est = estimate(program, kinds, optimizer=optimizer, keep_outputs=keep_outputs, series=points)
+    return est, points
+
+
 def _kind(node: torch.fx.Node) -> str:
     return "comm_buffers" if node.target in _COMM_TARGETS else "temporaries"
 
 
 def _sweep(timeline: _Timeline, storages, start: int, state: int, step_temps: int, optimizer: str,
-           device: str) -> MemoryEstimate:
+           device: str, series: list | None = None) -> MemoryEstimate:
     """Live bytes at every moment (a moment's allocations count before its frees), the peak and
-    what is live there."""
+    what is live there; with ``series``, appends each moment's point to it (:func:`live_series`)."""
     num = len(timeline.moments)
     persistent = dict.fromkeys(CATEGORIES, 0)
     persistent["optimizer_state"] = state
@@ -463,6 +478,8 @@ def _sweep(timeline: _Timeline, storages, start: int, state: int, step_temps: in
         comm_max = max(comm_max, live["comm_buffers"])
         if total > best:
             best, best_at, best_live = total, t, dict(live)
+        if series is not None:
+            series.append(_point(*timeline.moments[t], total, live))
 
     grads = sum(s.nbytes for s in storages if s.category == "grads")
     peak_optimizer = sum(persistent.values()) + grads + step_temps
@@ -470,6 +487,8 @@ def _sweep(timeline: _Timeline, storages, start: int, state: int, step_temps: in
     if peak_optimizer > best:
         best, site = peak_optimizer, PeakSite("optimizer", "", "", "")
         best_live = dict(persistent, grads=grads, temporaries=step_temps)
+    if series is not None:
+        series.append(_point("optimizer", None, peak_optimizer, dict(persistent, grads=grads, temporaries=step_temps)))
     saved = sum(s.nbytes for s in storages if s.category == "saved_activations")
     return MemoryEstimate(
         device=device, params=persistent["params"], buffers=persistent["buffers"], inputs=persistent["inputs"],
@@ -477,6 +496,14 @@ def _sweep(timeline: _Timeline, storages, start: int, state: int, step_temps: in
         peak_forward=peaks["forward"], peak_backward=peaks["backward"], peak_optimizer=peak_optimizer,
         peak=best, peak_site=site, at_peak=best_live, optimizer=optimizer,
     )
+
+
+def _point(phase: str, node: torch.fx.Node | None, total: int, live: dict) -> dict:
+    from .capture import module_fqn_of
+
+    return {"phase": phase, "node": node.name if node is not None else "",
+            "module": module_fqn_of(node) if node is not None else "", "bytes": total,
+            "live": [live[c] for c in CATEGORIES]}
 
 
 def _site(phase: str, node: torch.fx.Node | None) -> PeakSite:

@@ -8,7 +8,11 @@ Model presets are the Llama 3 / 3.1 shapes (Meta's published configs) as fields 
   mixed precision bf16 parameters / fp32 gradient reduction (fp32 master weights);
 - ``tp``: Megatron tensor parallelism (:func:`hyper_parallel.models.llama_tp_plan`: colwise
   q/k/v/gate/up, rowwise o/down, vocab-parallel embedding, colwise ``lm_head``);
-- ``fsdp+tp``: both; FSDP over the data-parallel shard axis, TP over ``tp``.
+- ``fsdp+tp``: both; FSDP over the data-parallel shard axis, TP over ``tp``;
+- ``tp+sp`` / ``fsdp+tp+sp``: the same with Megatron sequence parallelism and a vocab-parallel loss
+  (``llama_tp_plan(sequence_parallel=True, loss_parallel=True)``: norms and the residual stream
+  sharded on the sequence dim, reduce-scatter / all-gather instead of all-reduce), the layout
+  torchtitan and Megatron-LM train large models with.
 
 Everything here is pure data and validation (no process group, no torch model is built).
 """
@@ -39,7 +43,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 _MODEL_ALIASES = {"8b": "llama3-8b", "70b": "llama3-70b", "405b": "llama3-405b"}
 
-PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp")
+PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp", "tp+sp", "fsdp+tp+sp")
 
 # The degrees ``--parallel`` accepts (ParallelDims fields) and the ones explain can compile today.
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
@@ -167,7 +171,8 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
     if "tp" in name:
         if "tp" not in axes:
             raise ValueError(f"plan {name!r} needs a tensor-parallel axis: add tp=<degree> to --parallel")
-        plan.update(llama_tp_plan())
+        sp = name.endswith("+sp")
+        plan.update(llama_tp_plan(sequence_parallel=sp, loss_parallel=sp))
     if "fsdp" in name:
         if "dp_shard" not in axes:
             raise ValueError(

@@ -86,7 +86,10 @@ class Timeline:
 class StepEstimate:
     """One rank's estimated training step. ``compute_s`` and ``comm_s`` are busy times of the two
     streams; ``exposed_comm_s`` is the time compute waited for communication; ``step_s`` is the end
-    of the last event (forward + backward + optimizer). ``flops`` counts this rank's FLOPs."""
+    of the last event (forward + backward + optimizer). ``flops`` counts every FLOP this rank runs
+    (hardware FLOPs); ``recompute_flops`` the part that recomputes forward values in backward
+    (nodes the recompute pass made, ``meta["hp_recompute"]``), so ``flops - recompute_flops`` are
+    the model FLOPs that MFU is conventionally computed from."""
 
     timeline: Timeline
     profile: str
@@ -98,6 +101,12 @@ class StepEstimate:
     optimizer_s: float
     step_s: float
     flops: int
+    recompute_flops: int = 0
+
+    @property
+    def model_flops(self) -> int:
+        """FLOPs of the step without recomputation (what MFU counts)."""
+        return self.flops - self.recompute_flops
 
     def as_dict(self) -> dict:
         """The totals, JSON-friendly (the timeline is left out: see ``to_chrome_trace``)."""
@@ -128,6 +137,7 @@ class _Simulator:
         self.ready: dict[torch.fx.Node, float] = {}  # collective (or its getitem) -> result ready
         self.exposed = 0.0
         self.flops = 0
+        self.recompute_flops = 0
 
     def _axis(self, node: torch.fx.Node) -> AxisInfo:
         group = group_name_of(node.args[-1])
@@ -179,6 +189,8 @@ class _Simulator:
                                work.flops, work.bytes)
                 self.compute_t += duration
                 self.flops += work.flops
+                if node.meta.get("hp_recompute") is not None:
+                    self.recompute_flops += work.flops
         # A program returns only once every collective it issued is done (the runtime waits on
         # them all): a collective never waited on is exposed here.
         pending = max((t for n, t in self.ready.items() if n.graph is gm.graph), default=0.0)
@@ -254,12 +266,15 @@ def simulate(
         timeline=Timeline(events), profile=profile.name, compute_s=compute_s,
         comm_s=sum(e.duration_s for e in events if e.category == "comm"), exposed_comm_s=sim.exposed,
         forward_s=forward_s, backward_s=backward_s, optimizer_s=optimizer_s, step_s=sim.compute_t, flops=sim.flops,
+        recompute_flops=sim.recompute_flops,
     )
 
 
 def mfu(flops_per_step: float, step_s: float, profile: HardwareProfile | str,
         dtype: str | torch.dtype = "bf16") -> float:
-    """Model FLOPs utilisation: achieved FLOP/s over the profile's dense peak for ``dtype``."""
+    """FLOP utilisation: ``flops_per_step`` per second over the profile's dense peak for ``dtype``.
+    Pass the model FLOPs (``StepEstimate.model_flops``) for MFU, all FLOPs for hardware FLOPs
+    utilisation (HFU)."""
     if step_s <= 0:
         raise ValueError(f"mfu: step time must be positive, got {step_s}")
     return flops_per_step / step_s / get_profile(profile).flops_per_s(dtype)

@@ -110,6 +110,39 @@ def test_megatron_tp_8_ranks_memory_and_collectives_match_analytic():
     assert report["mesh"] == {"axes": {"tp": 8}, "world_size": 8, "rank": 3}
 
 
+def test_megatron_sequence_parallel_8_ranks_collectives_match_analytic():
+    tp, batch, seq, h, vocab = 8, 2, 256, 4096, 128256
+    report = explain(config="llama3-8b", num_layers=L, parallel="tp=8", world_size=tp, plan="tp+sp",
+                     local_batch=batch, seq_len=seq, rank=3)
+    fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
+    full, shard = batch * seq * h * BF16, batch * (seq // tp) * h * BF16  # residual stream: S(1)
+    # Forward: the embedding and each o_proj / down_proj reduce-scatter to sequence shards; each
+    # attention / MLP input and lm_head's input is all-gathered from them. The logits are still
+    # gathered twice (vocab-parallel cross-entropy has no rule yet: loss fp32, returned logits bf16).
+    logits = batch * (seq - 1) * (vocab // tp) * FP32 + batch * seq * (vocab // tp) * BF16
+    assert fwd["reduce_scatter"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * full}}
+    assert fwd["all_gather"] == {"tp": {"count": 2 * L + 1 + 2, "bytes": (2 * L + 1) * shard + logits}}
+    # Backward transposes each: gathers for the reduce-scatters (the embedding's too: its
+    # vocab-sharded weight gradient reads every position), reduce-scatters for the gathers but the
+    # logits' (their gradients are local slices); the sequence-sharded norm weights' partial
+    # gradients (2 per layer + the final norm) are all-reduced in one bucket.
+    assert bwd["all_gather"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * shard}}
+    assert bwd["reduce_scatter"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * full}}
+    assert bwd["all_reduce"] == {"tp": {"count": 1, "bytes": (2 * L + 1) * h * BF16}}
+
+
+def test_mfu_counts_model_flops_and_hfu_adds_recompute():
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 512, "intermediate_size": 1024,
+              "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1024}
+    none, full = (explain(config=config, parallel="dp_shard=-1", world_size=4, plan="fsdp", seq_len=128,
+                          recompute=rc)["step"] for rc in ("none", "full"))
+    assert none["recompute_flops"] == 0 and none["mfu"] == none["hfu"]
+    # Full recompute runs each layer's forward again: those FLOPs are hardware, not model, FLOPs.
+    assert full["recompute_flops"] > 0
+    assert full["model_flops"] == none["flops"] == full["flops"] - full["recompute_flops"]
+    assert full["hfu"] > full["mfu"]
+
+
 def test_cost_model_step_time_and_mfu_when_available():
     pytest.importorskip("hyper_parallel.cost")
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
@@ -220,7 +253,7 @@ def test_bad_parallel_strings(spec, named):
 def test_unknown_presets_name_the_value_and_the_choices():
     with pytest.raises(ValueError, match=r"'llama3-7b'.*llama3-405b, llama3-70b, llama3-8b"):
         presets.load_model_config("llama3-7b")
-    with pytest.raises(ValueError, match=r"'zero3'.*fsdp, tp, fsdp\+tp"):
+    with pytest.raises(ValueError, match=r"'zero3'.*fsdp, tp, fsdp\+tp, tp\+sp, fsdp\+tp\+sp"):
         presets.build_plan("zero3", {"dp_shard": 8}, {})
     with pytest.raises(ValueError, match=r"'fsdp' shards over the dp_shard axis"):
         presets.build_plan("fsdp", {"tp": 8}, {})
