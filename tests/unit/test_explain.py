@@ -288,3 +288,22 @@ def test_fsdp_tp_preset_keeps_vocab_tp_only_when_fsdp_can_shard_it():
     assert "16032 vocabulary rows" in uneven.notes[0]
     full = presets.build_plan("fsdp", {"dp_shard": 8}, {}, recompute="full")
     assert full.plan["recompute"] == {"model.layers.*": "full"}
+
+
+def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, capsys):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"base": "llama3-8b", "hidden_size": 256, "intermediate_size": 512,
+                                  "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}))
+    dump, trace = tmp_path / "dump", tmp_path / "step.json"
+    assert main(["explain", "--config", str(config), "--parallel", "dp_shard=-1,tp=2", "--world-size", "8",
+                 "--plan", "fsdp+tp", "--seq-len", "64", "--hardware", "a100", "--rank", "1",
+                 "--trace", str(trace), "--dump-dir", str(dump)]) == 0
+    capsys.readouterr()
+    events = json.loads(trace.read_text())["traceEvents"]
+    comm = [e for e in events if e.get("cat") == "comm"]
+    assert comm and all(e["pid"] == 1 for e in comm)
+    # The dump's trace is the one explain simulated (a100, AdamW), not the cpu-profile default.
+    assert json.loads((dump / "rank1" / "trace.json").read_text()) == json.loads(trace.read_text())
+    assert main(["report", str(dump)]) == 0  # the only rank in the dump: 1
+    assert json.loads((dump / "report.trace.json").read_text()) == json.loads(trace.read_text())
+    assert (dump / "report.html").stat().st_size > 0
