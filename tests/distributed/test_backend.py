@@ -105,6 +105,14 @@ def test_hf_llama_tensor_parallel_fullgraph(dist2):
     assert result["dynamo_graphs"] == 1 and result["summary"]["fallbacks"] == []
 
 
+def test_hf_llama_data_parallel(dist2):
+    pytest.importorskip("transformers")
+    result = dist2.run(backend_parity, "hf_llama", "dp", ("dp",))[0]
+    assert result["dynamo_graphs"] == 1 and result["programs"] == 1
+    # Every parameter gradient is reduced over dp, in DDP-style buckets (one for this small model).
+    assert _counts(result["summary"], "backward", "all_reduce", "dp") >= 1
+
+
 # --- graph breaks, instances, optimizer state --------------------------------------------------
 
 class ItemBranch(nn.Module):
