@@ -138,8 +138,10 @@ ASCEND_910B = HardwareProfile(
 )
 
 # This machine: a 2-core x86 VM (AMD EPYC, AVX-512), one gloo rank per core with 1 intra-op thread
-# each, gloo over loopback TCP. CALIBRATED by ``bench/calibrate_cost_model.py`` (2026-11-22, torch
-# 2.13.0+cpu), measured with both ranks busy at once as in a 2-rank step:
+# each, gloo over loopback TCP. CALIBRATED by ``bench/calibrate_cost_model.py`` (2026-11-23, torch
+# 2.13.0+cpu; the 2026-11-22 run on another host of this kind gave 2.4x the copy bandwidth, 3x the
+# link bandwidth and a fifth of the runtime overheads: hosts differ, so re-run it on yours),
+# measured with both ranks busy at once as in a 2-rank step:
 # - peak_flops: best fp32 square GEMM of 128..1024 (1 thread); bf16/fp16 set equal (no CPU tensor
 #   cores are modelled; these dtypes are rare on CPU here);
 # - hbm_bandwidth: a 64 MiB copy, read + write bytes (it halves when both ranks copy at once);
@@ -155,13 +157,13 @@ ASCEND_910B = HardwareProfile(
 # same loopback, so intra = inter.
 CPU = HardwareProfile(
     name="cpu",
-    peak_flops={"fp32": 117.2 * G, "bf16": 117.2 * G, "fp16": 117.2 * G},
-    hbm_bandwidth=24.0 * G, memory_bytes=24105 * 2**20, devices_per_node=2,  # `free`: 23.5 GiB
-    intra_node_bandwidth=2.016 * G, intra_node_latency=619.6e-6,
-    inter_node_bandwidth=2.016 * G, inter_node_latency=619.6e-6,
+    peak_flops={"fp32": 131.5 * G, "bf16": 131.5 * G, "fp16": 131.5 * G},
+    hbm_bandwidth=10.12 * G, memory_bytes=24105 * 2**20, devices_per_node=2,  # `free`: 23.5 GiB
+    intra_node_bandwidth=0.670 * G, intra_node_latency=642.4e-6,
+    inter_node_bandwidth=0.670 * G, inter_node_latency=642.4e-6,
     matmul_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
-    op_overhead_s=1.34e-6, view_overhead_s=1.53e-6,
-    program_overhead_s=41.3e-6, boundary_overhead_s=17.28e-6, optimizer_tensor_overhead_s=5.27e-6,
+    op_overhead_s=3.71e-6, view_overhead_s=4.40e-6,
+    program_overhead_s=319.7e-6, boundary_overhead_s=56.15e-6, optimizer_tensor_overhead_s=18.37e-6,
     notes="gloo on this machine's 2 CPU cores, 1 thread per rank (calibrated, see hardware.py)",
 )
 

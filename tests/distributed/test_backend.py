@@ -5,7 +5,6 @@ errors, and the backend resolving by name through its entry point in a fresh pro
 
 import copy
 import inspect
-import os
 import subprocess
 import sys
 import tempfile
@@ -17,21 +16,12 @@ import torch.nn as nn
 
 import hyper_parallel as hp
 from hyper_parallel.models import MLP
+from hyper_parallel.testing.graph_builder import read_tree
 from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
 
 
 def _loss(out):
     return out if isinstance(out, torch.Tensor) else out["loss"]
-
-
-def _read_all(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = f.read()
-    return out
 
 
 def backend_parity(model_name, plan, mesh_names, *, optimizer_before_first_call=False,
@@ -69,7 +59,7 @@ def backend_parity(model_name, plan, mesh_names, *, optimizer_before_first_call=
         if compare_dumps:
             parallel = hp.parallelize(build_model(model_name), build_plan(plan), mesh, dump_dir=parallelize_dump)
             _loss(parallel(**local_batch(global_batch(model_name, 4, 16, seed=1), mesh))).backward()
-            ours, theirs = _read_all(backend_dump), _read_all(parallelize_dump)
+            ours, theirs = read_tree(backend_dump), read_tree(parallelize_dump)
             differing = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
             assert len(ours) > 10, sorted(ours)
     return {

@@ -2,7 +2,6 @@
 that must name their culprit, recorded plans, and the DTensor parameters users optimise."""
 
 import copy
-import os
 import tempfile
 
 import pytest
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.models import llama_tp_plan
+from hyper_parallel.testing.graph_builder import read_tree
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
 
@@ -21,21 +21,11 @@ def _compile_llama_tp(dump_dir, seq_len=16):
     return model
 
 
-def _read_all(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            path = os.path.join(dirpath, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = fh.read()
-    return out
-
-
 def dump_twice():
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
         _compile_llama_tp(a)
         _compile_llama_tp(b)
-        return _read_all(a), _read_all(b)
+        return read_tree(a), read_tree(b)
 
 
 def test_dumps_are_deterministic_and_readable(dist2):

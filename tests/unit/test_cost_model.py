@@ -13,7 +13,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from hyper_parallel import compat
 from hyper_parallel.cost import (
@@ -30,6 +29,7 @@ from hyper_parallel.cost import (
     to_chrome_trace,
 )
 from hyper_parallel.cost.comm import ring_volume
+from hyper_parallel.testing.graph_builder import GraphBuilder
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -139,34 +139,10 @@ def test_flops_of_a_compiled_linear_program(gloo_world):
     assert est.flops == 4 * m * n * k
 
 
-class Builder:
-    """An fx graph built node by node, each node's fake ``val`` computed by its op."""
-
-    def __init__(self):
-        self.graph = torch.fx.Graph()
-        self.mode = compat.FakeTensorMode()
-
-    def input(self, name, *shape):
-        node = self.graph.placeholder(name)
-        with self.mode:
-            node.meta["val"] = torch.empty(shape)
-        return node
-
-    def __call__(self, target, *args):
-        node = self.graph.call_function(target, args)
-        vals = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], args)
-        with self.mode:
-            node.meta["val"] = target(*vals)
-        return node
-
-    def module(self, *outputs):
-        self.graph.output(tuple(outputs))
-        return torch.fx.GraphModule(torch.nn.Module(), self.graph)
-
 
 def test_cpu_flash_attention_flops():
     b, h, s, d = 2, 4, 32, 8
-    g = Builder()
+    g = GraphBuilder()
     q, k, v = g.input("q", b, h, s, d), g.input("k", b, h, s, d), g.input("v", b, h, s, d)
     attn = g(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v)
     out, lse = g(operator.getitem, attn, 0), g(operator.getitem, attn, 1)
@@ -177,7 +153,7 @@ def test_cpu_flash_attention_flops():
 
 
 def test_bytes_and_views():
-    g = Builder()
+    g = GraphBuilder()
     x = g.input("x", 16, 16)
     y = g(aten.mul.Tensor, x, x)
     view = g(aten.view.default, y, [256])
@@ -195,7 +171,7 @@ M = 64  # a [M, M] @ [M, M] matmul: 2 M^3 FLOPs = 524,288 -> 524.288 us at 1 GFL
 def _program(wait_late: bool, num_matmuls: int = 3):
     """all_reduce of 1 MiB over a 2-rank group, then matmuls; the wait right after the collective
     or after the matmuls."""
-    g = Builder()
+    g = GraphBuilder()
     x, w = g.input("x", 512, 512), g.input("w", M, M)
     reduced = g(c10d.all_reduce.default, x, "sum", "grp")
     waited = None if wait_late else g(c10d.wait_tensor.default, reduced)

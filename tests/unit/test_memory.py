@@ -6,41 +6,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 
 from hyper_parallel import compat
 from hyper_parallel.memory import OptimizerModel, estimate, optimizer_model
+from hyper_parallel.testing.graph_builder import GraphBuilder
 from hyper_parallel.testing.memory_tracker import MemoryTracker, unique_storage_bytes
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 K = 16 * 16 * 4  # bytes of one [16, 16] fp32 tensor
-
-
-class Builder:
-    """Builds an fx graph node by node, giving each node the fake ``val`` its op computes."""
-
-    def __init__(self):
-        self.graph = torch.fx.Graph()
-        self.mode = compat.FakeTensorMode()
-
-    def input(self, name, *shape):
-        node = self.graph.placeholder(name)
-        with self.mode:
-            node.meta["val"] = torch.empty(shape or (16, 16))
-        return node
-
-    def __call__(self, target, *args, **meta):
-        node = self.graph.call_function(target, args)
-        vals = pytree.tree_map_only(torch.fx.Node, lambda a: a.meta["val"], args)
-        with self.mode:
-            node.meta["val"] = target(*vals)
-        node.meta.update(meta)
-        return node
-
-    def module(self, *outputs):
-        self.graph.output(tuple(outputs))
-        return torch.fx.GraphModule(torch.nn.Module(), self.graph)
 
 
 def program(forward, backward, num_user_outputs=1):
@@ -50,7 +24,7 @@ def program(forward, backward, num_user_outputs=1):
 def simple_backward(*saved_names):
     """Backward reading the saved tensors (first placeholders) and a scalar tangent; returns one
     [16, 16] gradient for the single parameter."""
-    b = Builder()
+    b = GraphBuilder((16, 16))
     saved = [b.input(n) for n in saved_names]
     tangent = b.input("tangents_1", *())
     with b.mode:
@@ -60,7 +34,7 @@ def simple_backward(*saved_names):
 
 
 def test_temporaries_are_freed_after_their_last_use():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     a = f(aten.mul.Tensor, x, 2)
     b = f(aten.add.Tensor, a, 1)  # a dies here: live x, a, b
@@ -77,7 +51,7 @@ def test_temporaries_are_freed_after_their_last_use():
 
 
 def test_views_share_their_base_storage():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     a = f(aten.mul.Tensor, x, 2)
     v = f(aten.view.default, a, [256])
@@ -90,7 +64,7 @@ def test_views_share_their_base_storage():
 
 
 def test_unsafe_view_is_a_view_though_its_schema_says_otherwise():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     a = f(aten.mul.Tensor, x, 2)
     v = f(aten._unsafe_view.default, a, [256])
@@ -101,7 +75,7 @@ def test_unsafe_view_is_a_view_though_its_schema_says_otherwise():
 
 def test_reshape_copies_only_when_it_cannot_view():
     def peak(transpose_first):
-        f = Builder()
+        f = GraphBuilder((16, 16))
         x = f.input("primals_1")
         a = f(aten.mul.Tensor, x, 2)
         src = f(aten.t.default, a) if transpose_first else a
@@ -114,7 +88,7 @@ def test_reshape_copies_only_when_it_cannot_view():
 
 
 def test_wait_tensor_returns_the_collective_buffer():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     gathered = f(c10d.all_gather_into_tensor.default, x, 2, "0")
     waited = f(c10d.wait_tensor.default, gathered)
@@ -127,13 +101,13 @@ def test_wait_tensor_returns_the_collective_buffer():
 
 def _saved_program():
     """Forward saves a and b; backward uses a first, then b twice, with a larger temporary."""
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     a = f(aten.mul.Tensor, x, 2)
     b = f(aten.mul.Tensor, a, 3)
     out = f(aten.sum.default, b)
     fwd = f.module(out, a, b)
-    g = Builder()
+    g = GraphBuilder((16, 16))
     sa, sb = g.input("a"), g.input("b")
     tangent = g.input("tangents_1")
     with g.mode:
@@ -158,7 +132,7 @@ def test_saved_tensors_live_to_backward_end_or_their_last_use():
 
 
 def test_kept_user_outputs_count_in_backward():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     logits = f(aten.mul.Tensor, x, 2)
     out = f(aten.sum.default, logits)
@@ -168,10 +142,10 @@ def test_kept_user_outputs_count_in_backward():
 
 
 def test_optimizer_state_and_step_temporaries():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x, y = f.input("primals_1"), f.input("primals_2", 16)
     out = f(aten.sum.default, f(aten.mul.Tensor, x, y))
-    g = Builder()
+    g = GraphBuilder((16, 16))
     sx, sy = g.input("x"), g.input("y", 16)
     tangent = g.input("tangents_1")
     with g.mode:
@@ -204,7 +178,7 @@ def test_optimizer_models():
 
 
 def test_peak_site_names_the_module_and_source_line():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     big = f(aten.cat.default, [x, x, x])
     out = f(aten.sum.default, big, nn_module_stack={"m": ("model.layers.0.mlp", "LlamaMLP")},
@@ -215,7 +189,7 @@ def test_peak_site_names_the_module_and_source_line():
 
 
 def test_only_the_chosen_device_counts():
-    f = Builder()
+    f = GraphBuilder((16, 16))
     x = f.input("primals_1")
     out = f(aten.sum.default, f(aten.mul.Tensor, x, 2))
     est = estimate(program(f.module(out, x), simple_backward("x")), device="cuda")
