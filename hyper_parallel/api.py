@@ -111,17 +111,7 @@ class ParallelModule(FsdpMethods, nn.Module):
     _hp: _ParallelState
 
     def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
-        state = self._hp
-        flat, in_spec = pytree.tree_flatten((args, kwargs))
-        resolved = state.resolved_for_flags()
-        prefetch = recorded_prefetch(self) if resolved.fsdp is not None else {}
-        key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved), repr(prefetch))
-        entry = state.cache.get(key)
-        if entry is None:
-            compile_fn = _compile_within_budget if state.activation.auto_blocks else _compile
-            entry = compile_fn(self, state, resolved, args, kwargs, flat, prefetch)
-            state.cache[key] = entry
-        state.last = entry
+        entry, flat = _entry_for(self, args, kwargs)
         return _run(self, entry, flat)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -156,6 +146,33 @@ class ParallelModule(FsdpMethods, nn.Module):
         if self._hp.last is None:
             raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
         return self._hp.last
+
+
+def _entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["CompiledEntry", list]:
+    """The compiled entry for this call's input signature and the module's flags (compiled on a
+    cache miss), made the module's last; and the flat inputs."""
+    state = module._hp
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    resolved = state.resolved_for_flags()
+    prefetch = recorded_prefetch(module) if resolved.fsdp is not None else {}
+    key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved), repr(prefetch))
+    entry = state.cache.get(key)
+    if entry is None:
+        compile_fn = _compile_within_budget if state.activation.auto_blocks else _compile
+        entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
+        state.cache[key] = entry
+    state.last = entry
+    return entry, flat
+
+
+def compile_for_inputs(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> None:
+    """Compile ``module`` (returned by :func:`parallelize`) for the signature of ``args`` /
+    ``kwargs`` (per-rank local inputs; meta or fake tensors are fine) as its first call would,
+    without running it: ``compile_summary()``, ``compiled_programs()`` and ``memory_report()``
+    then describe that program (planning, ``hyper_parallel.explain``)."""
+    if not isinstance(module, ParallelModule):
+        raise TypeError(f"compile_for_inputs needs a module returned by hp.parallelize, got {type(module).__name__}")
+    _entry_for(module, tuple(args), dict(kwargs or {}))
 
 
 def _flags_key(resolved: ResolvedPlan) -> tuple:
@@ -375,6 +392,8 @@ def _compile(
         "backward": collectives(program.backward_gm, axis_of_group),
     }
     digest = check_spmd(colls)
+    memory_series = [] if dumper.dir else None  # live bytes per moment, for the report's plot
+    memory = estimate_program(program, captured, series=memory_series)  # no optimizer state: memory_report(opt) adds it
     summary = {
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
         "collectives_per_step": collective_summary(colls["forward"] + colls["backward"]),
@@ -384,10 +403,10 @@ def _compile(
         "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
         "spmd_hash": digest,
         "inputs": {p: [str(pl) for pl in v] for p, v in input_placements.items()},
-        "memory": estimate_program(program, captured).as_dict(),  # no optimizer state: memory_report(opt) adds it
+        "memory": memory.as_dict(),
     }
     dumper.json("summary.json", summary)
-    dumper.report_data(program, captured, mesh, resolved_plan.fsdp)  # passes/memory/trace for `report`
+    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series)  # for `hyper-parallel report`
     if rank == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
     return CompiledEntry(captured, resolved, program, report, summary)

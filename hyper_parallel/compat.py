@@ -112,6 +112,33 @@ def flatten_mesh(mesh, axes: tuple[str, ...], name: str):
     return mesh[tuple(axes)]._flatten(name)
 
 
+def flattened_meshes(mesh) -> dict[str, "torch.distributed.device_mesh.DeviceMesh"]:
+    """``{alias: 1-D mesh}`` for every mesh ``DeviceMesh._flatten`` made from ``mesh``'s root
+    (``flatten_mesh`` above; ParallelDims' ``dp`` / ``fsdp`` / ``loss``). Empty on a torch that
+    keeps no such record."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    return dict(getattr(root, "_flatten_mapping", {}))
+
+
+def resolve_process_group(name: str):
+    """The ProcessGroup registered under ``name`` (a functional collective's group argument), or
+    None when there is none."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._resolve_process_group(name)
+    except Exception:  # unknown name, or a torch without the registry
+        return None
+
+
+def fake_store():
+    """A store for torch's ``fake`` process-group backend (one process plays a rank of a large
+    world; collectives are not executed)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
 def op_overload_name(target) -> str:
     """``"aten.mm.default"`` for an aten/custom op overload, else the callable's name."""
     if isinstance(target, torch._ops.OpOverload):

@@ -159,31 +159,26 @@ class Dumper:
         separators = None if indent else (",", ":")
         self._write(name, json.dumps(data, indent=indent, sort_keys=True, separators=separators) + "\n")
 
-    def report_data(self, program, captured, mesh, fsdp=None) -> None:
+    def report_data(self, program, mesh, fsdp, memory, memory_series: list) -> None:
         """The files ``hyper-parallel report`` reads besides the graphs, layouts.tsv and
         summary.json: ``passes.json`` (per stage, nodes added / removed / moved), ``memory.json``
-        (live bytes over the step, :func:`memory.live_series`) and ``trace.json`` (the cost
-        model's simulated step as a Chrome trace, for Perfetto). The cost model and the memory
-        series are diagnostics: if one fails, a warning is logged and its file is skipped, the
-        compile goes on."""
+        (``memory``, the compile's estimate, and ``memory_series``, live bytes at each moment of
+        its replay) and ``trace.json`` (the cost model's simulated step as a Chrome trace, for
+        Perfetto). The trace is a diagnostic: if the cost model fails, a warning is logged and the
+        file is skipped, the compile goes on."""
         if not self.dir:
             return
-        self.json("passes.json", {"rank": self.rank, "stages": pass_report(self.stages)})
-        try:
-            from .memory import CATEGORIES, live_series
+        from .memory import CATEGORIES
 
-            est, points = live_series(program, captured)
-            self.json("memory.json", {"categories": list(CATEGORIES), "estimate": est.as_dict(), "points": points},
-                      indent=None)
-        except Exception as e:  # noqa: BLE001 - a dump must never break compilation
-            log.warning("dump: memory series skipped (%s: %s)", type(e).__name__, e, exc_info=True)
-            self._remove("memory.json")  # not a stale one from an earlier compile
+        self.json("passes.json", {"rank": self.rank, "stages": pass_report(self.stages)})
+        self.json("memory.json", {"categories": list(CATEGORIES), "estimate": memory.as_dict(),
+                                  "points": memory_series}, indent=None)
         try:
             trace, _ = step_trace(program, mesh, fsdp, self.rank)
             self.json("trace.json", trace, indent=None)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - a dump must never break compilation
             log.warning("dump: cost-model step trace skipped (%s: %s)", type(e).__name__, e, exc_info=True)
-            self._remove("trace.json")
+            self._remove("trace.json")  # not a stale one from an earlier compile
 
 
 # --- report data: what ``hyper-parallel report`` needs beyond the graph code --------------------
@@ -271,18 +266,29 @@ def pass_report(stages: list[tuple[str, str, list[tuple[str, str, str]]]]) -> li
     return out
 
 
+def simulate_step(program, mesh, fsdp, profile, optimizer_state_per_param: int | None = 0):
+    """The cost model's estimate (``cost.StepEstimate``) of one training step of ``program`` (a
+    CompiledProgram) on ``profile``: its collectives priced on the groups of ``mesh`` (and the
+    FSDP groups of ``fsdp``), then an optimizer step keeping ``optimizer_state_per_param``
+    parameter-sized state tensors (SGD 0, momentum 1, Adam/AdamW 2; None: no optimizer step)."""
+    from .cost import axis_infos, optimizer_traffic, simulate
+
+    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp))
+    opt_bytes = opt_tensors = 0
+    if optimizer_state_per_param is not None:
+        opt_bytes, opt_tensors = optimizer_traffic(program.backward_gm, optimizer_state_per_param)
+    return simulate((program.forward_gm, program.backward_gm), axes, profile, opt_bytes, opt_tensors)
+
+
 def step_trace(program, mesh, fsdp=None, rank: int = 0, hardware: str | None = None) -> tuple[dict, dict]:
     """The cost model's simulated step of ``program`` (a CompiledProgram) as (Chrome trace dict,
     totals). Hardware: ``hardware``, else env ``HYPER_PARALLEL_DUMP_HARDWARE``, else by the mesh's
     device type (:data:`DEVICE_PROFILES`). The optimizer step is modelled as plain SGD (no
     optimizer state), matching the summary's memory estimate, which counts none either."""
-    from .cost import axis_infos, get_profile, optimizer_traffic, simulate, to_chrome_trace
+    from .cost import get_profile, to_chrome_trace
 
     name = hardware or os.environ.get(PROFILE_ENV) or DEVICE_PROFILES.get(mesh.device_type, "h100")
-    profile = get_profile(name)
-    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp))
-    opt_bytes, opt_tensors = optimizer_traffic(program.backward_gm, 0)
-    est = simulate((program.forward_gm, program.backward_gm), axes, profile, opt_bytes, opt_tensors)
+    est = simulate_step(program, mesh, fsdp, get_profile(name))
     trace = to_chrome_trace(est.timeline, rank=rank)
     totals = {**est.as_dict(), "optimizer_model": "sgd (no state)", "device_type": mesh.device_type}
     trace["otherData"] = {k: totals[k] for k in sorted(totals)}

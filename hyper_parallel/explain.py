@@ -31,19 +31,17 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 
 from . import presets
+from .cost.hardware import PROFILES, get_profile
 from .memory import format_bytes, optimizer_model
 
-__all__ = ["compile_for_explain", "compile_signature", "explain", "fake_world", "format_report"]
+__all__ = ["compile_for_explain", "explain", "fake_world", "format_report"]
 
 log = logging.getLogger(__name__)
 
-HARDWARE = ("h100", "h200", "a100", "ascend-910b")
+HARDWARE = tuple(name for name in PROFILES if name != "cpu")  # the accelerators explain plans for
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "none")
-# Device memory when the cost model is unavailable (vendor datasheets, decimal GB).
-_MEMORY_BYTES = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9, "ascend-910b": 64 * 10**9}
 
 
 # --- the simulated world and compiling without running -------------------------------------------
@@ -67,36 +65,13 @@ def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
             )
         yield
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from . import compat
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=compat.fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def compile_signature(pmodel, args: tuple = (), kwargs: dict | None = None):
-    """Compile ``pmodel`` (a ParallelModule) for the signature of ``args``/``kwargs`` (per-rank
-    local inputs; meta or fake tensors are fine) as its first call would, without running it.
-    The program then backs ``compile_summary()``, ``compiled_programs()`` and ``memory_report()``.
-    Returns the compiled entry (api.CompiledEntry)."""
-    from . import api
-    from .fully_shard import recorded_prefetch
-
-    kwargs = kwargs or {}
-    state = pmodel._hp
-    flat, in_spec = pytree.tree_flatten((args, kwargs))
-    resolved = state.resolved_for_flags()
-    prefetch = recorded_prefetch(pmodel) if resolved.fsdp is not None else {}
-    key = (in_spec, tuple(api._signature(x) for x in flat), api._flags_key(resolved), repr(prefetch))
-    entry = state.cache.get(key)
-    if entry is None:
-        compile_fn = api._compile_within_budget if state.activation.auto_blocks else api._compile
-        entry = compile_fn(pmodel, state, resolved, args, kwargs, flat, prefetch)
-        state.cache[key] = entry
-    state.last = entry
-    return entry
 
 
 def compile_for_explain(model: torch.nn.Module, plan: Any, mesh, args: tuple = (), kwargs: dict | None = None,
@@ -105,10 +80,10 @@ def compile_for_explain(model: torch.nn.Module, plan: Any, mesh, args: tuple = (
     without running: for a meta-device model on a (fake) mesh, nothing is allocated but the
     programs. The returned module can be inspected (``compile_summary``, ``memory_report``,
     ``compiled_programs``) but not called: its parameters hold no data."""
-    from .api import parallelize
+    from .api import compile_for_inputs, parallelize
 
     pmodel = parallelize(model, plan, mesh, materialize=False, **parallelize_options)
-    compile_signature(pmodel, args, kwargs)
+    compile_for_inputs(pmodel, args, kwargs)
     return pmodel
 
 
@@ -210,6 +185,7 @@ def explain(
     if hardware.lower() not in HARDWARE:
         raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)}")
     hardware = hardware.lower()
+    profile = get_profile(hardware)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if dtype not in ("bf16", "fp32"):
@@ -252,7 +228,7 @@ def explain(
         summary = pmodel.compile_summary()
         labels = _flattened_axis_labels(mesh)
         memory = pmodel.memory_report(optimizer)
-        step = _simulate(pmodel, mesh, hardware, optimizer, dtype)
+        step = _simulate(pmodel, mesh, profile, optimizer, dtype)
     timeline = step.pop("timeline", None)
     if trace_path is not None and timeline is None:
         raise ValueError(f"explain(trace_path={trace_path!r}): no simulated step to trace ({step.get('reason')})")
@@ -269,7 +245,7 @@ def explain(
 
     dp_degree = math.prod(size for axis, size in axes.items() if axis.startswith("dp"))
     tokens = local_batch * seq_len * dp_degree
-    device_bytes = step.pop("memory_bytes", None) or _MEMORY_BYTES[hardware]
+    device_bytes = profile.memory_bytes
     if step.get("available"):
         step["tokens_per_s_per_device"] = tokens / step["step_s"] / world_size
     notes = list(choice.notes)
@@ -300,9 +276,10 @@ def _flattened_axis_labels(mesh) -> dict[str, str]:
     """Process-group name -> alias for the meshes flattened from ``mesh``'s root (ParallelDims'
     ``dp`` / ``fsdp`` / ``loss``): reductions over several data-parallel axes run on those groups,
     which the compile summary names by their (rank-dependent) group name."""
-    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+    from . import compat
+
     labels = {}
-    for alias, flat in getattr(root, "_flatten_mapping", {}).items():
+    for alias, flat in compat.flattened_meshes(mesh).items():
         labels[flat.get_group(0).group_name] = flat.mesh_dim_names[0] if flat.mesh_dim_names else alias
     return labels
 
@@ -322,32 +299,24 @@ def _relabel(table: dict, labels: dict[str, str]) -> dict:
     return out
 
 
-def _simulate(pmodel, mesh, hardware: str, optimizer: str, dtype: str) -> dict:
-    """The cost model's estimate of one step, or {"available": False, "reason": ...}."""
-    try:
-        from .cost import axis_infos, get_profile, mfu, optimizer_traffic, simulate
-    except ImportError as e:  # the cost model is optional here: memory and communication still work
-        return {"available": False, "reason": f"cost model not available ({e})"}
-    from .debug import group_axis_names
+def _simulate(pmodel, mesh, profile, optimizer: str, dtype: str) -> dict:
+    """The cost model's estimate of the step ``pmodel`` last compiled, or, should the cost model
+    fail on it, {"available": False, "reason": ...} (memory and communication still stand)."""
+    from .cost import mfu
+    from .debug import simulate_step
 
-    profile = get_profile(hardware)
-    forward, backward = pmodel.compiled_programs()
-    fsdp = pmodel._hp.last.resolved.fsdp
-    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp))
-    opt_bytes, opt_tensors = optimizer_traffic(backward, optimizer_model(optimizer).state)
-    if optimizer == "none":
-        opt_bytes = opt_tensors = 0
+    entry = pmodel._hp.last
+    state = None if optimizer == "none" else optimizer_model(optimizer).state
     try:
-        est = simulate((forward, backward), axes, profile, opt_bytes, opt_tensors)
+        est = simulate_step(entry.program, mesh, entry.resolved.fsdp, profile, state)
     except Exception as e:  # noqa: BLE001 - memory and communication are still worth printing
         log.warning("explain: the cost model failed: %s", e, exc_info=True)
-        return {"available": False, "reason": f"the cost model failed: {type(e).__name__}: {e}",
-                "memory_bytes": profile.memory_bytes}
+        return {"available": False, "reason": f"the cost model failed: {type(e).__name__}: {e}"}
     positive = est.step_s > 0
     return {**est.as_dict(), "available": True, "profile": profile.name, "model_flops": est.model_flops,
             "mfu": mfu(est.model_flops, est.step_s, profile, dtype) if positive else 0.0,
             "hfu": mfu(est.flops, est.step_s, profile, dtype) if positive else 0.0,
-            "memory_bytes": profile.memory_bytes, "timeline": est.timeline}
+            "timeline": est.timeline}
 
 
 # --- text ------------------------------------------------------------------------------------------

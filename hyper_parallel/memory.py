@@ -47,8 +47,7 @@ import torch.utils._pytree as pytree
 from . import compat
 
 __all__ = [
-    "MemoryEstimate", "OptimizerModel", "PeakSite", "estimate", "estimate_program", "format_bytes", "live_series",
-    "optimizer_model",
+    "MemoryEstimate", "OptimizerModel", "PeakSite", "estimate", "estimate_program", "format_bytes", "optimizer_model",
 ]
 
 # Collectives whose output is a fresh communication buffer.
@@ -337,7 +336,10 @@ def estimate(
     :func:`optimizer_model`; an optimizer instance that has stepped contributes its real state
     bytes. ``keep_outputs``: the caller holds the user outputs (e.g. logits) until backward ends.
     ``device``: the device type counted (default: the first non-CPU device in the program, else CPU).
-    ``series``: a list to append the live-bytes point of every moment to (see :func:`live_series`).
+    ``series``: a list to append, for each moment (each node of forward then backward, and each
+    phase's start and end) and then for the optimizer step, the point ``{"phase", "node",
+    "module", "bytes", "live"}`` (``live``: bytes per category in :data:`CATEGORIES` order); its
+    largest ``bytes`` is the estimate's ``peak``.
     """
     fwd, bwd = program.forward_gm, program.backward_gm
     runner = _MetaRunner()
@@ -425,23 +427,13 @@ def estimate(
     return _sweep(timeline, storages, start, state, step_temps, model.name, device, series)
 
 
-def estimate_program(program, captured, optimizer: Any = None, keep_outputs: bool = True) -> MemoryEstimate:
+def estimate_program(program, captured, optimizer: Any = None, keep_outputs: bool = True,
+                     series: list | None = None) -> MemoryEstimate:
     """:func:`estimate` for a compiled program, its forward inputs' kinds read from the capture
-    (``captured.inputs``: parameters, buffers, user inputs, tangents)."""
+    (``captured.inputs``: parameters, buffers, user inputs, tangents). ``series``: as for
+    :func:`estimate`, a list that receives the live bytes of every moment (for plots)."""
     kinds = [info.kind for info in captured.inputs if info.kind != "tangent"]
-    return estimate(program, kinds, optimizer=optimizer, keep_outputs=keep_outputs)
-
-
-def live_series(program, captured, optimizer: Any = None, keep_outputs: bool = True) -> tuple[MemoryEstimate, list[dict]]:
-    """:func:`estimate_program` plus the live bytes over the step, as the estimate's replay counts
-    them: one point per moment (each node of forward then backward, and each phase's start and
-    end), then one for the optimizer step. A point is ``{"phase", "node", "module", "bytes",
-    "live"}`` with ``live`` the bytes per category in :data:`CATEGORIES` order; the largest
-    ``bytes`` is the estimate's ``peak``. For plots (``hyper-parallel report``)."""
-    kinds = [info.kind for info in captured.inputs if info.kind != "tangent"]
-    points: list[dict] = []
-    est = estimate(program, kinds, optimizer=optimizer, keep_outputs=keep_outputs, series=points)
-    return est, points
+    return estimate(program, kinds, optimizer=optimizer, keep_outputs=keep_outputs, series=series)
 
 
 def _kind(node: torch.fx.Node) -> str:
@@ -451,7 +443,7 @@ def _kind(node: torch.fx.Node) -> str:
 def _sweep(timeline: _Timeline, storages, start: int, state: int, step_temps: int, optimizer: str,
            device: str, series: list | None = None) -> MemoryEstimate:
     """Live bytes at every moment (a moment's allocations count before its frees), the peak and
-    what is live there; with ``series``, appends each moment's point to it (:func:`live_series`)."""
+    what is live there; with ``series``, appends each moment's point to it (see :func:`estimate`)."""
     num = len(timeline.moments)
     persistent = dict.fromkeys(CATEGORIES, 0)
     persistent["optimizer_state"] = state

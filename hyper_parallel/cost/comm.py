@@ -24,6 +24,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from .. import compat
 from .hardware import HardwareProfile
 
 __all__ = [
@@ -141,36 +142,17 @@ def axis_infos(mesh, *extra_meshes, groups: Mapping[str, str] | None = None) -> 
             log.info("cost model: ranks of group %s (%s) unknown; treating it as inter-node", name, label)
             out[name] = AxisInfo(label, size, None)
 
-    for m in [mesh, *extra_meshes, *_flattened_meshes(mesh)]:
+    for m in [mesh, *extra_meshes, *compat.flattened_meshes(mesh).values()]:
         names = m.mesh_dim_names or tuple(str(i) for i in range(m.ndim))
         for i in range(m.ndim):
             add(m.get_group(i), names[i], m.size(i))
     for name, label in (groups or {}).items():
-        group = None if name in out else _resolve_group(name)
+        group = None if name in out else compat.resolve_process_group(name)
         if group is not None:
             add(group, label, group.size())
         elif name not in out:
             log.info("cost model: group %s (%s) unknown; treating it as inter-node", name, label)
     return out
-
-
-# Private torch APIs, kept to these two helpers (they belong in compat.py with the others). Both
-# degrade to "nothing found" on a torch that lacks them, and the groups then count as inter-node.
-
-
-def _flattened_meshes(mesh) -> list:
-    """Meshes ``DeviceMesh._flatten`` made from ``mesh``'s root (FSDP over dp_replicate x dp_shard)."""
-    root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
-    return list(getattr(root, "_flatten_mapping", {}).values())
-
-
-def _resolve_group(name: str):
-    import torch.distributed as dist
-
-    try:
-        return dist.distributed_c10d._resolve_process_group(name)
-    except Exception:
-        return None
 
 
 def unknown_axis(group: str, size: int) -> AxisInfo:

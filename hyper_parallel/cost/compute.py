@@ -23,19 +23,24 @@ from torch.utils import flop_counter
 
 from .hardware import HardwareProfile
 
-__all__ = ["NodeWork", "node_work", "roofline_time", "tensor_bytes", "COMM_TARGETS", "WAIT_TARGET"]
+__all__ = ["NodeWork", "node_work", "roofline_time", "tensor_bytes", "COLLECTIVE_KIND", "WAIT_TARGET"]
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-# Collectives (issued at their node, finished at their wait) and the wait itself.
-COMM_TARGETS = frozenset(
-    getattr(c10d, name).default
-    for name in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
-                 "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+# Collectives (issued at their node, finished at their wait) -> the kind ``comm.collective_time``
+# prices; and the wait itself.
+COLLECTIVE_KIND = {
+    getattr(c10d, name).default: kind
+    for name, kind in (
+        ("all_reduce", "all_reduce"), ("all_reduce_coalesced", "all_reduce"),
+        ("all_gather_into_tensor", "all_gather"), ("all_gather_into_tensor_coalesced", "all_gather"),
+        ("reduce_scatter_tensor", "reduce_scatter"), ("reduce_scatter_tensor_coalesced", "reduce_scatter"),
+        ("all_to_all_single", "all_to_all"), ("broadcast", "broadcast"),
+    )
     if hasattr(c10d, name)
-)
+}
 WAIT_TARGET = c10d.wait_tensor.default
 # Schema says it allocates, but the kernel returns a view (as in memory.py).
 _VIEWS_WITHOUT_ANNOTATION = frozenset({aten._unsafe_view.default})
@@ -124,7 +129,7 @@ def node_work(node: torch.fx.Node) -> NodeWork:
     if target == WAIT_TARGET:
         return _WAIT
     args, kwargs = _arg_vals(node)
-    if target in COMM_TARGETS:
+    if target in COLLECTIVE_KIND:
         return NodeWork("comm", bytes=tensor_bytes(args[0]), dtype=_first_float_dtype(args[0]))
     if _is_view(target):
         return _VIEW

@@ -31,17 +31,10 @@ import torch.utils._pytree as pytree
 from ..capture import module_fqn_of
 from ..compat import op_overload_name
 from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
-from .compute import node_work, roofline_time, tensor_bytes
+from .compute import COLLECTIVE_KIND, node_work, roofline_time, tensor_bytes
 from .hardware import HardwareProfile, get_profile
 
 __all__ = ["Event", "Timeline", "StepEstimate", "simulate", "optimizer_traffic", "mfu"]
-
-_KIND_OF = {
-    "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_to_all_single": "all_to_all", "broadcast": "broadcast",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +194,7 @@ class _Simulator:
 
     def _collective(self, node: torch.fx.Node, nbytes: int, phase: str) -> None:
         axis = self._axis(node)
-        kind = _KIND_OF[node.target._opname]
+        kind = COLLECTIVE_KIND[node.target]
         # Issuing costs the compute stream a launch; the transfer then waits for the comm stream.
         issue = self.profile.op_overhead_s
         if issue > 0:

@@ -31,7 +31,8 @@ DUMP_FILES = ("passes.json", "memory.json", "trace.json", "summary.json", "layou
 
 
 def _compile(dump_dir: str):
-    from hyper_parallel.explain import compile_signature, fake_world
+    from hyper_parallel.api import compile_for_inputs
+    from hyper_parallel.explain import fake_world
     from hyper_parallel.models.llama import LlamaConfig, LlamaForCausalLM
     from hyper_parallel.models.plans import llama_tp_plan
 
@@ -42,7 +43,7 @@ def _compile(dump_dir: str):
         plan = {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}}
         pmodel = hp.parallelize(model, plan, mesh, dump_dir=dump_dir)
         ids = torch.zeros(2, 16, dtype=torch.long)
-        compile_signature(pmodel, (), {"input_ids": ids, "labels": ids})
+        compile_for_inputs(pmodel, (), {"input_ids": ids, "labels": ids})
         forward, backward = pmodel.compiled_programs()
         counts = {name: sum(n.op != "output" for n in gm.graph.nodes)
                   for name, gm in (("forward", forward), ("backward", backward))}
