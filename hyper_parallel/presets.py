@@ -201,6 +201,13 @@ def _drop_uneven_vocab_tp(plan: dict, axes: dict[str, int], config: dict[str, An
     tp_plan = dict(plan["tensor_parallel"])
     for fqn in ("model.embed_tokens", "lm_head"):
         tp_plan.pop(fqn, None)
+    if "model.norm" in tp_plan:  # sequence parallel: the final norm's output is sequence-sharded
+        from torch.distributed.tensor import Replicate, Shard
+
+        from .styles import PrepareModuleInput
+
+        # lm_head is replicated over tp: gather the whole sequence before it, once, explicitly.
+        tp_plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan["tensor_parallel"] = tp_plan
     return [
         f"model.embed_tokens and lm_head are not tensor-parallel: the {vocab // tp} vocabulary rows "

@@ -2,8 +2,8 @@
 
 A dump directory (``parallelize(..., dump_dir=...)``, see ``hyper_parallel/debug.py``) holds one
 ``rank<r>/`` folder per rank. From one of them this reads ``summary.json``, ``layouts.tsv`` and
-``passes.json`` (required) and ``memory.json`` and ``trace.json`` (optional: the compile skips them
-when the memory replay or the cost model fails). Nothing here needs torch or a process group, so a
+``passes.json`` (required) and ``memory.json`` and ``trace.json`` (optional: the compile skips the
+trace when the cost model fails, and older dumps have neither). Nothing here needs torch or a process group, so a
 dump copied off a cluster reports on a laptop.
 """
 
@@ -153,6 +153,6 @@ def load_page_data(dump: RankDump, trace_file: str | None = None) -> dict:
     if dump.has("memory.json"):
         data["memory"] = _memory(_read_json(dump, "memory.json"))
     else:
-        data["missing"]["memory"] = ("memory.json is not in this dump: the memory replay failed at compile "
-                                     "time (see the compile log's warning)")
+        data["missing"]["memory"] = ("memory.json is not in this dump (written by an older hyper_parallel): "
+                                     "compile again with dump_dir= to plot memory over the step")
     return data

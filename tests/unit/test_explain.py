@@ -131,6 +131,20 @@ def test_megatron_sequence_parallel_8_ranks_collectives_match_analytic():
     assert bwd["all_reduce"] == {"tp": {"count": 1, "bytes": (2 * L + 1) * h * BF16}}
 
 
+def test_sequence_parallel_preset_with_vocab_left_out_of_tensor_parallelism():
+    # 1000 vocabulary rows: 500 per tp shard, which do not divide over dp_shard=8, so the preset
+    # takes the embedding and lm_head out of TP; under SP lm_head's input is gathered first.
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1000}
+    report = explain(config=config, parallel="dp_shard=-1,tp=2", world_size=16, plan="fsdp+tp+sp", seq_len=64)
+    assert "500 vocabulary rows" in report["plan"]["notes"][0]
+    fwd = report["collectives"]["forward"]
+    batch, seq, h = 1, 64, 256
+    # Per layer 2 sequence gathers (attention, MLP), then lm_head's input, each of a bf16 S(1) shard.
+    assert fwd["all_gather"]["tp"] == {"count": 2 + 1, "bytes": 3 * batch * (seq // 2) * h * BF16}
+    assert fwd["reduce_scatter"]["tp"]["count"] == 2  # o_proj, down_proj; the embedding is not TP
+
+
 def test_mfu_counts_model_flops_and_hfu_adds_recompute():
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 512, "intermediate_size": 1024,
               "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1024}
