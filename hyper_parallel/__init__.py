@@ -13,6 +13,7 @@ from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
 from .parallel_dims import ParallelDims
+from .pipeline import MetaStep, MetaStepType, PipelinePlan
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
 from .state_dict import (
@@ -56,6 +57,9 @@ __all__ = [
     "ParallelDims",
     "ParallelModule",
     "ParallelPlan",
+    "PipelinePlan",
+    "MetaStep",
+    "MetaStepType",
     "ParallelStyle",
     "Partial",
     "PrepareModuleInput",

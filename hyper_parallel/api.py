@@ -13,6 +13,7 @@ and later calls with the same signature run the cached program.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -86,6 +87,18 @@ class _ParallelState:
         self.gathered = GatheredParams(parameters)  # by unshard(), or kept by backward for the next forward
         watch_optimizers(self.gathered)
         self.last: CompiledEntry | None = None  # the program the last call ran
+        # Pipeline parallelism: parameters of stages other ranks run, released from this rank after
+        # the split (FQN -> (global shape, dtype, requires_grad, device), for later captures).
+        self.released: dict[str, tuple] = {}
+        self.pipeline = None  # pipeline.api.PipelineState when the plan has a pipeline
+
+    def all_parameters(self, module: nn.Module) -> dict[str, tuple]:
+        """FQN -> (global shape, dtype, requires_grad, capture device) of every parameter of the
+        model, the ones released by the pipeline split included."""
+        specs = {
+            fqn: (tuple(t.shape), t.dtype, t.requires_grad, _capture_device(t)) for fqn, t in module.named_parameters()
+        }
+        return {**specs, **self.released}
 
     def resolved_for_flags(self) -> ResolvedPlan:
         fsdp = self.resolved.fsdp
@@ -111,8 +124,37 @@ class ParallelModule(FsdpMethods, nn.Module):
     _hp: _ParallelState
 
     def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
+        if self._hp.pipeline is not None:
+            raise RuntimeError(
+                "a pipelined model trains through pmodel.step(inputs, targets) (forward and backward "
+                "over all micro-batches); calling it directly is not supported"
+            )
         entry, flat = _entry_for(self, args, kwargs)
         return _run(self, entry, flat)
+
+    def step(self, inputs, targets=None) -> torch.Tensor:
+        """Forward and backward of one training step; returns the (global, detached) loss and
+        leaves the gradients in ``.grad`` (added to what is there, as ``backward`` does).
+        ``inputs``: a tensor, a tuple of positional or a dict of keyword arguments of the model;
+        ``targets``: the second argument of ``parallelize(loss_fn=...)`` (pipelines only). With a
+        pipeline plan the local batch is split into its micro-batches and run on the schedule."""
+        if self._hp.pipeline is not None:
+            from .pipeline.api import pipeline_step
+
+            return pipeline_step(self, inputs, targets)
+        from .pipeline.api import _loss_of, call_arguments
+
+        args, kwargs = call_arguments(inputs, targets, None)
+        loss = _loss_of(self(*args, **kwargs))
+        loss.backward()
+        return loss.detach()
+
+    def pipeline_report(self) -> dict:
+        """The last pipeline step: schedule, split points, and the bubble fraction measured on
+        every pp rank next to the schedule's analytic one. Collective over the pp axis."""
+        from .pipeline.api import pipeline_report
+
+        return pipeline_report(self)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load full tensors, DTensors or local shards into the sharded parameters (in place)."""
@@ -125,7 +167,13 @@ class ParallelModule(FsdpMethods, nn.Module):
 
     # --- what users and tests read -----------------------------------------------------------
     def compile_summary(self) -> dict:
-        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...)."""
+        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...);
+        for a pipelined model, of the last step's stages (split points, transfers, collectives)."""
+        pipe = self._hp.pipeline
+        if pipe is not None:
+            if pipe.last is None:
+                raise RuntimeError("the module has not been compiled yet: run pmodel.step(...) once")
+            return pipe.last.summary
         return self._last_entry().summary
 
     def compiled_programs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -143,6 +191,8 @@ class ParallelModule(FsdpMethods, nn.Module):
         return estimate_program(entry.program, entry.captured, optimizer).as_dict()
 
     def _last_entry(self) -> CompiledEntry:
+        if self._hp.pipeline is not None:
+            raise RuntimeError("a pipelined model has one program per stage: see pipeline_report() and its dumps")
         if self._hp.last is None:
             raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
         return self._hp.last
@@ -202,6 +252,7 @@ def parallelize(
     bucket_cap_mb: float = 25,
     memory_budget_bytes: int | None = None,
     materialize: bool = True,
+    loss_fn=None,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
 
@@ -214,6 +265,8 @@ def parallelize(
     ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
     dumps of every stage. ``materialize=False``: a meta-device model keeps meta shards (planning
     only, see ``hyper_parallel.explain``: the module can be compiled and inspected, not run).
+    ``loss_fn``: with a pipeline plan, ``loss_fn(output, target)`` gives the loss the last stage
+    computes (else the model must return its loss); train with ``pmodel.step(inputs, targets)``.
     """
     if not bucket_cap_mb > 0:
         raise ValueError(f"parallelize(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MB")
@@ -223,9 +276,26 @@ def parallelize(
         raise ValueError("this model is already parallelized; call parallelize on the original model once")
     recorded = collect_recorded_plan(model)
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
+    pipeline = None
+    if full_plan.pipeline is not None:
+        from .pipeline.api import PipelineState, stage_mesh
+        from .pipeline.plan import resolve_pipeline
+
+        # The rest of the plan applies within a stage: on the mesh without the pp axis.
+        pipeline = PipelineState(resolve_pipeline(full_plan.pipeline, model, mesh), mesh, loss_fn)
+        mesh = stage_mesh(mesh, pipeline.resolved.plan.axis)
+    elif loss_fn is not None:
+        raise ValueError(
+            "parallelize(loss_fn=...) is for pipeline plans (ParallelPlan.pipeline), whose stages need "
+            "the loss inside the compiled program; without a pipeline, compute the loss on the output"
+        )
     resolved = resolve_plan(full_plan, model, mesh)
-    _check_unsupported(full_plan)
     activation = resolve_activation_plan(full_plan.recompute, full_plan.swap, model)
+    if pipeline is not None and activation.auto_blocks:
+        raise ValueError(
+            "recompute='auto' is not supported with a pipeline plan yet; give each stage's modules an "
+            "explicit recompute entry ('full' / 'selective')"
+        )
     if bool(activation.auto_blocks) != (memory_budget_bytes is not None):
         raise ValueError(
             "recompute='auto' needs parallelize(..., memory_budget_bytes=<per-rank bytes>)"
@@ -252,6 +322,7 @@ def parallelize(
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), activation=activation,
         plan_swap=full_plan.swap, memory_budget_bytes=memory_budget_bytes,
     )
+    model._hp.pipeline = pipeline
     link_units_to_root(model)
     return model
 
@@ -271,16 +342,6 @@ def _default_prefetch_depth(mesh) -> int:
     if not dist.is_initialized():
         return 1
     return 0 if dist.get_backend(mesh.get_group(0)) == "gloo" else 1
-
-
-def _check_unsupported(plan) -> None:
-    for key in ("pipeline",):
-        if getattr(plan, key, None):
-            raise ValueError(
-                f"ParallelPlan.{key} is not supported yet by this build of hyper_parallel; "
-                f"remove the '{key}' entry (tensor_parallel, layouts, inputs, fully_shard, "
-                "recompute and swap are supported)"
-            )
 
 
 def _offload_shards(model: nn.Module, resolved: ResolvedPlan) -> None:
@@ -331,14 +392,35 @@ def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _compile(
+def _capture_device(t: torch.Tensor) -> torch.device:
+    """The device a value is captured on: where it lives, so factory ops in the graph (positions,
+    masks) and the swap pass's copies back name the device the program runs on. Meta tensors
+    (planning) are captured on the CPU."""
+    return torch.device("cpu") if t.device.type == "meta" else t.device
+
+
+@dataclasses.dataclass
+class _Lowered:
+    """The front half of a compile (capture, propagate, lower) for one input signature: what the
+    passes start from. ``recompute="auto"`` runs the passes on copies of it, once per candidate."""
+
+    captured: CapturedGraph
+    resolved: ResolvedPlan  # with this signature's input layouts
+    report: PropagationReport
+    local: torch.fx.GraphModule
+    input_placements: dict
+    annotated: dict  # hp.checkpoint / hp.swap calls seen while capturing
+
+
+def _capture_and_lower(
     module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
-    explicit_prefetch: dict, activation=None,
-) -> CompiledEntry:
-    """``activation``: the recompute/swap plan to compile with (default: the module's)."""
+    dumper: Dumper, wrap_forward=None,
+) -> _Lowered:
+    """``wrap_forward``: a context manager factory that changes what the module's forward returns
+    while it is captured (the pipeline's loss)."""
+    import contextlib
+
     mesh = state.mesh
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    dumper = Dumper(state.dump_dir, rank)
     paths = flat_paths((args, kwargs))
     input_placements = _input_placements(resolved_plan, paths, flat)
     resolved = dataclasses.replace(resolved_plan, inputs={**resolved_plan.inputs, **input_placements})
@@ -347,39 +429,86 @@ def _compile(
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         fake_flat = [
-            torch.empty(_global_shape(x.shape, input_placements[p], mesh), dtype=x.dtype)
+            torch.empty(_global_shape(x.shape, input_placements[p], mesh), dtype=x.dtype, device=_capture_device(x))
             if isinstance(x, torch.Tensor) else x
             for p, x in zip(paths, flat)
         ]
         compute_dtypes = _compute_dtypes(module, resolved_plan)
         fake_state = {
-            fqn: nn.Parameter(torch.empty(t.shape, dtype=compute_dtypes.get(fqn, t.dtype)), requires_grad=t.requires_grad)
-            for fqn, t in module.named_parameters()
+            fqn: nn.Parameter(
+                torch.empty(shape, dtype=compute_dtypes.get(fqn, dtype), device=device), requires_grad=requires_grad,
+            )
+            for fqn, (shape, dtype, requires_grad, device) in state.all_parameters(module).items()
         }
-        fake_state.update({fqn: torch.empty(t.shape, dtype=t.dtype) for fqn, t in module.named_buffers()})
+        fake_state.update({
+            fqn: torch.empty(t.shape, dtype=t.dtype, device=_capture_device(t)) for fqn, t in module.named_buffers()
+        })
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
-        with compat.reparametrize_module(module, fake_state), capturing():
+        with compat.reparametrize_module(module, fake_state), capturing(), \
+                (wrap_forward() if wrap_forward else contextlib.nullcontext()):
             captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules)
+            annotated = annotated_regions()
     finally:
         module.__class__ = parallel_cls
     dumper.graph("captured", captured.gm)
 
-    storage_dtypes = {fqn: p.dtype for fqn, p in module.named_parameters()}
+    storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
     report = propagate(captured, resolved, mesh, storage_dtypes)
     local = lower(captured, mesh)
     dumper.graph("lowered", local)
-    local = run_passes(
+    return _Lowered(captured, resolved, report, local, input_placements, annotated)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose graph passes may rewrite without touching ``gm`` (node meta copied shallowly)."""
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def run_pass_pipeline(state: _ParallelState, resolved_plan: ResolvedPlan, local, explicit_prefetch: dict,
+                      activation, annotated: dict, on_pass) -> torch.fx.GraphModule:
+    """The ordered passes over one lowered (or stage) joint graph with this module's options."""
+    return run_passes(
         local, PassContext(
-            mesh=mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
+            mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
             prefetch_depth=state.prefetch_depth,
-            activation=dataclasses.replace(activation or state.activation, annotated=annotated_regions()),
+            activation=dataclasses.replace(activation or state.activation, annotated=annotated),
             gradient_bucket_bytes=state.gradient_bucket_bytes,
             disable_passes=state.disable_passes,
-            on_pass=dumper.graph,
+            on_pass=on_pass,
         )
     )
+
+
+def _compile(
+    module: ParallelModule, state: _ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
+    explicit_prefetch: dict, activation=None,
+) -> CompiledEntry:
+    """``activation``: the recompute/swap plan to compile with (default: the module's)."""
+    dumper = Dumper(state.dump_dir, _rank())
+    lowered = _capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
+    return _finish(state, resolved_plan, lowered, explicit_prefetch, activation, dumper)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _finish(
+    state: _ParallelState, resolved_plan: ResolvedPlan, lowered: _Lowered, explicit_prefetch: dict, activation,
+    dumper: Dumper, local: torch.fx.GraphModule | None = None,
+) -> CompiledEntry:
+    """The back half of a compile: passes, partition, SPMD check, summary and dumps. ``local``: the
+    lowered graph to run the passes on (default: ``lowered.local`` itself)."""
+    mesh = state.mesh
+    captured = lowered.captured
+    local = run_pass_pipeline(state, resolved_plan, lowered.local if local is None else local, explicit_prefetch,
+                              activation, lowered.annotated, dumper.graph)
     dumper.text("layouts.tsv", layout_table(local))
     flatten_placeholders(local, captured)
     program = CompiledProgram.from_joint(local, captured)
@@ -398,18 +527,18 @@ def _compile(
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
         "collectives_per_step": collective_summary(colls["forward"] + colls["backward"]),
         "saved_for_backward": _saved_summary(program),
-        "fallbacks": report.fallbacks,
-        "plan_redistributions": report.boundaries,
+        "fallbacks": lowered.report.fallbacks,
+        "plan_redistributions": lowered.report.boundaries,
         "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
         "spmd_hash": digest,
-        "inputs": {p: [str(pl) for pl in v] for p, v in input_placements.items()},
+        "inputs": {p: [str(pl) for pl in v] for p, v in lowered.input_placements.items()},
         "memory": memory.as_dict(),
     }
     dumper.json("summary.json", summary)
     dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series)  # for `hyper-parallel report`
-    if rank == 0:
+    if _rank() == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
-    return CompiledEntry(captured, resolved, program, report, summary)
+    return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary)
 
 
 def _compile_within_budget(
@@ -419,19 +548,29 @@ def _compile_within_budget(
     """``recompute="auto"``: among :func:`recompute.auto_candidates` (each recomputing at least as
     much as the one before, none more than full recompute of every block), compile the first
     whose estimated peak (``summary["memory"]["peak"]``, the largest over ranks so every rank
-    picks the same program) fits ``memory_budget_bytes``, found by bisection."""
+    picks the same program) fits ``memory_budget_bytes``, found by bisection.
+
+    Capture, propagation and lowering run once; each tried candidate runs only the passes (on a
+    copy of the lowered graph) and the estimate. The dumps show the chosen candidate: its passes
+    are re-run with the dumper at the end."""
+    dumper = Dumper(state.dump_dir, _rank())
+    lowered = _capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
+    silent = Dumper(None, _rank())
     candidates = auto_candidates(state.activation.auto_blocks)
-    tried: dict[int, tuple[int, CompiledEntry]] = {}
+    tried: dict[int, int] = {}
+
+    def activation_of(i: int):
+        return resolve_activation_plan(candidates[i], state.plan_swap, module)
 
     def peak(i: int) -> int:
         if i not in tried:
-            activation = resolve_activation_plan(candidates[i], state.plan_swap, module)
-            entry = _compile(module, state, resolved_plan, args, kwargs, flat, explicit_prefetch, activation)
+            entry = _finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(i), silent,
+                            local=copy_graph_module(lowered.local))
             value = torch.tensor([entry.summary["memory"]["peak"]], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(value, op=dist.ReduceOp.MAX)
-            tried[i] = (int(value.item()), entry)
-        return tried[i][0]
+            tried[i] = int(value.item())
+        return tried[i]
 
     budget = state.memory_budget_bytes
     last = len(candidates) - 1
@@ -449,11 +588,12 @@ def _compile_within_budget(
             hi = mid
         else:
             lo = mid + 1
-    entry = tried[lo][1]
+    entry = _finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(lo), dumper)
     entry.summary["recompute_auto"] = {
-        "memory_budget_bytes": budget, "estimated_peak": tried[lo][0], "chosen": candidates[lo],
+        "memory_budget_bytes": budget, "estimated_peak": tried[lo], "chosen": candidates[lo],
         "candidates_compiled": len(tried),
     }
+    dumper.json("summary.json", entry.summary)
     log.info("[recompute auto] %s", entry.summary["recompute_auto"])
     return entry
 

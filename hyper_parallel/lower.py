@@ -218,7 +218,7 @@ def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, 
         spec = node.meta["hp_layout"].output
         shape = local_shape(spec)  # outside the fake mode: it reads the rank's mesh coordinate
         with fake_mode:
-            val = torch.empty(shape, dtype=spec.tensor_meta.dtype)
+            val = torch.empty(shape, dtype=spec.tensor_meta.dtype, device=node.meta["val"].device)
         (tangents if info.kind == "tangent" else primals).append(val)
     return primals, tangents
 
@@ -249,6 +249,23 @@ def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
         for key in _COPIED_META:
             if key in src.meta:
                 node.meta[key] = src.meta[key]
-    local_gm.graph.eliminate_dead_code()
+    local_gm.graph.eliminate_dead_code(is_impure_node=_kept_when_unused)
     local_gm.recompile()
     return local_gm
+
+
+def _kept_when_unused(node: torch.fx.Node) -> bool:
+    """Whether an unused node of the lowered graph must stay. DTensor's dispatch computes some
+    output metadata by running the op on empty tensors (memory-efficient attention on CUDA); under
+    tracing that call lands in the graph, unused. It is random-seeded, so fx would keep it as
+    impure; only collectives and in-place ops have effects worth keeping here."""
+    if node.op != "call_function":
+        return node.is_impure()
+    target = node.target
+    if getattr(target, "namespace", None) in ("_c10d_functional", "c10d_functional"):
+        return True
+    return compat.is_mutating_op(target) or (node.is_impure() and not _is_random_op(target))
+
+
+def _is_random_op(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags

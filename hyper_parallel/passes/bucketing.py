@@ -41,7 +41,7 @@ def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     mode = getattr(like, "fake_mode", None)
     assert mode is not None, "bucketing needs fake-tensor metadata on the local graph"
     with mode:
-        return torch.empty(shape, dtype=dtype or like.dtype)
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
 class _Builder:

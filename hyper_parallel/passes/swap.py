@@ -5,15 +5,17 @@ decision, a swap region, or the inputs of ``hp.checkpoint(swap_inputs=True)``) t
 a copy to host memory is placed right after its last forward use, and backward reads a copy back to
 the device instead; so only the host copy crosses from forward to backward. Copies back are issued
 one group ahead: the values of the group backward needs k-th are copied back when group k-1 starts,
-so on an accelerator the transfer overlaps group k-1's backward. With ``group_swap`` the values of
+so on an accelerator the transfer overlaps group k-1's backward: the copies run on a side stream, and
+the first use of a group waits for its copy's event (``swap_wait``), not for the whole stream. With ``group_swap`` the values of
 one region (and dtype) travel as one flat buffer: one copy each way instead of one per tensor.
 
 On a CPU mesh the host copy is a copy on the host: the graph structure (and its numerics) is the
 same as on an accelerator, which is what the tests check here.
 
 Reads: ``hp_swap`` / ``hp_swap_group`` (recompute pass), ``partitioner_tag`` / ``hp_fsdp_phase``,
-``val``. Writes: ``aten._to_copy`` nodes with ``meta["hp_swap_copy"] = "to_host" | "to_device"``
-(and the cat/split of grouped swaps). Idempotent (a value whose backward uses read a copy is not
+``val``. Writes: ``hyper_parallel::swap_out`` / ``swap_in`` / ``swap_wait`` nodes
+(runtime/host_copies.py; the first two with ``meta["hp_swap_copy"] = "to_host" | "to_device"``) and
+the cat/split of grouped swaps. Idempotent (a value whose backward uses read a copy is not
 swapped again); numerics unchanged (copies).
 """
 
@@ -24,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+from ..runtime.host_copies import SWAP_IN, SWAP_OUT, SWAP_WAIT
 from .reshard_after_forward import _is_backward
 
 aten = torch.ops.aten
@@ -76,19 +79,22 @@ def swap_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         after = max([*members, *([last_forward] if last_forward is not None else [])], key=order.__getitem__)
         sample = members[0].meta["val"]
         device = sample.device
+        first_use = first_backward_use(members)
         to_host = lambda: graph.inserting_after(after)  # noqa: E731
         to_device = lambda: graph.inserting_before(anchor)  # noqa: E731
+        at_use = lambda: graph.inserting_before(first_use)  # noqa: E731
         if len(members) == 1:
-            host = _emit(graph, to_host, aten._to_copy.default, (members[0],), {"device": HOST},
+            host = _emit(graph, to_host, SWAP_OUT, (members[0],), None,
                          _fake(sample, sample.shape, HOST), "is_forward", "to_host")
-            back = _emit(graph, to_device, aten._to_copy.default, (host,), {"device": device},
+            back = _emit(graph, to_device, SWAP_IN, (host, device), None,
                          _fake(sample, sample.shape, device), "is_backward", "to_device")
-            restored = {members[0]: back}
+            ready = _emit(graph, at_use, SWAP_WAIT, (back,), None, _fake(sample, sample.shape, device), "is_backward")
+            restored = {members[0]: ready}
         else:
             numels = [m.meta["val"].numel() for m in members]
             total = sum(numels)
             # Built bottom-up: each node is inserted after ``after``, so emit in reverse order.
-            host = _emit(graph, to_host, aten._to_copy.default, (None,), {"device": HOST},
+            host = _emit(graph, to_host, SWAP_OUT, (None,), None,
                          _fake(sample, [total], HOST), "is_forward", "to_host")
             with graph.inserting_before(host):
                 flats = [graph.call_function(aten.reshape.default, (m, [-1])) for m in members]
@@ -97,20 +103,21 @@ def swap_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 f.meta.update(val=_fake(m.meta["val"], [n], device), partitioner_tag="is_forward")
             flat.meta.update(val=_fake(sample, [total], device), partitioner_tag="is_forward")
             host.args = (flat,)
-            back = _emit(graph, to_device, aten._to_copy.default, (host,), {"device": device},
+            back = _emit(graph, to_device, SWAP_IN, (host, device), None,
                          _fake(sample, [total], device), "is_backward", "to_device")
-            parts = _emit(graph, to_device, aten.split_with_sizes.default, (back, numels), None,
+            ready = _emit(graph, at_use, SWAP_WAIT, (back,), None, _fake(sample, [total], device), "is_backward")
+            parts = _emit(graph, at_use, aten.split_with_sizes.default, (ready, numels), None,
                           [_fake(sample, [n], device) for n in numels], "is_backward")
             restored = {}
             for i, m in enumerate(members):
-                piece = _emit(graph, to_device, operator.getitem, (parts, i), None,
+                piece = _emit(graph, at_use, operator.getitem, (parts, i), None,
                               _fake(sample, [numels[i]], device), "is_backward")
                 shape = list(m.meta["val"].shape)
-                restored[m] = _emit(graph, to_device, aten.reshape.default, (piece, shape), None,
+                restored[m] = _emit(graph, at_use, aten.reshape.default, (piece, shape), None,
                                     _fake(m.meta["val"], shape, device), "is_backward")
         for key in ("nn_module_stack", "stack_trace"):  # dumps attribute copies to the region
             if key in members[0].meta:
-                host.meta[key] = back.meta[key] = members[0].meta[key]
+                host.meta[key] = back.meta[key] = ready.meta[key] = members[0].meta[key]
         for m, users in backward_users.items():
             for u in users:
                 u.replace_input_with(m, restored[m])

@@ -228,7 +228,12 @@ class _Propagator:
         if node.target is operator.getitem:
             parent, idx = node.args
             out = self.spec_of(parent)
-            return NodeLayout(out[idx] if isinstance(out, (tuple, list)) else None, (), "getitem")
+            spec = out[idx] if isinstance(out, (tuple, list)) else None
+            if spec is None and _is_tensor(node):
+                # An output its op's rule gives no layout to, such as memory-efficient attention's
+                # RNG seed and offset on CUDA: scalars every rank holds alike.
+                spec = self._replicated_output(node)
+            return NodeLayout(spec, (), "getitem")
         if node.target is BOUNDARY:
             return self.boundary(node)
         if node.target is BOUNDARY_GRAD:
@@ -252,7 +257,10 @@ class _Propagator:
         except NoShardingRule as exc:
             return self.fallback(node, tensor_nodes, str(exc))
         except (RuntimeError, AssertionError, ValueError) as exc:
-            layouts = ", ".join(f"{a.name}: {_fmt(self.spec_of(a).placements)}" for a in tensor_nodes)
+            layouts = ", ".join(
+                f"{a.name}: {_fmt(spec.placements) if (spec := self.spec_of(a)) is not None else '?'}"
+                for a in tensor_nodes
+            )
             raise ValueError(
                 f"cannot shard {_describe(node)} with inputs {layouts}: {exc}\n"
                 "The plan makes this op's inputs sharded in a way it cannot run on. Check that the "

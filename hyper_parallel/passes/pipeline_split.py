@@ -1,0 +1,291 @@
+"""pipeline split: cut the lowered local joint graph into one joint graph per pipeline stage.
+
+Runs between lowering and the ordered pass pipeline (each stage's graph then goes through every
+pass and the forward/backward partition on its own), so tensor parallelism, FSDP, recompute and
+swap work inside a stage unchanged.
+
+Which stage a node belongs to:
+
+* forward nodes with a module stack, in graph (execution) order: stage ``k`` begins at the first
+  node inside split point ``k - 1``'s module, so everything after it (later layers, the final norm,
+  the loss) belongs to stage ``k`` until the next split point begins;
+* backward nodes: the stage of their forward module (``fwd_nn_module_stack``);
+* nodes without a module (gradient sums, collectives and copies lowering or propagation added):
+  where their data is (forward: the latest stage among their inputs; backward: the earliest), else
+  the stage of the forward op with their autograd ``seq_nr``, else where their users are;
+* placeholders and constants are copied into every stage that reads them, except a parameter read
+  by two stages (tied weights), which is an error: its gradient would be split between them.
+
+A value computed in stage ``a`` and read in stage ``b`` crosses the cut: in forward it must go to a
+later stage (sent after ``a``'s forward, received before ``b``'s), in backward to an earlier one.
+Anything else is an error naming the node and its source line.
+
+Reads: ``partitioner_tag`` / ``hp_fsdp_phase`` (phase), ``nn_module_stack``,
+``fwd_nn_module_stack``, ``seq_nr``, ``val``. Writes: new GraphModules (the input graph is not
+changed); every stage node keeps its meta.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
+from ..runtime.partition import BACKWARD, FORWARD, _phase_of
+
+RECV_FWD, RECV_BWD = "recv_fwd", "recv_bwd"  # InputInfo kinds of received values
+SEND_FWD, SEND_BWD = "send_fwd", "send_bwd"  # OutputInfo kinds of sent values
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One value crossing a cut: ``name`` is its node in the lowered joint graph (unique)."""
+
+    name: str
+    src: int
+    dst: int
+    phase: str  # FORWARD or BACKWARD
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class StageGraph:
+    """One stage's joint graph, with its placeholders and outputs described like a captured graph:
+    primals (parameters, buffers, inputs, forward-received values) then tangents (the loss's and
+    backward-received values); outputs are the user outputs and forward sends, then one gradient
+    slot per primal and the backward sends."""
+
+    stage: int
+    gm: torch.fx.GraphModule
+    inputs: list[InputInfo]
+    outputs: list[OutputInfo]
+    num_forward_outputs: int
+    sends: list[Transfer]
+    recvs: list[Transfer]
+
+
+def _module_paths(node: torch.fx.Node, key: str) -> list[str]:
+    stack = node.meta.get(key) or {}
+    return [_normalize_fqn(path) for path, _ in stack.values()]
+
+
+def _inside(paths: list[str], module: str) -> bool:
+    return any(p == module or p.startswith(module + ".") for p in paths)
+
+
+def _describe(node: torch.fx.Node) -> str:
+    line = source_line(node)
+    return f"node {node.name} ({node.target})" + (f" at {line}" if line else "")
+
+
+def assign_stages(gm: torch.fx.GraphModule, split_points: tuple[str, ...]) -> tuple[dict, dict]:
+    """(node -> stage for computing nodes, node -> phase). Placeholders and get_attr get no stage."""
+    nodes = list(gm.graph.nodes)
+    phases: dict = {}
+    for node in nodes:
+        if node.op != "output":
+            phases[node] = _phase_of(node, phases)
+    stage: dict = {}
+    computing = [n for n in nodes if n.op == "call_function"]
+
+    # Forward nodes with a module stack: order-based.
+    begins = {}
+    for i, node in enumerate(computing):
+        if phases[node] != FORWARD:
+            continue
+        paths = _module_paths(node, "nn_module_stack")
+        for k, point in enumerate(split_points):
+            if k not in begins and _inside(paths, point):
+                begins[k] = i
+    missing = [p for k, p in enumerate(split_points) if k not in begins]
+    if missing:
+        raise ValueError(
+            f"pipeline split points {missing} are modules the forward pass never runs; a split point "
+            "must be a module the model calls (e.g. 'model.layers.2')"
+        )
+    order = [begins[k] for k in range(len(split_points))]
+    if order != sorted(order):
+        raise ValueError(
+            f"pipeline split points {list(split_points)} are not in execution order; list them in the "
+            "order the model runs the modules"
+        )
+    by_seq: dict[int, int] = {}
+    by_module: dict[str, set] = {}
+    for i, node in enumerate(computing):
+        if phases[node] != FORWARD or not node.meta.get("nn_module_stack"):
+            continue
+        stage[node] = sum(1 for b in order if b <= i)
+        if node.meta.get("seq_nr") is not None:
+            by_seq.setdefault(node.meta["seq_nr"], stage[node])
+        for path in _module_paths(node, "nn_module_stack"):
+            by_module.setdefault(path, set()).add(stage[node])
+
+    # Backward nodes: the stage of the module they differentiate.
+    for node in computing:
+        if phases[node] != BACKWARD:
+            continue
+        paths = _module_paths(node, "fwd_nn_module_stack")
+        if paths and len(by_module.get(paths[-1], ())) == 1:
+            stage[node] = next(iter(by_module[paths[-1]]))
+
+    # The rest follows its data: forward ASAP after its inputs, backward at its earliest input (so
+    # gradients only flow to earlier stages); then the forward op with the same autograd sequence
+    # number (not first: autograd's gradient sums carry the number of an unrelated later op).
+    for node in computing:
+        if node in stage:
+            continue
+        inputs = [stage[a] for a in node.all_input_nodes if a in stage]
+        if inputs:
+            stage[node] = max(inputs) if phases[node] == FORWARD else min(inputs)
+        elif node.meta.get("seq_nr") in by_seq:
+            stage[node] = by_seq[node.meta["seq_nr"]]
+    for node in reversed(computing):
+        if node in stage:
+            continue
+        users = [stage[u] for u in node.users if u in stage]
+        stage[node] = min(users) if users else 0
+    return stage, phases
+
+
+def split_stages(
+    gm: torch.fx.GraphModule, captured: CapturedGraph, split_points: tuple[str, ...], num_stages: int,
+) -> list[StageGraph]:
+    """One :class:`StageGraph` per stage (see the module docstring)."""
+    stage, phases = assign_stages(gm, split_points)
+    last = num_stages - 1
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    info_of = dict(zip(placeholders, captured.inputs))
+    out_node = gm.graph.output_node()
+    slots = list(out_node.args[0])
+
+    # Where each value is read: node users, plus the output slots (the loss in the last stage, a
+    # parameter's gradient in the stage that holds the parameter).
+    param_stage: dict[str, int] = {}
+    for node, info in info_of.items():
+        if info.kind == "param":
+            readers = {stage[u] for u in node.users if u in stage}
+            if len(readers) > 1:
+                raise ValueError(
+                    f"parameter {info.name} is read by pipeline stages {sorted(readers)} (tied weights?); "
+                    "a parameter must live in one stage. Untie it or move the split points so its users "
+                    "share a stage"
+                )
+            param_stage[info.name] = readers.pop() if readers else 0
+    slot_stage = []
+    for value, info in zip(slots, captured.outputs):
+        if info.kind == "grad":
+            slot_stage.append(param_stage[info.name])
+        elif info.kind == "output":
+            slot_stage.append(last)
+        else:
+            slot_stage.append(None)
+
+    readers: dict[torch.fx.Node, set] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        for user in node.users:
+            if user.op != "output":
+                readers.setdefault(node, set()).add(stage[user])
+    for value, s in zip(slots, slot_stage):
+        if isinstance(value, torch.fx.Node) and s is not None:
+            readers.setdefault(value, set()).add(s)
+
+    transfers: list[Transfer] = []
+    for node, stages in readers.items():
+        if node.op != "call_function":
+            continue
+        src = stage[node]
+        for dst in sorted(stages - {src}):
+            forward = phases[node] == FORWARD
+            if (dst < src) if forward else (dst > src):
+                raise ValueError(
+                    f"pipeline split: {_describe(node)} is computed in stage {src} "
+                    f"({'forward' if forward else 'backward'}) but read by stage {dst}; values can only "
+                    "flow to later stages in forward and to earlier stages in backward. Move the split "
+                    "points to module boundaries that the data crosses in one direction"
+                )
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise ValueError(f"pipeline split: {_describe(node)} crosses stages {src}->{dst} but is not a tensor")
+            transfers.append(Transfer(node.name, src, dst, FORWARD if forward else BACKWARD,
+                                      tuple(val.shape), val.dtype))
+    return [_build_stage(gm, s, stage, phases, info_of, slots, captured.outputs, slot_stage, transfers)
+            for s in range(num_stages)]
+
+
+def _build_stage(gm, s, stage, phases, info_of, slots, out_infos, slot_stage, transfers) -> StageGraph:
+    graph = torch.fx.Graph()
+    env: dict = {}
+    names = {n.name: n for n in gm.graph.nodes}
+    recvs = [t for t in transfers if t.dst == s]
+    sends = [t for t in transfers if t.src == s]
+    mine = [n for n in gm.graph.nodes if n.op == "call_function" and stage[n] == s]
+    used = {a for n in mine for a in n.all_input_nodes}
+    used |= {v for v, st in zip(slots, slot_stage) if isinstance(v, torch.fx.Node) and st == s}
+
+    inputs: list[InputInfo] = []
+    primal_i = tangent_i = 0
+
+    def placeholder(kind: str, source: torch.fx.Node, info: InputInfo, tangent: bool):
+        nonlocal primal_i, tangent_i
+        if tangent:
+            tangent_i += 1
+            name = f"tangents_{tangent_i}"
+        else:
+            primal_i += 1
+            name = f"primals_{primal_i}"
+        node = graph.placeholder(name)
+        node.meta = dict(source.meta)
+        env[source] = node
+        inputs.append(info)
+
+    originals = [n for n in info_of if n in used]
+    for node in originals:  # primals first: parameters, buffers, inputs
+        if info_of[node].kind != "tangent":
+            placeholder(info_of[node].kind, node, info_of[node], tangent=False)
+    for t in recvs:
+        if t.phase == FORWARD:
+            placeholder(RECV_FWD, names[t.name], InputInfo(RECV_FWD, t.name, t.src), tangent=False)
+    for node in originals:
+        if info_of[node].kind == "tangent":
+            placeholder("tangent", node, info_of[node], tangent=True)
+    for t in recvs:
+        if t.phase == BACKWARD:
+            placeholder(RECV_BWD, names[t.name], InputInfo(RECV_BWD, t.name, t.src), tangent=True)
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node in used:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+            env[node].meta = node.meta
+        elif node.op == "call_function" and stage[node] == s:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+            env[node].meta = node.meta
+
+    forward_out, outputs = [], []
+    for value, info, st in zip(slots, out_infos, slot_stage):
+        if info.kind == "output" and st == s:
+            forward_out.append(env[value] if isinstance(value, torch.fx.Node) else value)
+            outputs.append(info)
+    for t in sends:
+        if t.phase == FORWARD:
+            forward_out.append(env[names[t.name]])
+            outputs.append(OutputInfo(SEND_FWD, t.name, t.dst))
+    # One gradient slot per primal, as the partition and runtime expect.
+    grad_of = {info.name: value for value, info in zip(slots, out_infos) if info.kind == "grad"}
+    backward_out = []
+    for info in inputs:
+        if info.kind == "tangent" or info.kind == RECV_BWD:
+            continue
+        value = grad_of.get(info.name) if info.kind == "param" else None
+        backward_out.append(env[value] if isinstance(value, torch.fx.Node) else None)
+        outputs.append(OutputInfo("grad", info.name, -1) if value is not None else OutputInfo("none", "", -1))
+    for t in sends:
+        if t.phase == BACKWARD:
+            backward_out.append(env[names[t.name]])
+            outputs.append(OutputInfo(SEND_BWD, t.name, t.dst))
+    graph.output(tuple(forward_out + backward_out))
+    stage_gm = torch.fx.GraphModule(gm, graph)
+    return StageGraph(s, stage_gm, inputs, outputs, len(forward_out), sends, recvs)

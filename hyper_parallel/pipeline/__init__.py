@@ -1,0 +1,11 @@
+"""Pipeline parallelism: stage split, schedules and the executor.
+
+``ParallelPlan.pipeline = hp.PipelinePlan(...)`` (plan.py) cuts the captured program into stages
+(passes/pipeline_split.py), api.py compiles this rank's stages, runtime.py runs them on a schedule
+(schedules.py) and auto.py places the cuts with the cost model when ``split_points="auto"``.
+"""
+
+from .plan import PipelinePlan
+from .schedules import MetaStep, MetaStepType
+
+__all__ = ["MetaStep", "MetaStepType", "PipelinePlan"]

@@ -1,0 +1,370 @@
+"""Pipeline parallelism in ``parallelize``: the stage mesh, the compile into stage programs, ``step``.
+
+With ``ParallelPlan.pipeline`` every other part of the plan (tensor parallelism, FSDP, recompute,
+swap) applies on the *stage mesh*: the mesh without the pp axis, i.e. the ranks that run the same
+stages. The first ``pmodel.step(inputs, targets)`` for an input signature compiles:
+
+    capture (one micro-batch, forward returning the loss) → propagate → lower
+    → split into stages (passes/pipeline_split.py; cut points from the plan or chosen by auto.py)
+    → for each stage this rank runs: passes → forward/backward partition
+
+then releases the parameters of the stages this rank does not run, and every later step runs the
+schedule (runtime.py) over the micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import compat
+from ..debug import Dumper, collective_summary, collectives, group_axis_names
+from ..passes.pipeline_split import StageGraph, split_stages
+from ..runtime.partition import partition_by_phase
+from ..spmd import sequence_hash
+from .plan import AUTO, ResolvedPipeline
+from .runtime import PipelineExecutor, StageProgram
+from .schedules import analytic_bubble, build_schedule, format_schedule, simulate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PipelineEntry:
+    """One compiled input signature of a pipelined module."""
+
+    split_points: tuple[str, ...]
+    stages: list[StageGraph]  # every stage's graph before passes (the same on every rank)
+    programs: dict[int, StageProgram]  # this rank's stages
+    executor: PipelineExecutor
+    schedule: dict  # pp rank -> [MetaStep]
+    summary: dict
+
+
+@dataclasses.dataclass
+class PipelineState:
+    resolved: ResolvedPipeline
+    mesh: Any  # the full mesh, pp axis included
+    loss_fn: Callable | None
+    cache: dict = dataclasses.field(default_factory=dict)
+    last: PipelineEntry | None = None
+
+    @property
+    def pp_group(self):
+        return self.mesh.get_group(self.resolved.plan.axis)
+
+
+def stage_mesh(mesh, axis: str):
+    """The mesh without ``axis``: this rank's slice, where the rest of the plan applies. With no
+    other axis, a one-rank axis named "stage" (no collectives run on it)."""
+    names = tuple(mesh.mesh_dim_names)
+    others = tuple(n for n in names if n != axis)
+    if others:
+        return mesh[others] if len(others) > 1 else mesh[others[0]]
+    return compat.unflatten_mesh_axis(mesh, axis, (mesh.size(0), 1), (axis, "stage"))["stage"]
+
+
+@contextlib.contextmanager
+def loss_forward(module: nn.Module, loss_fn: Callable | None, original_forward: Callable):
+    """While capturing, the module's forward returns only the loss: ``loss_fn(output, target)`` with
+    the target as the last positional argument, or the model's own loss (a tensor, or the ``loss``
+    entry of what it returns)."""
+
+    def forward(*args, **kwargs):
+        if loss_fn is not None:
+            *args, target = args
+            return loss_fn(original_forward(*args, **kwargs), target)
+        return _loss_of(original_forward(*args, **kwargs))
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def _loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        loss = out
+    elif isinstance(out, dict) or hasattr(out, "keys"):
+        loss = out.get("loss") if hasattr(out, "get") else None
+    else:
+        loss = getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        raise ValueError(
+            "a pipelined model needs its loss: pass parallelize(..., loss_fn=fn) (called as "
+            "fn(model_output, target)) or use a model whose forward returns a scalar loss or an "
+            f"output with a 'loss' entry; got {type(out).__name__}"
+        )
+    return loss
+
+
+def call_arguments(inputs: Any, targets: Any, loss_fn) -> tuple[tuple, dict]:
+    """``step``'s ``inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
+    arguments) and ``targets`` as the (args, kwargs) the captured forward takes."""
+    if isinstance(inputs, dict):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, kwargs = tuple(inputs), {}
+    else:
+        args, kwargs = (inputs,), {}
+    if loss_fn is not None:
+        if targets is None:
+            raise ValueError("step(inputs, targets): this model was parallelized with loss_fn, so pass the targets")
+        args = (*args, targets)
+    elif targets is not None:
+        raise ValueError(
+            "step(inputs, targets): targets are for parallelize(..., loss_fn=...); this model computes its "
+            "own loss, so pass everything it takes in inputs"
+        )
+    return args, kwargs
+
+
+def micro_batches(flat: list, num_microbatches: int, paths: list[str]) -> list[list]:
+    """Split every tensor input along dim 0 into ``num_microbatches`` equal micro-batches."""
+    per_input = []
+    for path, x in zip(paths, flat):
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 or x.shape[0] % num_microbatches:
+                raise ValueError(
+                    f"pipeline: input {path!r} has batch size {x.shape[0] if x.dim() else 'none (0-dim)'}, "
+                    f"which num_microbatches={num_microbatches} does not divide; use a local batch that is "
+                    "a multiple of num_microbatches"
+                )
+            per_input.append(list(x.chunk(num_microbatches, dim=0)))
+        else:
+            per_input.append([x] * num_microbatches)
+    return [[chunks[mb] for chunks in per_input] for mb in range(num_microbatches)]
+
+
+def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
+    """``ParallelModule.step`` for a pipelined module (see :meth:`ParallelModule.step`)."""
+    state = module._hp
+    pipe: PipelineState = state.pipeline
+    plan = pipe.resolved.plan
+    args, kwargs = call_arguments(inputs, targets, pipe.loss_fn)
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    from ..capture import flat_paths
+
+    paths = flat_paths((args, kwargs))
+    mbs = micro_batches(flat, plan.num_microbatches, paths)
+    key = (in_spec, tuple(_signature(x) for x in mbs[0]))
+    entry = pipe.cache.get(key)
+    if entry is None:
+        mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
+        entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
+    pipe.last = entry
+    loss, grads = entry.executor.run(module, mbs, pipe.resolved.num_stages - 1)
+    _accumulate_gradients(module, grads)
+    return _broadcast_loss(pipe, loss, entry)
+
+
+def _signature(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype)
+    return ("const", type(x).__name__, repr(x))
+
+
+def _accumulate_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Add the step's local gradients into each parameter's DTensor ``.grad`` (like ``backward``)."""
+    for fqn, p in module.named_parameters():
+        g = grads.get(fqn)
+        if g is None:
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if (g.dtype, g.device) != (local.dtype, local.device):
+            g = g.to(dtype=local.dtype, device=local.device)
+        if isinstance(p, DTensor):
+            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        p.grad = g if p.grad is None else p.grad + g
+
+
+def _broadcast_loss(pipe: PipelineState, loss: torch.Tensor | None, entry: PipelineEntry) -> torch.Tensor:
+    """Every pp rank returns the loss, computed on the last stage's rank."""
+    last_rank = (pipe.resolved.num_stages - 1) % pipe.resolved.num_ranks
+    if loss is None:
+        loss = torch.empty((), dtype=entry.summary["loss_dtype"], device=entry.executor.device)
+    if pipe.resolved.num_ranks > 1:
+        dist.broadcast(loss, src=dist.get_global_rank(pipe.pp_group, last_rank), group=pipe.pp_group)
+    return loss
+
+
+def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineEntry:
+    """Compile one micro-batch signature into this rank's stage programs (module docstring)."""
+    from ..api import _capture_and_lower, _rank, run_pass_pipeline
+
+    state = module._hp
+    pipe: PipelineState = state.pipeline
+    resolved = pipe.resolved
+    plan = resolved.plan
+    rank = _rank()
+    dumper = Dumper(state.dump_dir, rank)
+    original_forward = state.original_cls.forward.__get__(module)
+    lowered = _capture_and_lower(
+        module, state, state.resolved, args, kwargs, flat, dumper,
+        wrap_forward=lambda: loss_forward(module, pipe.loss_fn, original_forward),
+    )
+    if plan.split_points == AUTO:
+        from .auto import choose_split_points
+
+        split_points, auto_report = choose_split_points(lowered.local, module, resolved, state)
+    else:
+        split_points, auto_report = plan.split_points, None
+    stages = split_stages(lowered.local, lowered.captured, split_points, resolved.num_stages)
+
+    programs: dict[int, StageProgram] = {}
+    colls = {}
+    axis_of_group = group_axis_names(state.mesh, state.resolved.fsdp)
+    for s in resolved.local_stages:
+        graph = stages[s]
+        stage_dumper = Dumper(os.path.join(state.dump_dir, f"stage{s}") if state.dump_dir else None, rank)
+        stage_dumper.graph("split", graph.gm)
+        gm = run_pass_pipeline(state, state.resolved, graph.gm, {}, None, lowered.annotated, stage_dumper.graph)
+        forward_gm, backward_gm, _ = partition_by_phase(gm, graph.num_forward_outputs)
+        compat.use_boxed_calling_convention(backward_gm)
+        stage_dumper.graph("forward", forward_gm)
+        stage_dumper.graph("backward", backward_gm)
+        programs[s] = StageProgram(s, forward_gm, backward_gm, graph)
+        colls[f"stage{s} forward"] = collectives(forward_gm, axis_of_group)
+        colls[f"stage{s} backward"] = collectives(backward_gm, axis_of_group)
+    _check_stage_spmd(colls, resolved)
+
+    schedule = build_schedule(plan.schedule, resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank,
+                              plan.overlap_p2p)
+    transfers = [t for g in stages for t in g.sends]
+    device = _device_of(module, flat)
+    executor = PipelineExecutor(programs, schedule[resolved.rank], transfers, resolved.num_ranks,
+                                plan.num_microbatches, pipe.pp_group, device)
+    loss_dtype = next(
+        (v.meta["val"].dtype for v, i in zip(lowered.local.graph.output_node().args[0], lowered.captured.outputs)
+         if i.kind == "output"), torch.float32,
+    )
+    summary = {
+        "split_points": list(split_points),
+        "num_stages": resolved.num_stages,
+        "local_stages": list(resolved.local_stages),
+        "schedule": plan.schedule,
+        "num_microbatches": plan.num_microbatches,
+        "transfers": [dataclasses.asdict(t) | {"dtype": str(t.dtype)} for t in transfers],
+        "collectives": {name: collective_summary(c) for name, c in colls.items()},
+        "analytic_bubble": analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank),
+        "loss_dtype": loss_dtype,
+    }
+    if auto_report is not None:
+        summary["auto_split"] = auto_report
+    dumper.text("schedule.txt", format_schedule(schedule) + "\n")
+    dumper.json("pipeline.json", {k: v for k, v in summary.items() if k != "loss_dtype"})
+    _release_other_stages(module, state, programs)
+    if rank == 0:
+        log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule)
+    return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary)
+
+
+def _device_of(module: nn.Module, flat: list) -> torch.device:
+    for x in [*flat, *module.parameters()]:
+        if isinstance(x, torch.Tensor):
+            return (x.to_local() if isinstance(x, DTensor) else x).device
+    return torch.device("cpu")
+
+
+def _check_stage_spmd(colls: dict, resolved: ResolvedPipeline) -> None:
+    """Ranks running the same stages must run the same collectives (DESIGN §3.3): hashes are
+    exchanged over the world and compared among ranks with this rank's pp coordinate."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    mine = (resolved.rank, sequence_hash(colls))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    peers = {d for r, d in everyone if r == resolved.rank}
+    if len(peers) > 1:
+        raise ValueError(
+            f"SPMD check failed: the ranks running pipeline stages {list(resolved.local_stages)} compiled "
+            "different collectives; pass inputs with the same shapes and dtypes on every rank"
+        )
+
+
+def _release_other_stages(module: nn.Module, state, programs: dict[int, StageProgram]) -> None:
+    """Drop the parameters no local stage reads: their memory is freed (state_dict and optimizers
+    see only this rank's stages), their shapes are kept for later captures."""
+    owned = {info.name for p in programs.values() for info in p.graph.inputs if info.kind == "param"}
+    released = []
+    for fqn, param in list(module.named_parameters()):
+        if fqn in owned:
+            continue
+        owner_name, _, name = fqn.rpartition(".")
+        state.released[fqn] = (tuple(param.shape), param.dtype, param.requires_grad,
+                               (param.to_local() if isinstance(param, DTensor) else param).device)
+        module.get_submodule(owner_name)._parameters[name] = None
+        released.append(param)
+    if released:
+        forget_in_optimizers(released)
+
+
+_RELEASED: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_HOOK: list = []
+
+
+def forget_in_optimizers(params: list[torch.Tensor]) -> None:
+    """Optimizers built before the first step hold every parameter; before their next step they
+    drop the released ones (and their state), so the memory is really freed."""
+    for p in params:
+        _RELEASED[id(p)] = p
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_drop_released))
+
+
+def _drop_released(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        kept = [p for p in group["params"] if _RELEASED.get(id(p)) is not p]
+        if len(kept) != len(group["params"]):
+            for p in group["params"]:
+                if _RELEASED.get(id(p)) is p:
+                    optimizer.state.pop(p, None)
+            group["params"] = kept
+
+
+def pipeline_report(module) -> dict:
+    """See ``ParallelModule.pipeline_report``."""
+    pipe: PipelineState = module._hp.pipeline
+    if pipe is None:
+        raise RuntimeError("pipeline_report(): this model has no pipeline plan")
+    entry = pipe.last
+    if entry is None or entry.executor.last_timing is None:
+        raise RuntimeError("pipeline_report(): run pmodel.step(...) first")
+    timing = entry.executor.last_timing
+    mine = {"rank": pipe.resolved.rank, "bubble": timing.bubble_fraction(), "step_s": timing.step_s,
+            "events": timing.events}
+    everyone = [mine]
+    if pipe.resolved.num_ranks > 1:
+        everyone = [None] * pipe.resolved.num_ranks
+        dist.all_gather_object(everyone, mine, group=pipe.pp_group)
+    plan = pipe.resolved.plan
+    # The schedule's own bubble with the measured mean forward / backward time of each stage.
+    durations: dict = {"F": {}, "B": {}}
+    for r in everyone:
+        for name, stage, start, end in r["events"]:
+            durations[name[0]].setdefault(stage, []).append(end - start)
+    mean = {k: {s: sum(v) / len(v) for s, v in d.items()} for k, d in durations.items()}
+    simulated = simulate(entry.schedule, mean["F"], mean["B"]).bubble_fraction()
+    return {
+        "schedule": plan.schedule,
+        "num_microbatches": plan.num_microbatches,
+        "split_points": list(entry.split_points),
+        "analytic_bubble": analytic_bubble(pipe.resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank),
+        "simulated_bubble": simulated,
+        "measured_bubble": {r["rank"]: r["bubble"] for r in everyone},
+        "measured_bubble_mean": sum(r["bubble"] for r in everyone) / len(everyone),
+        "step_s": max(r["step_s"] for r in everyone),
+        "timeline": {r["rank"]: r["events"] for r in everyone},
+    }

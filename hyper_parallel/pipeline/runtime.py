@@ -1,0 +1,214 @@
+"""The pipeline executor: runs this rank's stage programs over micro-batches, step by step of a schedule.
+
+Each stage is a pair of GraphModules (forward, backward) cut from one joint graph
+(passes/pipeline_split.py) and partitioned like any compiled program. The executor walks this
+rank's list of :class:`~hyper_parallel.pipeline.schedules.MetaStep`:
+
+* ``FWD_RECV`` / ``BWD_RECV`` post the receives of every value the stage reads from other ranks for
+  that micro-batch (``torch.distributed`` ``irecv`` into buffers of the recorded shape and dtype);
+* ``FORWARD`` waits for them, runs the forward program and keeps its saved tensors per micro-batch;
+  ``BACKWARD`` runs the backward program on them plus the received gradients, adds the parameter
+  gradients into a per-step accumulator and frees the saved tensors;
+* ``FWD_SEND`` / ``BWD_SEND`` post ``isend`` of the values other stages read, batched per step.
+
+Values between two stages on the same rank (interleaved schedules with one pp rank) are handed
+over in memory. Messages carry a tag derived from (value, micro-batch), so a backend that matches
+by tag (gloo) pairs them exactly; NCCL / HCCL match by order, which the built schedules keep
+(every rank posts a pair's receives in the order the peer sends them).
+
+The loss is the mean of the micro-batch losses (each micro-batch backward starts from 1/M), which
+is the full local batch's loss for a mean-reduced loss; it is broadcast from the last stage so every
+pp rank returns it. Each rank's measured compute intervals are kept for the bubble report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..passes.pipeline_split import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
+from .schedules import MetaStep, MetaStepType
+
+T = MetaStepType
+
+
+@dataclasses.dataclass
+class StageProgram:
+    """One stage's compiled programs and the description of their inputs and outputs."""
+
+    stage: int
+    forward_gm: torch.fx.GraphModule
+    backward_gm: torch.fx.GraphModule
+    graph: StageGraph
+
+    @property
+    def num_forward_outputs(self) -> int:
+        return self.graph.num_forward_outputs
+
+
+@dataclasses.dataclass
+class StepTiming:
+    """Measured compute intervals of one step on this rank (seconds from the step's start)."""
+
+    events: list  # (MetaStep repr, stage, start_s, end_s)
+    step_s: float
+
+    def bubble_fraction(self) -> float:
+        busy = sum(end - start for _, _, start, end in self.events)
+        return 1.0 - busy / self.step_s if self.step_s > 0 else 0.0
+
+
+class PipelineExecutor:
+    """Runs one training step of this rank's stages under a schedule."""
+
+    def __init__(self, programs: dict[int, StageProgram], schedule: list[MetaStep], transfers: list[Transfer],
+                 num_ranks: int, num_microbatches: int, pp_group, device: torch.device):
+        self.programs = programs
+        self.schedule = schedule
+        self.num_ranks = num_ranks
+        self.num_microbatches = num_microbatches
+        self.pp_group = pp_group
+        self.device = device
+        self.tag_of = {(t.name, t.dst): i for i, t in enumerate(transfers)}
+        self.num_transfers = max(len(transfers), 1)
+        self.last_timing: StepTiming | None = None
+
+    # --- peers ---------------------------------------------------------------------------------
+    def _is_local(self, stage: int) -> bool:
+        return stage in self.programs
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self.pp_group, stage % self.num_ranks)
+
+    def _tag(self, transfer: Transfer, mb: int) -> int:
+        return mb * self.num_transfers + self.tag_of[(transfer.name, transfer.dst)]
+
+    # --- one step ------------------------------------------------------------------------------
+    def run(self, module, micro_batches: list[list], loss_stage: int) -> tuple[torch.Tensor | None, dict]:
+        """Run the schedule. ``micro_batches[mb]``: the flat inputs of micro-batch ``mb``. Returns
+        (mean loss on the last stage's rank, else None; {parameter FQN: local gradient})."""
+        params = {fqn: p for fqn, p in module.named_parameters()}
+        buffers = {fqn: b for fqn, b in module.named_buffers()}
+        received: dict = {}  # (value name, dst stage, mb) -> tensor, or a request to wait on
+        pending_recv: dict = {}  # (value name, dst stage, mb) -> work handle
+        saved: dict = {}  # (stage, mb) -> saved tensors
+        outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
+        sends: list = []  # (work, tensor): kept alive until the step ends
+        grads: dict[str, torch.Tensor] = {}
+        loss_sum = None
+        scale = 1.0 / self.num_microbatches
+        events = []
+        t0 = time.perf_counter()
+
+        for step in self.schedule:
+            kind, s, mb = step.step_type, step.stage, step.micro_batch
+            program = self.programs[s]
+            if kind in (T.FWD_RECV, T.BWD_RECV):
+                phase_kind = RECV_FWD if kind is T.FWD_RECV else RECV_BWD
+                ops, keys = [], []
+                for t in program.graph.recvs:
+                    if _recv_kind(t) != phase_kind or self._is_local(t.src):
+                        continue
+                    buf = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+                    ops.append(dist.P2POp(dist.irecv, buf, self._peer(t.src), self.pp_group, self._tag(t, mb)))
+                    keys.append(((t.name, s, mb), buf))
+                if ops:
+                    works = dist.batch_isend_irecv(ops)
+                    for (key, buf), work in zip(keys, works):
+                        received[key] = buf
+                        pending_recv[key] = work
+            elif kind in (T.FWD_SEND, T.BWD_SEND):
+                phase = "forward" if kind is T.FWD_SEND else "backward"
+                ops = []
+                for t, value in outgoing.pop((s, mb, phase), {}).items():
+                    value = value.contiguous()
+                    ops.append(dist.P2POp(dist.isend, value, self._peer(t.dst), self.pp_group, self._tag(t, mb)))
+                    sends.append(value)
+                if ops:
+                    sends.extend(dist.batch_isend_irecv(ops))
+            elif kind is T.FORWARD:
+                primals = []
+                for info in program.graph.inputs:
+                    if info.kind == "param":
+                        primals.append(_local(params[info.name]))
+                    elif info.kind == "buffer":
+                        primals.append(_local(buffers[info.name]))
+                    elif info.kind == "input":
+                        primals.append(micro_batches[mb][info.index])
+                    elif info.kind == RECV_FWD:
+                        primals.append(self._take(received, pending_recv, (info.name, s, mb)))
+                start = time.perf_counter() - t0  # after the receives: waiting is bubble
+                with torch.no_grad():  # the programs are forward and backward already
+                    outs = program.forward_gm(*primals)
+                n = program.num_forward_outputs
+                saved[(s, mb)] = list(outs[n:])
+                self._route(program, outs[:n], s, mb, "forward", outgoing, received)
+                for value, info in zip(outs[:n], program.graph.outputs):
+                    if info.kind == "output":
+                        contrib = value.detach() * scale
+                        loss_sum = contrib if loss_sum is None else loss_sum + contrib
+                events.append((repr(step), s, start, time.perf_counter() - t0))
+            elif kind is T.BACKWARD:
+                tangents = []
+                for info in program.graph.inputs:
+                    if info.kind == "tangent":
+                        tangents.append(torch.full((), scale, dtype=_loss_dtype(program), device=self.device))
+                    elif info.kind == RECV_BWD:
+                        tangents.append(self._take(received, pending_recv, (info.name, s, mb)))
+                args = saved.pop((s, mb)) + tangents
+                start = time.perf_counter() - t0
+                with torch.no_grad():
+                    outs = program.backward_gm(args)
+                primal_infos = [i for i in program.graph.inputs if i.kind not in ("tangent", RECV_BWD)]
+                for info, g in zip(primal_infos, outs):
+                    if info.kind == "param" and g is not None:
+                        grads[info.name] = g if info.name not in grads else grads[info.name] + g
+                self._route(program, outs[len(primal_infos):], s, mb, "backward", outgoing, received)
+                events.append((repr(step), s, start, time.perf_counter() - t0))
+            else:
+                raise NotImplementedError(f"pipeline executor: step type {kind} is not supported")
+        for work in sends:
+            if hasattr(work, "wait"):
+                work.wait()
+        assert not saved and not pending_recv, (list(saved), list(pending_recv))
+        self.last_timing = StepTiming(events, time.perf_counter() - t0)
+        return loss_sum, grads
+
+    def _take(self, received: dict, pending: dict, key):
+        work = pending.pop(key, None)
+        if work is not None:
+            work.wait()
+        return received.pop(key)
+
+    def _route(self, program: StageProgram, values, s: int, mb: int, phase: str, outgoing: dict,
+               received: dict) -> None:
+        """Values this stage sends: to a stage on this rank in memory now, else at its SEND step."""
+        infos = [i for i in program.graph.outputs if i.kind in (SEND_FWD, SEND_BWD)]
+        infos = [i for i in infos if (i.kind == SEND_FWD) == (phase == "forward")]
+        values = list(values)[len(values) - len(infos):] if infos else []
+        by_name = {(t.name, t.dst): t for t in program.graph.sends}
+        for info, value in zip(infos, values):
+            t = by_name[(info.name, info.index)]
+            if self._is_local(t.dst):
+                received[(t.name, t.dst, mb)] = value
+            else:
+                outgoing.setdefault((s, mb, phase), {})[t] = value
+
+
+def _recv_kind(t: Transfer) -> str:
+    return RECV_FWD if t.phase == "forward" else RECV_BWD
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _loss_dtype(program: StageProgram) -> torch.dtype:
+    for value, info in zip(program.forward_gm.graph.output_node().args[0], program.graph.outputs):
+        if info.kind == "output" and isinstance(value, torch.fx.Node):
+            return value.meta["val"].dtype
+    return torch.float32

@@ -1,0 +1,347 @@
+"""Pipeline-parallel schedules as plain data: which step each pipeline rank runs, in which order.
+
+:func:`build_schedule` turns a schedule name (GPipe, 1F1B, Megatron's interleaved 1F1B) into one
+ordered list of :class:`MetaStep` per pipeline rank, compute steps with the sends and receives
+around them; the executor walks these lists. :func:`check_schedule` proves a schedule complete,
+matched and deadlock-free before anything runs, :func:`simulate` replays it with per-stage times to
+measure the bubble, and :func:`format_schedule` prints it. Stage ``s`` of ``S = num_ranks *
+stages_per_rank`` lives on rank ``s % num_ranks``. Pure Python: no torch, no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = ["SCHEDULES", "MetaStep", "MetaStepType", "Timeline", "analytic_bubble", "build_schedule",
+           "check_schedule", "format_schedule", "simulate"]
+
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+class MetaStepType(enum.Enum):
+    FORWARD = "F"
+    BACKWARD = "B"
+    OVERLAP_F_B = "OFB"
+    OVERLAP_B_F = "OBF"
+    FWD_RECV = "FR"
+    BWD_RECV = "BR"
+    FWD_SEND = "FS"
+    BWD_SEND = "BS"
+
+
+T = MetaStepType  # short alias: step types appear on most lines below
+_COMPUTE = (T.FORWARD, T.BACKWARD, T.OVERLAP_F_B, T.OVERLAP_B_F)
+_RECV, _SEND = (T.FWD_RECV, T.BWD_RECV), (T.FWD_SEND, T.BWD_SEND)
+# The peer a communication step must name, as an offset from its own stage.
+_PEER_OFFSET = {T.FWD_RECV: -1, T.FWD_SEND: +1, T.BWD_RECV: +1, T.BWD_SEND: -1}
+_MATCH = {T.FWD_SEND: T.FWD_RECV, T.BWD_SEND: T.BWD_RECV, T.FWD_RECV: T.FWD_SEND, T.BWD_RECV: T.BWD_SEND}
+_OVERLAP_ORDER = {T.OVERLAP_F_B: (T.FORWARD, T.BACKWARD), T.OVERLAP_B_F: (T.BACKWARD, T.FORWARD)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaStep:
+    """One step of a rank's schedule; ``stage`` is the local stage, ``peer_stage`` the remote one."""
+
+    step_type: MetaStepType
+    stage: int
+    micro_batch: int
+    peer_stage: int | None = None
+    sub_steps: tuple[MetaStep, ...] = ()
+
+    def __post_init__(self):
+        if self.stage < 0 or self.micro_batch < 0:
+            raise ValueError(f"MetaStep needs stage >= 0 and micro_batch >= 0, got {self!r}")
+        is_comm = self.step_type in _RECV + _SEND
+        if is_comm != (self.peer_stage is not None):
+            raise ValueError(
+                f"MetaStep {self.step_type.name}: peer_stage must be set exactly for sends and "
+                f"receives, got peer_stage={self.peer_stage}"
+            )
+        if self.step_type in _OVERLAP_ORDER:
+            kinds = tuple(s.step_type for s in self.sub_steps)
+            if kinds != _OVERLAP_ORDER[self.step_type]:
+                raise ValueError(
+                    f"MetaStep {self.step_type.name} needs sub_steps of types "
+                    f"{[k.name for k in _OVERLAP_ORDER[self.step_type]]}, got {[k.name for k in kinds]}"
+                )
+        elif self.sub_steps:
+            raise ValueError(f"only OVERLAP_* steps take sub_steps, not {self.step_type.name}")
+
+    def __repr__(self):
+        if self.sub_steps:
+            return f"{self.step_type.value}[{'|'.join(map(repr, self.sub_steps))}]"
+        text = f"{self.step_type.value}{self.micro_batch}@s{self.stage}"
+        if self.peer_stage is not None:
+            text += f"{'<' if self.step_type in _RECV else '>'}s{self.peer_stage}"
+        return text
+
+
+def _check_count(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def build_schedule(name, num_ranks, num_microbatches, stages_per_rank=1, overlap_p2p=False):
+    """One ordered step list per pipeline rank 0..num_ranks-1, validated by check_schedule."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule name={name!r}; choose one of {SCHEDULES}")
+    for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
+                       ("stages_per_rank", stages_per_rank)):
+        _check_count(arg, value)
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    if name != "Interleaved1F1B" and v != 1:
+        raise ValueError(f"{name} runs one stage per rank, got stages_per_rank={v}; "
+                         f"use 'Interleaved1F1B' for several stages per rank")
+    if name == "Interleaved1F1B":
+        if v < 2:
+            raise ValueError(f"Interleaved1F1B needs stages_per_rank >= 2, got stages_per_rank={v}; "
+                             f"use '1F1B' for one stage per rank")
+        if m % p:
+            fits = sorted({max(p, m - m % p), m - m % p + p})
+            raise ValueError(
+                f"Interleaved1F1B needs num_microbatches to be a multiple of num_ranks (Megatron's "
+                f"rule), got num_microbatches={m} with num_ranks={p}; use {' or '.join(map(str, fits))}"
+            )
+    num_stages = p * v
+    schedule = {}
+    for r in range(p):
+        if name == "GPipe":
+            compute = [MetaStep(T.FORWARD, r, i) for i in range(m)] + [MetaStep(T.BACKWARD, r, i) for i in range(m)]
+        else:
+            # Megatron: the extra 2*(p-r-1) + (v-1)*p warmup forwards of interleaving keep the
+            # next chunk's input arriving before it is needed; plain 1F1B only fills the pipe.
+            warmup = min(p - r - 1, m) if name == "1F1B" else min((p - r - 1) * 2 + (v - 1) * p, m * v)
+            compute = _one_f_one_b(r, p, m, v, warmup)
+        schedule[r] = _add_p2p(compute, p, num_stages, overlap_p2p)
+    check_schedule(schedule, num_stages, m)
+    return schedule
+
+
+def _one_f_one_b(rank, p, m, v, warmup):
+    """Megatron's order: warmup forwards, steady (1 forward, 1 backward) pairs, cooldown backwards."""
+
+    def step(kind, k):
+        chunk = (k // p) % v
+        if kind is T.BACKWARD:
+            chunk = v - 1 - chunk  # backward walks the local chunks last-to-first
+        return MetaStep(kind, rank + chunk * p, (k // (p * v)) * p + k % p)
+
+    total = m * v
+    order = [step(T.FORWARD, k) for k in range(warmup)]
+    for i in range(total - warmup):
+        order += [step(T.FORWARD, warmup + i), step(T.BACKWARD, i)]
+    return order + [step(T.BACKWARD, k) for k in range(total - warmup, total)]
+
+
+def _add_p2p(compute, num_ranks, num_stages, overlap_p2p):
+    """Surround each compute step with its receives and sends (none for a same-rank hand-off)."""
+
+    def comm(kind, step, peer):
+        if 0 <= peer < num_stages and peer % num_ranks != step.stage % num_ranks:
+            return [MetaStep(kind, step.stage, step.micro_batch, peer)]
+        return []
+
+    recvs, sends = [], []
+    for c in compute:
+        sign = -1 if c.step_type is T.FORWARD else 1  # forward data flows up the stages, grads down
+        recv, send = (T.FWD_RECV, T.FWD_SEND) if sign < 0 else (T.BWD_RECV, T.BWD_SEND)
+        recvs.append(comm(recv, c, c.stage + sign))
+        sends.append(comm(send, c, c.stage - sign))
+    if overlap_p2p and compute:
+        # Post each receive while the previous compute step runs so the transfer hides behind it.
+        recvs = [recvs[0] + (recvs[1] if len(recvs) > 1 else [])] + recvs[2:] + [[]]
+    steps = []
+    for r, c, s in zip(recvs, compute, sends):
+        steps += r + [c] + s
+    return steps
+
+
+def _flat(step):
+    return step.sub_steps or (step,)
+
+
+def _comm_key(step):
+    """(direction, producer stage, consumer stage, micro-batch): equal for a send and its receive."""
+    if step.step_type in _SEND:
+        return step.step_type.value[0], step.stage, step.peer_stage, step.micro_batch
+    return step.step_type.value[0], step.peer_stage, step.stage, step.micro_batch
+
+
+def _where(rank, idx, step):
+    return f"rank {rank} step {idx} ({step!r})"
+
+
+def check_schedule(schedule, num_stages, num_microbatches):
+    """Raise ValueError unless the schedule is complete, matched, ordered and deadlock-free."""
+    p = len(schedule)
+    if sorted(schedule) != list(range(p)) or p == 0:
+        raise ValueError(f"schedule must map ranks 0..N-1 to step lists, got ranks {sorted(schedule)}")
+    if num_stages < 1 or num_stages % p:
+        raise ValueError(f"num_stages={num_stages} must be a positive multiple of the {p} ranks")
+    compute_at, comm_at = {}, {}  # (kind, stage, mb) / comm key -> (rank, index, step)
+    for r, steps in schedule.items():
+        for i, step in enumerate(steps):
+            if not isinstance(step, MetaStep):
+                raise ValueError(f"rank {r} step {i} is {step!r}, not a MetaStep")
+            for sub in _flat(step):
+                if sub.stage >= num_stages or sub.micro_batch >= num_microbatches:
+                    raise ValueError(f"{_where(r, i, step)}: stage or micro-batch out of range "
+                                     f"(num_stages={num_stages}, num_microbatches={num_microbatches})")
+                if sub.stage % p != r:
+                    raise ValueError(f"{_where(r, i, step)}: stage {sub.stage} lives on rank {sub.stage % p}")
+                if sub.step_type in _COMPUTE:
+                    key, table = (sub.step_type, sub.stage, sub.micro_batch), compute_at
+                else:
+                    peer = sub.stage + _PEER_OFFSET[sub.step_type]
+                    if sub.peer_stage != peer:
+                        raise ValueError(f"{_where(r, i, step)}: a {sub.step_type.name} of stage "
+                                         f"{sub.stage} must name peer stage {peer}")
+                    key, table = (sub.step_type, *_comm_key(sub)), comm_at
+                if key in table:
+                    raise ValueError(f"{_where(r, i, step)} duplicates {_where(*table[key])}")
+                table[key] = (r, i, sub)
+    for s in range(num_stages):
+        for mb in range(num_microbatches):
+            for kind in (T.FORWARD, T.BACKWARD):
+                if (kind, s, mb) not in compute_at:
+                    raise ValueError(f"rank {s % p} has no {kind.name} of micro-batch {mb} for stage {s}; "
+                                     f"expected {MetaStep(kind, s, mb)!r}\n{format_schedule(schedule)}")
+            f_idx, (r, b_idx, b) = compute_at[T.FORWARD, s, mb][1], compute_at[T.BACKWARD, s, mb]
+            if b_idx < f_idx:
+                raise ValueError(f"{_where(r, b_idx, b)} comes before its forward at step {f_idx}")
+    for (kind, *key), (r, i, step) in comm_at.items():
+        other = _MATCH[kind]
+        if (other, *key) not in comm_at:
+            peer = MetaStep(other, step.peer_stage, step.micro_batch, step.stage)
+            raise ValueError(f"{_where(r, i, step)} has no matching {other.name} {peer!r} "
+                             f"on rank {step.peer_stage % p}")
+        compute = compute_at[T.FORWARD if kind.value[0] == "F" else T.BACKWARD, step.stage, step.micro_batch]
+        if (kind in _SEND) != (compute[1] < i):  # sends follow the step they send; recvs precede it
+            raise ValueError(f"{_where(r, i, step)} must come {'after' if kind in _SEND else 'before'} "
+                             f"{compute[2]!r} (step {compute[1]})")
+    for (kind, s, mb), (r, i, step) in compute_at.items():
+        src = s - 1 if kind is T.FORWARD else s + 1
+        if 0 <= src < num_stages and src % p != r:
+            recv = MetaStep(T.FWD_RECV if kind is T.FORWARD else T.BWD_RECV, s, mb, src)
+            if (recv.step_type, *_comm_key(recv)) not in comm_at:
+                raise ValueError(f"{_where(r, i, step)} needs data from stage {src} on rank {src % p} "
+                                 f"but no {recv!r} is posted before it")
+    _, stuck, _ = _execute(schedule, num_stages, lambda step: 0.0, 0.0)
+    if stuck:
+        raise ValueError("schedule deadlocks: " + "; ".join(
+            f"{_where(r, i, step)} waits for {wait}" for r, (i, step, wait) in sorted(stuck.items()))
+            + f"\n{format_schedule(schedule)}")
+
+
+def _deps(step, num_stages, num_ranks):
+    """What a compute step waits for: keys of the producing compute step or the remote send."""
+    s, mb = step.stage, step.micro_batch
+    src, kind = (s - 1, T.FORWARD) if step.step_type is T.FORWARD else (s + 1, T.BACKWARD)
+    deps = [(T.FORWARD, s, mb)] if step.step_type is T.BACKWARD else []
+    if 0 <= src < num_stages:
+        same_rank = src % num_ranks == s % num_ranks
+        deps.append((kind, src, mb) if same_rank else (T.FWD_SEND if kind is T.FORWARD else T.BWD_SEND, src, mb))
+    return deps
+
+
+def _execute(schedule, num_stages, duration, p2p_time):
+    """Run all ranks in lock-free order; returns (events, stuck ranks, busy time per rank).
+
+    A rank stops at a compute step whose inputs are not produced yet, so the order in which ranks
+    are visited does not change the computed times: every start is max(rank clock, input ready).
+    """
+    p = len(schedule)
+    pos, clock, busy = dict.fromkeys(schedule, 0), dict.fromkeys(schedule, 0.0), dict.fromkeys(schedule, 0.0)
+    done, events = {}, []  # done: (kind, stage, mb) -> time the data is available
+    progress = True
+    while progress:
+        progress = False
+        for r, steps in schedule.items():
+            while pos[r] < len(steps):
+                step = steps[pos[r]]
+                if step.step_type in _SEND:
+                    done[step.step_type, step.stage, step.micro_batch] = clock[r] + p2p_time
+                elif step.step_type in _COMPUTE:
+                    finished, ready = set(), clock[r]
+                    for sub in _flat(step):
+                        for dep in _deps(sub, num_stages, p):
+                            if dep not in finished:
+                                if dep not in done:
+                                    break
+                                ready = max(ready, done[dep])
+                        else:
+                            finished.add((sub.step_type, sub.stage, sub.micro_batch))
+                            continue
+                        break
+                    else:
+                        # Overlapped sub-steps share one device: their compute times add up.
+                        cost = sum(duration(sub) for sub in _flat(step))
+                        clock[r], busy[r] = ready + cost, busy[r] + cost
+                        done.update(dict.fromkeys(finished, clock[r]))
+                        events.append((r, step, ready, clock[r]))
+                        pos[r] += 1
+                        progress = True
+                        continue
+                    break
+                pos[r] += 1  # receives only post a buffer
+                progress = True
+    stuck = {}
+    for r, steps in schedule.items():
+        if pos[r] < len(steps):
+            step = steps[pos[r]]
+            missing = [d for sub in _flat(step) for d in _deps(sub, num_stages, p) if d not in done]
+            stuck[r] = (pos[r], step, ", ".join(f"{k.value}{mb}@s{s} (rank {s % p})" for k, s, mb in missing))
+    return events, stuck, busy
+
+
+@dataclasses.dataclass
+class Timeline:
+    """A simulated run: (rank, step, start, end) per compute step, total time, busy time per rank."""
+
+    events: list
+    makespan: float
+    busy: dict
+
+    def bubble_fraction(self):
+        total = len(self.busy) * self.makespan
+        # (total - busy) / total rather than 1 - busy / total: exact for integer-valued times.
+        return (total - sum(self.busy.values())) / total if total else 0.0
+
+
+def simulate(schedule, forward_time, backward_time, p2p_time=0.0):
+    """Replay a schedule with per-stage times (a float, or a dict stage -> float) and return its Timeline."""
+    steps = [sub for lst in schedule.values() for step in lst for sub in _flat(step)]
+    num_stages = 1 + max((s.stage for s in steps), default=0)
+    check_schedule(schedule, num_stages, 1 + max((s.micro_batch for s in steps), default=0))
+    times = {}
+    for name, value in (("forward_time", forward_time), ("backward_time", backward_time)):
+        per_stage = value if isinstance(value, dict) else dict.fromkeys(range(num_stages), value)
+        for s in range(num_stages):
+            if not isinstance(per_stage.get(s), (int, float)) or per_stage[s] < 0:
+                raise ValueError(f"{name} must give a number >= 0 for every stage 0..{num_stages - 1}, "
+                                 f"got {per_stage.get(s)!r} for stage {s}")
+        times[name[0].upper()] = per_stage
+    if not isinstance(p2p_time, (int, float)) or p2p_time < 0:
+        raise ValueError(f"p2p_time must be a number >= 0, got {p2p_time!r}")
+    events, _, busy = _execute(
+        schedule, num_stages, lambda step: times[step.step_type.value][step.stage], p2p_time)
+    return Timeline(events, max((e[3] for e in events), default=0.0), busy)
+
+
+def analytic_bubble(num_ranks, num_microbatches, stages_per_rank=1):
+    """Idle fraction of a 1F1B-family pipeline with equal stage times: (p-1) / (v*m + p-1)."""
+    for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
+                       ("stages_per_rank", stages_per_rank)):
+        _check_count(arg, value)
+    return (num_ranks - 1) / (stages_per_rank * num_microbatches + num_ranks - 1)
+
+
+def format_schedule(schedule):
+    """A grid of compute steps: one column per rank, one row per compute step index."""
+    cols = [[repr(s) for s in schedule[r] if s.step_type in _COMPUTE] for r in sorted(schedule)]
+    header = ["step"] + [f"rank {r}" for r in sorted(schedule)]
+    rows = [header] + [[str(i)] + [c[i] if i < len(c) else "" for c in cols]
+                       for i in range(max(map(len, cols), default=0))]
+    widths = [max(len(row[j]) for row in rows) for j in range(len(header))]
+    return "\n".join(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
