@@ -134,3 +134,62 @@ def run_parity(
         ref_opt.zero_grad()
     return {"losses": losses, "ref_losses": ref_losses, "summary": parallel.compile_summary(),
             "rank": dist.get_rank()}
+
+
+def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """``loss_fn`` for pipeline tests: the example Llama's loss on its logits."""
+    from hyper_parallel.models.llama import causal_lm_loss
+
+    return causal_lm_loss(output["logits"], target)
+
+
+def run_pipeline_parity(
+    plan: Any,
+    mesh_shape: tuple[int, ...],
+    mesh_names: tuple[str, ...],
+    *,
+    num_layers: int = 4,
+    steps: int = 3,
+    batch: int = 8,
+    seq_len: int = 16,
+    with_loss_fn: bool = False,
+    dump_dir: str | None = None,
+    model_overrides: dict | None = None,
+) -> dict:
+    """:func:`run_parity` for a pipelined model: ``pmodel.step`` against forward + backward of the
+    single-device model on the whole batch, ``steps`` SGD steps. The optimizer is built before the
+    first step (it then holds parameters the split releases; they must leave it). ``with_loss_fn``:
+    the model returns logits and ``parallelize(loss_fn=lm_loss)`` / ``step(inputs, targets)`` add
+    the loss. Returns this rank's parameter names, losses and the pipeline report."""
+    mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
+    reference = build_model("llama", num_hidden_layers=num_layers, **(model_overrides or {}))
+    parallel = hp.parallelize(copy.deepcopy(reference), plan, mesh, dump_dir=dump_dir,
+                              loss_fn=lm_loss if with_loss_fn else None)
+    opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        full = global_batch("llama", batch, seq_len, seed=step + 1)
+        local = local_batch(full, mesh)
+        if with_loss_fn:
+            loss = parallel.step({"input_ids": local["input_ids"]}, local["labels"])
+        else:
+            loss = parallel.step(local)
+        ref_loss = _loss(reference(**full))
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
+        ref_params = dict(reference.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(
+                p.grad.full_tensor(), ref_params[name].grad,
+                msg=lambda m, name=name: f"step {step} grad of {name}: {m}",
+            )
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+    held = sum(len(group["params"]) for group in opt.param_groups)
+    return {"params": sorted(n for n, _ in parallel.named_parameters()), "optimizer_params": held,
+            "losses": losses, "report": parallel.pipeline_report(), "summary": parallel.compile_summary(),
+            "all_params": sorted(n for n, _ in reference.named_parameters())}
