@@ -13,7 +13,9 @@ from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
 from .parallel_dims import ParallelDims
-from .pipeline import MetaStep, MetaStepType, PipelinePlan
+from .pipeline import (
+    MetaStep, MetaStepType, PipelinePlan, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+)
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
 from .state_dict import (
@@ -58,6 +60,10 @@ __all__ = [
     "ParallelModule",
     "ParallelPlan",
     "PipelinePlan",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleGPipe",
+    "ScheduleInterleaved1F1B",
     "MetaStep",
     "MetaStepType",
     "ParallelStyle",

@@ -44,7 +44,7 @@ from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .runtime.fsdp_methods import FsdpMethods
 from .runtime.unshard import GatheredParams, watch_optimizers
-from .spmd import check_spmd
+from .spmd import check_spmd_on_mesh
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,8 @@ class ParallelModule(FsdpMethods, nn.Module):
                 "over all micro-batches); calling it directly is not supported"
             )
         entry, flat = _entry_for(self, args, kwargs)
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+            return _meta_outputs(entry)
         return _run(self, entry, flat)
 
     def step(self, inputs, targets=None) -> torch.Tensor:
@@ -237,7 +239,7 @@ def _flags_key(resolved: ResolvedPlan) -> tuple:
 
 def _signature(x):
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
+        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
     return ("const", type(x).__name__, repr(x))
 
 
@@ -428,8 +430,10 @@ def _capture_and_lower(
     # Capture on fake tensors of the *global* shapes: single-device semantics, no real memory.
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
+        # An input that requires grad gets its gradient (a pipeline stage's activations).
         fake_flat = [
-            torch.empty(_global_shape(x.shape, input_placements[p], mesh), dtype=x.dtype, device=_capture_device(x))
+            torch.empty(_global_shape(x.shape, input_placements[p], mesh), dtype=x.dtype, device=_capture_device(x),
+                        requires_grad=x.requires_grad)
             if isinstance(x, torch.Tensor) else x
             for p, x in zip(paths, flat)
         ]
@@ -520,7 +524,7 @@ def _finish(
         "forward": collectives(program.forward_gm, axis_of_group),
         "backward": collectives(program.backward_gm, axis_of_group),
     }
-    digest = check_spmd(colls)
+    digest = check_spmd_on_mesh(colls, mesh)
     memory_series = [] if dumper.dir else None  # live bytes per moment, for the report's plot
     memory = estimate_program(program, captured, series=memory_series)  # no optimizer state: memory_report(opt) adds it
     summary = {
@@ -653,6 +657,18 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     entry.program.grad_hook = _gradient_hook(module, entry)
     outs = entry.program(*primals)
     return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+
+def _meta_outputs(entry: CompiledEntry) -> Any:
+    """Called with meta inputs (shape inference, e.g. torch.distributed.pipelining's stages): the
+    outputs as meta tensors of this rank's local shapes, from the compiled program; nothing runs."""
+    program = entry.program
+    outs = program.forward_gm.graph.output_node().args[0][: program.num_user_outputs]
+    metas = [
+        torch.empty(o.meta["val"].shape, dtype=o.meta["val"].dtype, device="meta") if isinstance(o, torch.fx.Node) else o
+        for o in outs
+    ]
+    return pytree.tree_unflatten(metas, entry.captured.out_spec)
 
 
 def _keep_gathered_hook(module: ParallelModule, entry: CompiledEntry):

@@ -54,13 +54,16 @@ class InputInfo:
     index: int  # flat user-input index, output index for tangents, or -1
 
 
+INPUT_GRAD = "input_grad"  # OutputInfo kind: the gradient of a user input that requires grad
+
+
 @dataclasses.dataclass(frozen=True)
 class OutputInfo:
     """What one output slot of the joint graph is."""
 
-    kind: str  # "output" | "grad" | "none"
-    name: str  # output path (e.g. "loss") or the parameter FQN whose gradient this is
-    index: int  # flat user-output index or -1
+    kind: str  # "output" | "grad" | "input_grad" | "none"
+    name: str  # output path (e.g. "loss"), the parameter FQN or the input path whose gradient this is
+    index: int  # flat user-output index, flat user-input index (input_grad) or -1
 
 
 @dataclasses.dataclass
@@ -230,6 +233,8 @@ def capture(
             grad_of = desc.grad_of
             if isinstance(grad_of, compat.ParamAOTInput):
                 outputs.append(OutputInfo("grad", grad_of.target, -1))
+            elif isinstance(grad_of, compat.PlainAOTInput):  # a user input that requires grad
+                outputs.append(OutputInfo(INPUT_GRAD, input_paths[grad_of.idx], grad_of.idx))
             else:
                 outputs.append(OutputInfo("none", repr(grad_of), -1))
         elif desc is None:

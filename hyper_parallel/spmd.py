@@ -51,3 +51,16 @@ def _first_difference(everyone: list[dict]) -> str:
                         "dtypes on every rank and the same plan; running it would hang."
                     )
     return "SPMD check failed: collective sequences differ between ranks"
+
+
+def check_spmd_on_mesh(programs: dict[str, list[Collective]], mesh) -> str:
+    """:func:`check_spmd` among the ranks of ``mesh``, which may be a sub-mesh of the world (a
+    pipeline stage's): over the world when the mesh spans it, else along each mesh axis in turn
+    (ranks that agree along every axis line agree everywhere on the mesh)."""
+    if not dist.is_initialized() or mesh.size() == dist.get_world_size():
+        return check_spmd(programs)
+    digest = sequence_hash(programs)
+    for axis in range(mesh.ndim):
+        check_spmd(programs, group=mesh.get_group(axis))
+    return digest
+

@@ -33,7 +33,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .. import compat
 from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
-from ..capture import CapturedGraph, module_fqn_of, source_line
+from ..capture import INPUT_GRAD, CapturedGraph, module_fqn_of, source_line
 from .accumulation import GRAD_ACCUM, insert_gradient_accumulation
 from .boundaries import merge_boundaries
 from .rules import NoShardingRule, propagate_op
@@ -303,6 +303,8 @@ class _Propagator:
                 wanted.append(None)
             elif info.kind == "output":
                 wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
+            elif info.kind == INPUT_GRAD:  # a differentiable user input's gradient: the input's layout
+                wanted.append(make_spec(self.mesh, self.input_specs[info.index].placements, slot.meta["val"]))
             elif info.kind == GATHERED:  # kept after backward: as computed with
                 spec = make_spec(self.mesh, self.resolved.fsdp.compute_placements[info.name], slot.meta["val"])
                 wanted.append(spec)
@@ -321,9 +323,13 @@ class _Propagator:
     def run(self) -> PropagationReport:
         graph = self.captured.gm.graph
         placeholders = iter(self.captured.inputs)
+        self.input_specs = {}  # flat user-input index -> its layout
         for node in graph.nodes:
             if node.op == "placeholder":
-                node.meta["hp_layout"] = self.placeholder(node, next(placeholders))
+                info = next(placeholders)
+                node.meta["hp_layout"] = self.placeholder(node, info)
+                if info.kind == "input":
+                    self.input_specs[info.index] = node.meta["hp_layout"].output
             elif node.op == "call_function":
                 node.meta["hp_layout"] = self.call(node)
             elif node.op == "get_attr":

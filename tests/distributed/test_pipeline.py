@@ -149,3 +149,48 @@ def _parallelize_error(plan, mesh_shape=(2,), names=("pp",), batch=8):
 def test_bad_pipeline_plans_raise_clear_errors(dist2, plan, batch, expected):
     for message in dist2.run(_parallelize_error, {"pipeline": plan}, batch=batch):
         assert expected in message, message
+
+
+def _hand_built_stages(schedule_name):
+    """Each rank builds its own stage module (a slice of an MLP stack), parallelizes it on the stage
+    mesh and hands it to the seed's PipelineStage / schedule objects."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from hyper_parallel.pipeline.api import stage_mesh
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    rank = dist.get_rank()
+    stage_module = hp.parallelize(copy.deepcopy(model[:2] if rank == 0 else model[2:]), {}, stage_mesh(mesh, "pp"))
+    stage = hp.PipelineStage(stage_module, rank, 2, group=mesh.get_group("pp"))
+    schedule = getattr(hp, schedule_name)(stage, 4, loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    losses = []
+    if rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    ref_loss = nn.functional.mse_loss(model(x), y)
+    ref_loss.backward()
+    reference = dict(model.named_parameters())  # Sequential slices keep their keys
+    for name, p in stage_module.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), reference[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+    if rank == 1:
+        torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach())
+    return sorted(n for n, _ in stage_module.named_parameters())
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_hand_built_stages_with_seed_schedule_objects(dist2, schedule):
+    names = dist2.run(_hand_built_stages, schedule)
+    assert names == [["0.bias", "0.weight"], ["2.bias", "2.weight", "4.bias", "4.weight"]]
+
+
+def test_overlap_p2p_keeps_parity(dist2):
+    plan = {"pipeline": _pipeline(["model.layers.2"], "1F1B", 4, overlap_p2p=True)}
+    _check_stages(dist2.run(run_pipeline_parity, plan, (2,), ("pp",)), 2)

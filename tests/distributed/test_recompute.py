@@ -127,8 +127,20 @@ def auto_recompute_within_budget():
 
     none, full = (peak(PLANS[p]).compile_summary()["memory"]["peak"] for p in ("none", "full"))
     budget = (none + full) // 2
-    auto = peak({"recompute": "auto"}, memory_budget_bytes=budget)
+    import json
+    import os
+    import tempfile
+
+    dump_dir = tempfile.mkdtemp()
+    auto = peak({"recompute": "auto"}, memory_budget_bytes=budget, dump_dir=dump_dir)
     chosen = auto.compile_summary()["recompute_auto"]
+    # The dump describes the chosen program (not the last candidate tried), captured once.
+    folder = os.path.join(dump_dir, f"rank{dist.get_rank()}")
+    with open(os.path.join(folder, "summary.json")) as f:
+        dumped = json.load(f)
+    assert dumped["recompute_auto"]["chosen"] == chosen["chosen"], (dumped["recompute_auto"], chosen)
+    assert dumped["memory"]["peak"] == auto.compile_summary()["memory"]["peak"]
+    assert sum(name.endswith("_captured.py") for name in os.listdir(folder)) == 1
     loss = auto(**batch)["loss"]
     loss.backward()
     ref_loss = reference(**global_batch("llama", 4, 64))["loss"]
