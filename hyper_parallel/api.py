@@ -450,7 +450,7 @@ def _capture_and_lower(
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
-        with compat.reparametrize_module(module, fake_state), capturing(), \
+        with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
                 (wrap_forward() if wrap_forward else contextlib.nullcontext()):
             captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules)
             annotated = annotated_regions()
