@@ -456,6 +456,7 @@ def _capture_and_lower(
             annotated = annotated_regions()
     finally:
         module.__class__ = parallel_cls
+    _name_tied_parameters(captured, module)
     dumper.graph("captured", captured.gm)
 
     storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
@@ -463,6 +464,21 @@ def _capture_and_lower(
     local = lower(captured, mesh)
     dumper.graph("lowered", local)
     return _Lowered(captured, resolved, report, local, input_placements, annotated)
+
+
+def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
+    """A parameter shared by several modules (tied embedding and output head) may be captured under
+    any of its names; use the one ``named_parameters()`` gives, which is the one that holds it."""
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        aliases[fqn] = canonical.setdefault(id(p), fqn)
+    captured.inputs[:] = [
+        dataclasses.replace(i, name=aliases.get(i.name, i.name)) if i.kind == "param" else i for i in captured.inputs
+    ]
+    captured.outputs[:] = [
+        dataclasses.replace(o, name=aliases.get(o.name, o.name)) if o.kind == "grad" else o for o in captured.outputs
+    ]
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

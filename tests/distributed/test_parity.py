@@ -24,6 +24,14 @@ def test_data_parallel_2_ranks(dist2, model):
     assert _counts(summary, "forward", "all_reduce", "dp") == 1
 
 
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_tied_embedding_and_head(dist2, plan):
+    """A weight shared by the embedding and the output head is one parameter (named as
+    named_parameters() names it): its gradient sums both uses, as on one device."""
+    results = dist2.run(run_parity, "llama", plan, (2,), ("dp",), model_overrides={"tie_word_embeddings": True})
+    assert results[0]["losses"] == results[1]["losses"]
+
+
 def test_data_parallel_gradient_buckets(dist2):
     """bucket_cap_mb cuts the gradient all-reduces like DDP; without the bucketing pass there is one
     per parameter. Both keep single-device numbers (run_parity checks every gradient)."""
