@@ -1,7 +1,7 @@
 """Shared launcher of the benchmarks: one gloo process per rank on this machine, rank 0 reports.
 
 ``launch(run, report, args, world)`` spawns ``world`` processes, runs ``run(args)`` on each inside a
-gloo process group, and on the rank that returns a result (rank 0) prints it as JSON, calls
+gloo process group (NCCL, one GPU per rank, when ``args.device == "cuda"``), and on the rank that returns a result (rank 0) prints it as JSON, calls
 ``report(result)`` for the human-readable table, and writes ``args.json_out`` if given.
 """
 
@@ -49,7 +49,13 @@ def _worker(rank: int, world: int, port: int, run, report, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if rank != 0:
         warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    backend = "gloo"
+    if getattr(args, "device", "cpu") == "cuda":  # one GPU per rank, NCCL
+        import torch
+
+        torch.cuda.set_device(rank)
+        backend = "nccl"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = run(args)
     finally:

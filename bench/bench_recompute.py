@@ -1,6 +1,7 @@
 """Activation memory: peak memory and step time of recompute / swap, hyper_parallel vs eager torch.
 
-``python bench/bench_recompute.py`` spawns ``--world`` (default 2) gloo processes on CPU. Each rank
+``python bench/bench_recompute.py`` spawns ``--world`` (default 2) gloo processes on CPU
+(``--device cuda --world 1``: NCCL on GPUs, peaks from ``torch.cuda.max_memory_allocated``). Each rank
 trains the example Llama data-parallel on its slice of one global batch, once per mode:
 
 * none: activations saved (hp: no plan entry; eager: plain DDP);
@@ -45,6 +46,9 @@ def _eager_layers(model, mode: str) -> None:
     save = {
         torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     }
 
     def policy(ctx, op, *args, **kwargs):
@@ -79,15 +83,18 @@ def run(args):
     from hyper_parallel.testing.memory_tracker import MemoryTracker
     from hyper_parallel.testing.parity import local_batch
 
-    torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    mesh = hp.init_device_mesh(args.device, (world,), mesh_dim_names=("dp",))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq_len), generator=g)
-    batch = local_batch({"input_ids": ids, "labels": ids}, mesh)
+    batch = {k: v.to(args.device) for k, v in local_batch({"input_ids": ids, "labels": ids}, mesh).items()}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     results = {}
     for mode in args.modes:
-        base = build_model(args)
+        base = build_model(args).to(args.device)
         hp_model = hp.parallelize(copy.deepcopy(base), _hp_plan(mode), mesh)
         eager = copy.deepcopy(base)
         _eager_layers(eager, mode)
@@ -105,14 +112,23 @@ def run(args):
         for i in range(args.warmup + args.steps):
             for name in sides:
                 dist.barrier()
+                sync()
                 t0 = time.perf_counter()
                 step(name)
-                elapsed = torch.tensor(time.perf_counter() - t0)
+                sync()
+                elapsed = torch.tensor(time.perf_counter() - t0, device=args.device)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if i >= args.warmup:
                     times[name].append(elapsed.item() * 1e3)
         peaks = {}
         for name, model in sides.items():
+            if cuda:  # the allocator's peak over one step (both sides count the same workspaces)
+                sync()
+                torch.cuda.reset_peak_memory_stats()
+                step(name)
+                sync()
+                peaks[name] = torch.cuda.max_memory_allocated()
+                continue
             baseline = [*model.parameters(), *batch.values()]
             with MemoryTracker(baseline) as tracker:
                 step(name)
@@ -123,16 +139,18 @@ def run(args):
             "hp_saved_bytes": hp_model.compile_summary()["saved_for_backward"]["bytes"],
         }
     if rank == 0:
-        return {"world": world, "batch": args.batch, "seq_len": args.seq_len, "layers": args.layers,
-                "hidden": args.hidden, "steps": args.steps, "modes": results}
+        return {"world": world, "device": args.device, "batch": args.batch, "seq_len": args.seq_len,
+                "layers": args.layers, "hidden": args.hidden, "steps": args.steps, "modes": results}
     return None
 
 
 def report(result):
     print(
         f"\nDP={result['world']} Llama {result['layers']}L h{result['hidden']}, global batch "
-        f"{result['batch']} x seq {result['seq_len']}, median of {result['steps']} steps; peak = live "
-        "tensor bytes on rank 0 (parameters, gradients, activations, temporaries)"
+        f"{result['batch']} x seq {result['seq_len']} on {result.get('device', 'cpu')}, median of "
+        f"{result['steps']} steps; peak = "
+        + ("torch.cuda.max_memory_allocated() over one step, rank 0" if result.get("device") == "cuda" else
+           "live tensor bytes on rank 0 (parameters, gradients, activations, temporaries)")
     )
     print(f"{'mode':<10}{'hp ms':>9}{'eager ms':>10}{'ratio':>7}{'hp peak MB':>12}{'eager peak MB':>15}{'ratio':>7}")
     for mode, r in result["modes"].items():
@@ -151,6 +169,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: one GPU per rank, NCCL, peaks from torch.cuda.max_memory_allocated")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     launch(run, report, args, args.world, threads=1)
