@@ -84,17 +84,9 @@ class FullyShard:
     @classmethod
     def from_value(cls, value: Any) -> "FullyShard":
         """Accept a FullyShard or the same as a plain dict (plans read from YAML/JSON)."""
-        if isinstance(value, FullyShard):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-            if unknown:
-                raise ValueError(
-                    f"fully_shard has unknown keys {sorted(unknown)}; valid keys are "
-                    f"{[f.name for f in dataclasses.fields(cls)]}"
-                )
-            return cls(**value)
-        raise TypeError(f"fully_shard must be a FullyShard or a dict, got {type(value).__name__}")
+        from .plan import option_from_value
+
+        return option_from_value(cls, value, "fully_shard")
 
 
 @dataclasses.dataclass(frozen=True)

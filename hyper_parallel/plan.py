@@ -248,6 +248,20 @@ def _merge_layout_entries(
     return merged
 
 
+
+def option_from_value(cls, value: Any, name: str):
+    """A plan option as ``cls``: an instance, or the same as a plain dict of its fields (plans read
+    from YAML/JSON); ``name`` is the plan key the messages name."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        valid = [f.name for f in fields(cls)]
+        unknown = set(value) - set(valid)
+        if unknown:
+            raise ValueError(f"{name} has unknown keys {sorted(unknown)}; valid keys are {valid}")
+        return cls(**value)
+    raise TypeError(f"{name} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """What to parallelize and how; mesh-agnostic data (see DESIGN section 1).

@@ -165,7 +165,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
         entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
     pipe.last = entry
-    loss, grads = entry.executor.run(module, mbs, pipe.resolved.num_stages - 1)
+    loss, grads = entry.executor.run(module, mbs)
     _accumulate_gradients(module, grads)
     if state.dump_dir:
         _dump_timeline(state, entry)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..plan import option_from_value
 from .schedules import SCHEDULES
 
 AUTO = "auto"
@@ -67,17 +68,8 @@ class PipelinePlan:
 
     @classmethod
     def from_value(cls, value: Any) -> "PipelinePlan":
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-            if unknown:
-                raise ValueError(
-                    f"ParallelPlan.pipeline has unknown keys {sorted(unknown)}; the keys are "
-                    f"{[f.name for f in dataclasses.fields(cls)]}"
-                )
-            return cls(**value)
-        raise TypeError(f"ParallelPlan.pipeline must be an hp.PipelinePlan or a dict, got {type(value).__name__}")
+        """Accept a PipelinePlan or the same as a plain dict."""
+        return option_from_value(cls, value, "ParallelPlan.pipeline")
 
 
 @dataclasses.dataclass(frozen=True)

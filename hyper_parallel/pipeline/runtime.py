@@ -88,16 +88,17 @@ class PipelineExecutor:
         return mb * self.num_transfers + self.tag_of[(transfer.name, transfer.dst)]
 
     # --- one step ------------------------------------------------------------------------------
-    def run(self, module, micro_batches: list[list], loss_stage: int) -> tuple[torch.Tensor | None, dict]:
+    def run(self, module, micro_batches: list[list]) -> tuple[torch.Tensor | None, dict]:
         """Run the schedule. ``micro_batches[mb]``: the flat inputs of micro-batch ``mb``. Returns
         (mean loss on the last stage's rank, else None; {parameter FQN: local gradient})."""
         params = {fqn: p for fqn, p in module.named_parameters()}
         buffers = {fqn: b for fqn, b in module.named_buffers()}
-        received: dict = {}  # (value name, dst stage, mb) -> tensor, or a request to wait on
-        pending_recv: dict = {}  # (value name, dst stage, mb) -> work handle
+        received: dict = {}  # (value name, dst stage, mb) -> tensor (being received while in pending_recv)
+        pending_recv: dict = {}  # (value name, dst stage, mb) -> the receive's work handle
         saved: dict = {}  # (stage, mb) -> saved tensors
         outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
-        sends: list = []  # (work, tensor): kept alive until the step ends
+        send_works: list = []
+        send_buffers: list = []  # what is being sent stays alive until the step ends
         grads: dict[str, torch.Tensor] = {}
         loss_sum = None
         scale = 1.0 / self.num_microbatches
@@ -127,9 +128,9 @@ class PipelineExecutor:
                 for t, value in outgoing.pop((s, mb, phase), {}).items():
                     value = value.contiguous()
                     ops.append(dist.P2POp(dist.isend, value, self._peer(t.dst), self.pp_group, self._tag(t, mb)))
-                    sends.append(value)
+                    send_buffers.append(value)
                 if ops:
-                    sends.extend(dist.batch_isend_irecv(ops))
+                    send_works.extend(dist.batch_isend_irecv(ops))
             elif kind is T.FORWARD:
                 primals = []
                 for info in program.graph.inputs:
@@ -171,9 +172,8 @@ class PipelineExecutor:
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
                 raise NotImplementedError(f"pipeline executor: step type {kind} is not supported")
-        for work in sends:
-            if hasattr(work, "wait"):
-                work.wait()
+        for work in send_works:
+            work.wait()
         assert not saved and not pending_recv, (list(saved), list(pending_recv))
         self.last_timing = StepTiming(events, time.perf_counter() - t0)
         return loss_sum, grads
