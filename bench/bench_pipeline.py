@@ -28,7 +28,9 @@ step's time is the slowest rank's; medians reported. hp's ``step`` also broadcas
 pp rank (torch leaves it on the last stage): that 4-byte broadcast is inside hp's time.
 
 Checks at step 0 (before any update): the two losses agree within ``--loss-rtol`` (relative, 1e-4)
-and every parameter gradient agrees (max relative difference reported). Bubble: hp's
+and every parameter gradient agrees (max relative difference reported); after the timed steps
+(``--warmup + --steps`` SGD updates on each side) one more untimed step compares the losses again.
+Bubble: hp's
 ``pipeline_report()`` (outside the timed region) after every timed step: the measured idle
 fraction per rank (mean over ranks, median over steps) next to the analytic (p-1)/(m+p-1) and the
 schedule simulated with hp's measured per-stage times.
@@ -208,7 +210,8 @@ def _grad_rel_diff(hp_model, stage_module) -> tuple[float, str, int]:
 
 
 def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Build both pipelines for one (schedule, m), check step 0, then time them interleaved."""
+    world = dist.get_world_size()
     hp_model, hp_opt, stage_module, torch_schedule, torch_opt = _build(ref, args, schedule_name, m)
 
     # Step 0: losses and gradients before any update, then the optimizer steps.

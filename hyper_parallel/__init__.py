@@ -7,6 +7,8 @@ loss and gradients one device would compute.
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from . import models  # example models (hp.models.LlamaForCausalLM); transformers is imported lazily
+
 from .api import ParallelModule, parallelize
 from .fully_shard import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .init import init_empty_weights, init_on_device, manual_seed

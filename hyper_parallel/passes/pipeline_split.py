@@ -14,7 +14,9 @@ Which stage a node belongs to:
   where their data is (forward: the latest stage among their inputs; backward: the earliest), else
   the stage of the forward op with their autograd ``seq_nr``, else where their users are;
 * placeholders and constants are copied into every stage that reads them, except a parameter read
-  by two stages (tied weights), which is an error: its gradient would be split between them.
+  by two stages (tied weights), which is an error: its gradient would be split between them;
+* forward values computed from buffers and constants alone (rotary tables, masks) are recomputed
+  by every stage that reads them instead of being sent each micro-batch.
 
 A value computed in stage ``a`` and read in stage ``b`` crosses the cut: in forward it must go to a
 later stage (sent after ``a``'s forward, received before ``b``'s), in backward to an earlier one.
@@ -193,9 +195,10 @@ def split_stages(
         if isinstance(value, torch.fx.Node) and s is not None:
             readers.setdefault(value, set()).add(s)
 
+    replicable = _replicable(gm, phases, info_of)
     transfers: list[Transfer] = []
     for node, stages in readers.items():
-        if node.op != "call_function":
+        if node.op != "call_function" or node in replicable:
             continue
         src = stage[node]
         for dst in sorted(stages - {src}):
@@ -212,19 +215,45 @@ def split_stages(
                 raise ValueError(f"pipeline split: {_describe(node)} crosses stages {src}->{dst} but is not a tensor")
             transfers.append(Transfer(node.name, src, dst, FORWARD if forward else BACKWARD,
                                       tuple(val.shape), val.dtype))
-    return [_build_stage(gm, s, stage, phases, info_of, slots, captured.outputs, slot_stage, transfers)
+    return [_build_stage(gm, s, stage, replicable, info_of, slots, captured.outputs, slot_stage, transfers)
             for s in range(num_stages)]
 
 
-def _build_stage(gm, s, stage, phases, info_of, slots, out_infos, slot_stage, transfers) -> StageGraph:
+def _replicable(gm: torch.fx.GraphModule, phases: dict, info_of: dict) -> set:
+    """Forward values computed from buffers and constants alone (rotary tables, masks): every stage
+    that reads one recomputes it rather than receiving it each micro-batch. Nothing random, no
+    collective, no parameter (its gradient would be split) and no input feeds them."""
+    replicable: set = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" or (node.op == "placeholder" and info_of[node].kind == "buffer"):
+            replicable.add(node)
+        elif (
+            node.op == "call_function" and phases[node] == FORWARD and not node.is_impure()
+            and getattr(node.target, "namespace", None) != "_c10d_functional"
+            and not (isinstance(node.target, torch._ops.OpOverload)
+                     and torch.Tag.nondeterministic_seeded in node.target.tags)
+            and all(a in replicable for a in node.all_input_nodes)
+        ):
+            replicable.add(node)
+    return {n for n in replicable if n.op == "call_function"}
+
+
+def _build_stage(gm, s, stage, replicable, info_of, slots, out_infos, slot_stage, transfers) -> StageGraph:
     graph = torch.fx.Graph()
     env: dict = {}
     names = {n.name: n for n in gm.graph.nodes}
     recvs = [t for t in transfers if t.dst == s]
     sends = [t for t in transfers if t.src == s]
-    mine = [n for n in gm.graph.nodes if n.op == "call_function" and stage[n] == s]
+    mine = {n for n in gm.graph.nodes if n.op == "call_function" and stage[n] == s and n not in replicable}
     used = {a for n in mine for a in n.all_input_nodes}
     used |= {v for v, st in zip(slots, slot_stage) if isinstance(v, torch.fx.Node) and st == s}
+    pending = [n for n in used if n in replicable]
+    while pending:  # what this stage recomputes, and what that reads
+        for a in pending.pop().all_input_nodes:
+            if a not in used:
+                used.add(a)
+                if a in replicable:
+                    pending.append(a)
 
     inputs: list[InputInfo] = []
     primal_i = tangent_i = 0
@@ -260,7 +289,7 @@ def _build_stage(gm, s, stage, phases, info_of, slots, out_infos, slot_stage, tr
         if node.op == "get_attr" and node in used:
             env[node] = graph.node_copy(node, lambda a: env[a])
             env[node].meta = node.meta
-        elif node.op == "call_function" and stage[node] == s:
+        elif node.op == "call_function" and (node in mine or (node in replicable and node in used)):
             env[node] = graph.node_copy(node, lambda a: env[a])
             env[node].meta = node.meta
 

@@ -167,7 +167,10 @@ class PipelineExecutor:
                 primal_infos = [i for i in program.graph.inputs if i.kind not in ("tangent", RECV_BWD)]
                 for info, g in zip(primal_infos, outs):
                     if info.kind == "param" and g is not None:
-                        grads[info.name] = g if info.name not in grads else grads[info.name] + g
+                        if info.name in grads:
+                            grads[info.name].add_(g)  # the first one is this step's own buffer
+                        else:
+                            grads[info.name] = g
                 self._route(program, outs[len(primal_infos):], s, mb, "backward", outgoing, received)
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
