@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import compat
+from ..capture import flat_paths
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..passes.pipeline_split import StageGraph, split_stages
 from ..runtime.partition import partition_by_phase
@@ -153,12 +154,13 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     state = module._hp
     pipe: PipelineState = state.pipeline
     plan = pipe.resolved.plan
+    _check_no_fsdp_flags(state)
     args, kwargs = call_arguments(inputs, targets, pipe.loss_fn)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
-    from ..capture import flat_paths
-
     paths = flat_paths((args, kwargs))
     mbs = micro_batches(flat, plan.num_microbatches, paths)
+    from ..api import _signature
+
     key = (in_spec, tuple(_signature(x) for x in mbs[0]))
     entry = pipe.cache.get(key)
     if entry is None:
@@ -170,6 +172,25 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     if state.dump_dir:
         _dump_timeline(state, entry)
     return _broadcast_loss(pipe, loss, entry)
+
+
+def _check_no_fsdp_flags(state) -> None:
+    """The FSDP methods that change the compiled program are not wired into stage programs yet:
+    refuse them rather than ignore them."""
+    changed = [name for name, value, default in (
+        ("set_requires_gradient_sync", state.gradient_sync, True),
+        ("set_requires_all_reduce", state.all_reduce, True),
+        ("set_reshard_after_forward", state.reshard_after_forward, None),
+        ("set_reshard_after_backward", state.reshard_after_backward, True),
+        ("set_reduce_op_type", state.reduce_op, "avg"),
+    ) if value != default]
+    if state.gathered.units:
+        changed.append("unshard")
+    if changed:
+        raise ValueError(
+            f"{', '.join(changed)} is not supported with a pipeline plan yet: pmodel.step() already "
+            "accumulates the micro-batches' gradients; leave these at their defaults"
+        )
 
 
 def _dump_timeline(state, entry: PipelineEntry) -> None:
@@ -190,12 +211,6 @@ def _dump_timeline(state, entry: PipelineEntry) -> None:
         "otherData": {"schedule": entry.summary["schedule"], "measured_bubble": timing.bubble_fraction(),
                       "analytic_bubble": entry.summary["analytic_bubble"], "step_s": timing.step_s},
     }, indent=None)
-
-
-def _signature(x):
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype)
-    return ("const", type(x).__name__, repr(x))
 
 
 def _accumulate_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> None:

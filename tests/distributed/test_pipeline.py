@@ -194,3 +194,22 @@ def test_hand_built_stages_with_seed_schedule_objects(dist2, schedule):
 def test_overlap_p2p_keeps_parity(dist2):
     plan = {"pipeline": _pipeline(["model.layers.2"], "1F1B", 4, overlap_p2p=True)}
     _check_stages(dist2.run(run_pipeline_parity, plan, (2,), ("pp",)), 2)
+
+
+def _flag_error():
+    from hyper_parallel.testing.parity import build_model, global_batch
+
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    plan = {"pipeline": _pipeline(["model.layers.2"], "1F1B", 2), "fully_shard": {"units": ["model.layers.*", ""]}}
+    pmodel = hp.parallelize(build_model("llama"), plan, mesh)
+    pmodel.set_requires_gradient_sync(False)
+    try:
+        pmodel.step(global_batch("llama", 4, 16))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_program_changing_fsdp_flags_are_refused(dist4):
+    for message in dist4.run(_flag_error):
+        assert "set_requires_gradient_sync is not supported with a pipeline plan yet" in message, message
