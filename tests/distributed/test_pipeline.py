@@ -46,6 +46,16 @@ def test_loss_fn_and_targets(dist2):
     _check_stages(results, 2)
 
 
+def test_interleaved_two_stages_on_one_rank():
+    """Interleaved1F1B with 2 stages: both on the one pp rank, handed over in memory."""
+    from hyper_parallel.testing.distributed import get_pool
+
+    plan = {"pipeline": _pipeline(["model.layers.2"], "Interleaved1F1B", 2, stages_per_rank=2)}
+    results = get_pool(1).run(run_pipeline_parity, plan, (1,), ("pp",))
+    _check_stages(results, 2)
+    assert results[0]["summary"]["local_stages"] == [0, 1] and results[0]["summary"]["transfers"]
+
+
 def test_interleaved_four_stages_on_two_ranks(dist2):
     plan = {"pipeline": _pipeline(FOUR_STAGES, "Interleaved1F1B", 4, stages_per_rank=2)}
     results = dist2.run(run_pipeline_parity, plan, (2,), ("pp",), num_layers=8)
