@@ -122,12 +122,19 @@ def _check_options(options, mode) -> tuple[Any, Any, dict]:
     for key in ("plan", "mesh"):
         if key not in options:
             raise BackendValueError(f"options has no {key!r}: {_USAGE}")
+    plan = options["plan"]
+    pipeline = plan.get("pipeline") if isinstance(plan, dict) else getattr(plan, "pipeline", None)
+    if pipeline is not None:
+        raise BackendValueError(
+            f"a pipeline plan does not fit the {BACKEND_NAME} backend: a pipelined model trains through "
+            "pmodel = hp.parallelize(model, plan, mesh, loss_fn=...) and pmodel.step(inputs, targets)"
+        )
     mesh = options["mesh"]
     if not isinstance(mesh, DeviceMesh):
         raise BackendTypeError(
             f"options['mesh'] must be a DeviceMesh (hp.init_device_mesh(...)), got {type(mesh).__name__}"
         )
-    return options["plan"], mesh, {k: v for k, v in options.items() if k in PASS_OPTIONS}
+    return plan, mesh, {k: v for k, v in options.items() if k in PASS_OPTIONS}
 
 
 # --- what Dynamo compiles ------------------------------------------------------------------------

@@ -210,6 +210,8 @@ def test_graph_breaks_instances_and_optimizer_state(dist2):
     ({"plan": {}, "mesh": None, "bucket_mb": 1}, ValueError,
      r"unknown hyper_parallel option\(s\) \['bucket_mb'\].*bucket_cap_mb"),
     ({"plan": {}, "mesh": "dp"}, TypeError, r"options\['mesh'\] must be a DeviceMesh"),
+    ({"plan": {"pipeline": {"schedule": "1F1B"}}, "mesh": None}, ValueError,
+     r"a pipeline plan does not fit the hyper_parallel backend.*pmodel.step\(inputs, targets\)"),
 ])
 def test_bad_options(options, error, match):
     compiled = torch.compile(MLP(), backend="hyper_parallel", options=options)
