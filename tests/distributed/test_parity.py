@@ -108,3 +108,36 @@ def test_uneven_heads_error_names_the_node(dist4):
     # 2 key/value heads on tp=4: the head split is uneven; the error names the view and the fix.
     with pytest.raises(ValueError, match=r"(?s)cannot shard node 'view.*self_attn.*key-value heads"):
         dist4.run(run_parity, "llama", "tp", (4,), ("tp",), steps=1)
+
+
+def _step_without_pipeline():
+    import copy
+
+    import torch
+
+    import hyper_parallel as hp
+    from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    reference = build_model("llama")
+    pmodel = hp.parallelize(copy.deepcopy(reference), {}, mesh)
+    full = global_batch("llama", 4, 16)
+    loss = pmodel.step(local_batch(full, mesh))
+    ref_loss = reference(**full)["loss"]
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach())
+    assert not loss.requires_grad
+    ref = dict(reference.named_parameters())
+    for name, p in pmodel.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad)
+    try:
+        pmodel.step(local_batch(full, mesh), full["labels"])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_step_without_a_pipeline(dist2):
+    """pmodel.step(inputs) is forward + backward for any plan; targets need loss_fn (pipelines)."""
+    for message in dist2.run(_step_without_pipeline):
+        assert "targets are for parallelize(..., loss_fn=...)" in message, message
