@@ -144,10 +144,10 @@ class ParallelModule(FsdpMethods, nn.Module):
             from .pipeline.api import pipeline_step
 
             return pipeline_step(self, inputs, targets)
-        from .pipeline.api import _loss_of, call_arguments
+        from .pipeline.api import loss_of, call_arguments
 
         args, kwargs = call_arguments(inputs, targets, None)
-        loss = _loss_of(self(*args, **kwargs))
+        loss = loss_of(self(*args, **kwargs))
         loss.backward()
         return loss.detach()
 

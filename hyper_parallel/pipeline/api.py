@@ -86,7 +86,7 @@ def loss_forward(module: nn.Module, loss_fn: Callable | None, original_forward: 
         if loss_fn is not None:
             *args, target = args
             return loss_fn(original_forward(*args, **kwargs), target)
-        return _loss_of(original_forward(*args, **kwargs))
+        return loss_of(original_forward(*args, **kwargs))
 
     module.forward = forward
     try:
@@ -95,7 +95,7 @@ def loss_forward(module: nn.Module, loss_fn: Callable | None, original_forward: 
         del module.forward
 
 
-def _loss_of(out) -> torch.Tensor:
+def loss_of(out) -> torch.Tensor:
     if isinstance(out, torch.Tensor):
         loss = out
     elif isinstance(out, dict) or hasattr(out, "keys"):
