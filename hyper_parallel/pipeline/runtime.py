@@ -97,8 +97,7 @@ class PipelineExecutor:
         pending_recv: dict = {}  # (value name, dst stage, mb) -> the receive's work handle
         saved: dict = {}  # (stage, mb) -> saved tensors
         outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
-        send_works: list = []
-        send_buffers: list = []  # what is being sent stays alive until the step ends
+        in_flight_sends: list = []  # (work, tensors): a sent value lives until its send completes
         grads: dict[str, torch.Tensor] = {}
         loss_sum = None
         scale = 1.0 / self.num_microbatches
@@ -124,13 +123,16 @@ class PipelineExecutor:
                         pending_recv[key] = work
             elif kind in (T.FWD_SEND, T.BWD_SEND):
                 phase = "forward" if kind is T.FWD_SEND else "backward"
-                ops = []
+                ops, values = [], []
                 for t, value in outgoing.pop((s, mb, phase), {}).items():
                     value = value.contiguous()
                     ops.append(dist.P2POp(dist.isend, value, self._peer(t.dst), self.pp_group, self._tag(t, mb)))
-                    send_buffers.append(value)
+                    values.append(value)
                 if ops:
-                    send_works.extend(dist.batch_isend_irecv(ops))
+                    in_flight_sends.extend((work, values) for work in dist.batch_isend_irecv(ops))
+                # Drop what has been sent (a GPipe first stage would otherwise hold every
+                # micro-batch's activations until the step ends).
+                in_flight_sends = [(w, v) for w, v in in_flight_sends if not w.is_completed()]
             elif kind is T.FORWARD:
                 primals = []
                 for info in program.graph.inputs:
@@ -175,7 +177,7 @@ class PipelineExecutor:
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
                 raise NotImplementedError(f"pipeline executor: step type {kind} is not supported")
-        for work in send_works:
+        for work, _ in in_flight_sends:
             work.wait()
         assert not saved and not pending_recv, (list(saved), list(pending_recv))
         self.last_timing = StepTiming(events, time.perf_counter() - t0)
