@@ -13,6 +13,7 @@ and later calls with the same signature run the cached program.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -420,8 +421,6 @@ def _capture_and_lower(
 ) -> _Lowered:
     """``wrap_forward``: a context manager factory that changes what the module's forward returns
     while it is captured (the pipeline's loss)."""
-    import contextlib
-
     mesh = state.mesh
     paths = flat_paths((args, kwargs))
     input_placements = _input_placements(resolved_plan, paths, flat)

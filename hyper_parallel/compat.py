@@ -151,6 +151,11 @@ def is_mutating_op(target) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
+def is_random_op(target) -> bool:
+    """Whether an op overload draws random numbers (torch's ``nondeterministic_seeded`` tag)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
 # --- memory estimator and tracker (memory.py, testing/memory_tracker.py) -------------------------
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402,F401
 

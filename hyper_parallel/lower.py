@@ -264,8 +264,4 @@ def _kept_when_unused(node: torch.fx.Node) -> bool:
     target = node.target
     if getattr(target, "namespace", None) in ("_c10d_functional", "c10d_functional"):
         return True
-    return compat.is_mutating_op(target) or (node.is_impure() and not _is_random_op(target))
-
-
-def _is_random_op(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return compat.is_mutating_op(target) or (node.is_impure() and not compat.is_random_op(target))

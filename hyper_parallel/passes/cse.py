@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
+
 _C10D_NAMESPACE = "_c10d_functional"
 
 
@@ -25,7 +27,7 @@ def _eligible(node: torch.fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverload):  # the type of every torch.ops.<ns>.<op>.<overload>
         if target.namespace == _C10D_NAMESPACE:
             return True
-        if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
+        if compat.is_random_op(target) or compat.is_mutating_op(target):
             return False
     return not node.is_impure()
 

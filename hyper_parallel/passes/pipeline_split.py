@@ -33,6 +33,7 @@ import dataclasses
 
 import torch
 
+from .. import compat
 from ..capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
 from ..runtime.partition import BACKWARD, FORWARD, _phase_of
 
@@ -230,8 +231,7 @@ def _replicable(gm: torch.fx.GraphModule, phases: dict, info_of: dict) -> set:
         elif (
             node.op == "call_function" and phases[node] == FORWARD and not node.is_impure()
             and getattr(node.target, "namespace", None) != "_c10d_functional"
-            and not (isinstance(node.target, torch._ops.OpOverload)
-                     and torch.Tag.nondeterministic_seeded in node.target.tags)
+            and not compat.is_random_op(node.target)
             and all(a in replicable for a in node.all_input_nodes)
         ):
             replicable.add(node)

@@ -231,7 +231,7 @@ def _broadcast_loss(pipe: PipelineState, loss: torch.Tensor | None, entry: Pipel
     """Every pp rank returns the loss, computed on the last stage's rank."""
     last_rank = (pipe.resolved.num_stages - 1) % pipe.resolved.num_ranks
     if loss is None:
-        loss = torch.empty((), dtype=entry.summary["loss_dtype"], device=entry.executor.device)
+        loss = torch.empty((), dtype=entry.executor.loss_dtype, device=entry.executor.device)
     if pipe.resolved.num_ranks > 1:
         dist.broadcast(loss, src=dist.get_global_rank(pipe.pp_group, last_rank), group=pipe.pp_group)
     return loss
@@ -281,12 +281,12 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
                               plan.overlap_p2p)
     transfers = [t for g in stages for t in g.sends]
     device = _device_of(module, flat)
-    executor = PipelineExecutor(programs, schedule[resolved.rank], transfers, resolved.num_ranks,
-                                plan.num_microbatches, pipe.pp_group, device)
     loss_dtype = next(
-        (v.meta["val"].dtype for v, i in zip(lowered.local.graph.output_node().args[0], lowered.captured.outputs)
-         if i.kind == "output"), torch.float32,
+        v.meta["val"].dtype for v, i in zip(lowered.local.graph.output_node().args[0], lowered.captured.outputs)
+        if i.kind == "output"
     )
+    executor = PipelineExecutor(programs, schedule[resolved.rank], transfers, resolved.num_ranks,
+                                plan.num_microbatches, pipe.pp_group, device, loss_dtype)
     summary = {
         "split_points": list(split_points),
         "num_stages": resolved.num_stages,
@@ -296,12 +296,11 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         "transfers": [dataclasses.asdict(t) | {"dtype": str(t.dtype)} for t in transfers],
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
         "analytic_bubble": analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank),
-        "loss_dtype": loss_dtype,
     }
     if auto_report is not None:
         summary["auto_split"] = auto_report
     dumper.text("schedule.txt", format_schedule(schedule) + "\n")
-    dumper.json("pipeline.json", {k: v for k, v in summary.items() if k != "loss_dtype"})
+    dumper.json("pipeline.json", summary)
     _release_other_stages(module, state, programs)
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule)

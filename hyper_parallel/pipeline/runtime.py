@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..passes.pipeline_split import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
+from ..runtime.partition import BACKWARD, FORWARD
 from .schedules import MetaStep, MetaStepType
 
 T = MetaStepType
@@ -45,9 +46,17 @@ class StageProgram:
     backward_gm: torch.fx.GraphModule
     graph: StageGraph
 
-    @property
-    def num_forward_outputs(self) -> int:
-        return self.graph.num_forward_outputs
+    def __post_init__(self):
+        graph = self.graph
+        self.num_forward_outputs = graph.num_forward_outputs
+        # What backward returns one gradient slot for (then its sends), and the transfers each
+        # program's trailing outputs are, in order.
+        self.primal_infos = [i for i in graph.inputs if i.kind not in ("tangent", RECV_BWD)]
+        by_key = {(t.name, t.dst): t for t in graph.sends}
+        self.sends = {
+            phase: [by_key[(i.name, i.index)] for i in graph.outputs if i.kind == kind]
+            for phase, kind in ((FORWARD, SEND_FWD), (BACKWARD, SEND_BWD))
+        }
 
 
 @dataclasses.dataclass
@@ -66,13 +75,14 @@ class PipelineExecutor:
     """Runs one training step of this rank's stages under a schedule."""
 
     def __init__(self, programs: dict[int, StageProgram], schedule: list[MetaStep], transfers: list[Transfer],
-                 num_ranks: int, num_microbatches: int, pp_group, device: torch.device):
+                 num_ranks: int, num_microbatches: int, pp_group, device: torch.device, loss_dtype: torch.dtype):
         self.programs = programs
         self.schedule = schedule
         self.num_ranks = num_ranks
         self.num_microbatches = num_microbatches
         self.pp_group = pp_group
         self.device = device
+        self.loss_dtype = loss_dtype
         self.tag_of = {(t.name, t.dst): i for i, t in enumerate(transfers)}
         self.num_transfers = max(len(transfers), 1)
         self.last_timing: StepTiming | None = None
@@ -108,10 +118,10 @@ class PipelineExecutor:
             kind, s, mb = step.step_type, step.stage, step.micro_batch
             program = self.programs[s]
             if kind in (T.FWD_RECV, T.BWD_RECV):
-                phase_kind = RECV_FWD if kind is T.FWD_RECV else RECV_BWD
+                phase = FORWARD if kind is T.FWD_RECV else BACKWARD
                 ops, keys = [], []
                 for t in program.graph.recvs:
-                    if _recv_kind(t) != phase_kind or self._is_local(t.src):
+                    if t.phase != phase or self._is_local(t.src):
                         continue
                     buf = torch.empty(t.shape, dtype=t.dtype, device=self.device)
                     ops.append(dist.P2POp(dist.irecv, buf, self._peer(t.src), self.pp_group, self._tag(t, mb)))
@@ -122,7 +132,7 @@ class PipelineExecutor:
                         received[key] = buf
                         pending_recv[key] = work
             elif kind in (T.FWD_SEND, T.BWD_SEND):
-                phase = "forward" if kind is T.FWD_SEND else "backward"
+                phase = FORWARD if kind is T.FWD_SEND else BACKWARD
                 ops, values = [], []
                 for t, value in outgoing.pop((s, mb, phase), {}).items():
                     value = value.contiguous()
@@ -149,7 +159,8 @@ class PipelineExecutor:
                     outs = program.forward_gm(*primals)
                 n = program.num_forward_outputs
                 saved[(s, mb)] = list(outs[n:])
-                self._route(program, outs[:n], s, mb, "forward", outgoing, received)
+                self._route(program.sends[FORWARD], outs[n - len(program.sends[FORWARD]):n], s, mb, FORWARD,
+                            outgoing, received)
                 for value, info in zip(outs[:n], program.graph.outputs):
                     if info.kind == "output":
                         contrib = value.detach() * scale
@@ -159,21 +170,21 @@ class PipelineExecutor:
                 tangents = []
                 for info in program.graph.inputs:
                     if info.kind == "tangent":
-                        tangents.append(torch.full((), scale, dtype=_loss_dtype(program), device=self.device))
+                        tangents.append(torch.full((), scale, dtype=self.loss_dtype, device=self.device))
                     elif info.kind == RECV_BWD:
                         tangents.append(self._take(received, pending_recv, (info.name, s, mb)))
                 args = saved.pop((s, mb)) + tangents
                 start = time.perf_counter() - t0
                 with torch.no_grad():
                     outs = program.backward_gm(args)
-                primal_infos = [i for i in program.graph.inputs if i.kind not in ("tangent", RECV_BWD)]
-                for info, g in zip(primal_infos, outs):
+                for info, g in zip(program.primal_infos, outs):
                     if info.kind == "param" and g is not None:
                         if info.name in grads:
                             grads[info.name].add_(g)  # the first one is this step's own buffer
                         else:
                             grads[info.name] = g
-                self._route(program, outs[len(primal_infos):], s, mb, "backward", outgoing, received)
+                self._route(program.sends[BACKWARD], outs[len(program.primal_infos):], s, mb, BACKWARD,
+                            outgoing, received)
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
                 raise NotImplementedError(f"pipeline executor: step type {kind} is not supported")
@@ -189,31 +200,15 @@ class PipelineExecutor:
             work.wait()
         return received.pop(key)
 
-    def _route(self, program: StageProgram, values, s: int, mb: int, phase: str, outgoing: dict,
+    def _route(self, sends: list[Transfer], values, s: int, mb: int, phase: str, outgoing: dict,
                received: dict) -> None:
         """Values this stage sends: to a stage on this rank in memory now, else at its SEND step."""
-        infos = [i for i in program.graph.outputs if i.kind in (SEND_FWD, SEND_BWD)]
-        infos = [i for i in infos if (i.kind == SEND_FWD) == (phase == "forward")]
-        values = list(values)[len(values) - len(infos):] if infos else []
-        by_name = {(t.name, t.dst): t for t in program.graph.sends}
-        for info, value in zip(infos, values):
-            t = by_name[(info.name, info.index)]
+        for t, value in zip(sends, values, strict=True):
             if self._is_local(t.dst):
                 received[(t.name, t.dst, mb)] = value
             else:
                 outgoing.setdefault((s, mb, phase), {})[t] = value
 
 
-def _recv_kind(t: Transfer) -> str:
-    return RECV_FWD if t.phase == "forward" else RECV_BWD
-
-
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _loss_dtype(program: StageProgram) -> torch.dtype:
-    for value, info in zip(program.forward_gm.graph.output_node().args[0], program.graph.outputs):
-        if info.kind == "output" and isinstance(value, torch.fx.Node):
-            return value.meta["val"].dtype
-    return torch.float32

@@ -193,3 +193,14 @@ def run_pipeline_parity(
     return {"params": sorted(n for n, _ in parallel.named_parameters()), "optimizer_params": held,
             "losses": losses, "report": parallel.pipeline_report(), "summary": parallel.compile_summary(),
             "all_params": sorted(n for n, _ in reference.named_parameters())}
+
+
+def error_message(fn, *args, **kwargs) -> str:
+    """``"<type>: <message>"`` of the ValueError / TypeError ``fn(*args, **kwargs)`` raises (what a
+    user reads), or ``"no error"``; other exceptions propagate. Run on every rank of a pool."""
+    try:
+        fn(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+

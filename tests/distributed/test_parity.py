@@ -116,7 +116,7 @@ def _step_without_pipeline():
     import torch
 
     import hyper_parallel as hp
-    from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+    from hyper_parallel.testing.parity import build_model, error_message, global_batch, local_batch
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     reference = build_model("llama")
@@ -130,11 +130,7 @@ def _step_without_pipeline():
     ref = dict(reference.named_parameters())
     for name, p in pmodel.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad)
-    try:
-        pmodel.step(local_batch(full, mesh), full["labels"])
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+    return error_message(pmodel.step, local_batch(full, mesh), full["labels"])
 
 
 def test_step_without_a_pipeline(dist2):

@@ -11,7 +11,7 @@ import pytest
 
 import hyper_parallel as hp
 from hyper_parallel.models import llama_tp_plan
-from hyper_parallel.testing.parity import run_pipeline_parity
+from hyper_parallel.testing.parity import error_message, run_pipeline_parity
 
 FOUR_STAGES = ["model.layers.2", "model.layers.4", "model.layers.6"]  # of 8 layers
 
@@ -152,12 +152,7 @@ def _parallelize_error(plan, mesh_shape=(2,), names=("pp",), batch=8):
     from hyper_parallel.testing.parity import build_model, global_batch
 
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    try:
-        pmodel = hp.parallelize(build_model("llama"), plan, mesh)
-        pmodel.step(global_batch("llama", batch, 16))
-    except (ValueError, TypeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    return error_message(lambda: hp.parallelize(build_model("llama"), plan, mesh).step(global_batch("llama", batch, 16)))
 
 
 @pytest.mark.parametrize("plan, batch, expected", [
@@ -223,11 +218,7 @@ def _flag_error():
     plan = {"pipeline": _pipeline(["model.layers.2"], "1F1B", 2), "fully_shard": {"units": ["model.layers.*", ""]}}
     pmodel = hp.parallelize(build_model("llama"), plan, mesh)
     pmodel.set_requires_gradient_sync(False)
-    try:
-        pmodel.step(global_batch("llama", 4, 16))
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
+    return error_message(pmodel.step, global_batch("llama", 4, 16))
 
 
 def test_program_changing_fsdp_flags_are_refused(dist4):
