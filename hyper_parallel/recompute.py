@@ -34,7 +34,6 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from . import compat
 from .plan import fqn_matches
 
 
@@ -77,6 +76,15 @@ SELECTIVE_SAVE_OPS = frozenset({
     "_c10d_functional.wait_tensor.default",
 })
 
+# Ops whose result must never be recomputed: recomputing them would draw new random numbers. A list,
+# not torch's ``nondeterministic_seeded`` tag: the tag also marks the attention kernels (they take a
+# dropout probability), which full recompute must recompute when that probability is 0.
+RANDOM_OPS = frozenset({
+    "aten.native_dropout.default", "aten.bernoulli.default", "aten.bernoulli_.float",
+    "aten.bernoulli.p", "aten.rand.default", "aten.randn.default", "aten.rand_like.default",
+    "aten.randn_like.default", "aten.randint.default", "aten.randperm.default",
+    "aten.uniform_.default", "aten.normal_.default",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +108,7 @@ class Region:
 
     def decide(self, op_name: str, op, args, kwargs, module_fqn: str) -> CheckpointPolicy:
         """What to do with a value of this region computed by ``op``."""
-        if compat.is_random_op(op):  # recomputing it would draw new random numbers
+        if op_name in RANDOM_OPS:
             return CheckpointPolicy.MUST_SAVE
         if self.policy_name == "selective":
             save = op_name in SELECTIVE_SAVE_OPS
