@@ -20,12 +20,11 @@ from .pipeline import (
 )
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
+from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    load_checkpoint,
-    save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -40,6 +39,7 @@ from .styles import (
 )
 
 __all__ = [
+    "CheckpointError",
     "CheckpointPolicy",
     "checkpoint",
     "checkpoint_wrapper",

@@ -16,18 +16,17 @@ with DTensor values. The functions here add the views users need around it:
   parameter FQN, built on ``torch.distributed.checkpoint.state_dict``; state tensors are DTensors
   placed like their parameters.
 * :func:`save_checkpoint` / :func:`load_checkpoint` — DCP save/load of the sharded state dicts, so a
-  checkpoint written on N ranks loads on M ranks with another mesh or plan.
+  checkpoint written on N ranks loads on M ranks with another mesh or plan; atomic and checksummed
+  (in :mod:`hyper_parallel.checkpoint_io`, which builds on this module).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as torch_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -37,9 +36,7 @@ __all__ = [
     "StateDictOptions",
     "get_model_state_dict",
     "get_optimizer_state_dict",
-    "load_checkpoint",
     "load_model_state_dict",
-    "save_checkpoint",
     "set_model_state_dict",
     "set_optimizer_state_dict",
 ]
@@ -398,41 +395,3 @@ def _place_like(value: Any, param: DTensor) -> Any:
         return distribute_tensor(value.to(device=device), mesh, placements, src_data_rank=None)
     return DTensor.from_local(value.to(device=device), mesh, placements, run_check=False,
                               shape=param.shape, stride=param.stride())
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints (torch.distributed.checkpoint)
-# --------------------------------------------------------------------------------------------
-
-
-def _checkpoint_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    if optimizer is not None:
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    return state
-
-
-def save_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """Write the sharded model (and optimizer) state to the directory ``path`` with DCP.
-
-    Every rank calls this with the same ``path`` on a filesystem all ranks share. Each rank writes
-    its own shards; the checkpoint records global shapes, so :func:`load_checkpoint` can reshard it
-    for another number of ranks, mesh or plan.
-    """
-    dcp.save(_checkpoint_state(model, optimizer), checkpoint_id=os.fspath(path))
-
-
-def load_checkpoint(path: str | os.PathLike, model: nn.Module,
-                    optimizer: Optional[torch.optim.Optimizer] = None) -> None:
-    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (and ``optimizer``).
-
-    The model may be parallelized differently from when it was saved (other world size, mesh or
-    plan): DCP reads, for each rank, the parts of the saved shards that its current DTensors cover.
-    Parameters are updated in place; the optimizer must be built over ``model.parameters()``.
-    """
-    state = _checkpoint_state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(path))
-    set_model_state_dict(model, state["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -16,11 +16,10 @@ from hyper_parallel.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
-    load_checkpoint,
-    save_checkpoint,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from hyper_parallel.checkpoint_io import load_checkpoint, save_checkpoint
 from hyper_parallel.models import llama_tp_plan
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
