@@ -1,4 +1,5 @@
-"""Tiny transformers ``LlamaForCausalLM`` for tests that check real HF models capture and parallelize.
+"""Tiny transformers ``LlamaForCausalLM`` (and ``GPT2LMHeadModel``, :func:`tiny_hf_gpt2`) for tests that
+check real HF models capture and parallelize.
 
 transformers is an optional (dev) dependency and is imported only when a builder is called.
 Notes on capturing it with ``torch.export.export(model, (), {"input_ids": ids, "labels": ids},
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_hf_llama", "tiny_hf_llama_config"]
+__all__ = ["tiny_hf_gpt2", "tiny_hf_llama", "tiny_hf_llama_config"]
 
 _TINY_LLAMA = dict(
     vocab_size=256,
@@ -32,6 +33,25 @@ _TINY_LLAMA = dict(
     use_cache=False,
     attn_implementation="sdpa",
     tie_word_embeddings=False,
+)
+
+# GPT-2's projections are ``Conv1D`` modules: weight [in, out] (transposed against nn.Linear), so a
+# column-parallel one is weight Shard(1) + bias Shard(0). bos/eos default to 50256, outside the
+# tiny vocabulary; they are unused in training but transformers warns, so point them at 0. Dropout
+# off (GPT-2 defaults to 0.1): tests compare against one device, where random ops cannot agree.
+_TINY_GPT2 = dict(
+    vocab_size=256,
+    n_positions=64,
+    n_embd=64,
+    n_layer=2,
+    n_head=4,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+    use_cache=False,
+    attn_implementation="sdpa",
 )
 
 
@@ -64,5 +84,19 @@ def tiny_hf_llama(seed: int = 0, **overrides: Any):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = transformers.LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def tiny_hf_gpt2(seed: int = 0, **overrides: Any):
+    """Build a tiny ``transformers.GPT2LMHeadModel`` (2 layers, n_embd 64, 4 heads, vocab 256), in
+    train mode, its weights depending only on ``seed`` (as :func:`tiny_hf_llama`). ``overrides``
+    replace entries of the ``GPT2Config``. Raises ``ImportError`` (with the install command) without
+    transformers."""
+    transformers = _import_transformers()
+    config = transformers.GPT2Config(**{**_TINY_GPT2, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.GPT2LMHeadModel(config)
     model.train()
     return model

@@ -15,10 +15,19 @@ here consecutive ones (in backward order, per reduce op, group and dtype) share 
 at most ``ctx.gradient_bucket_bytes`` (25 MB by default, as DDP), placed after the last gradient of
 the bucket is computed.
 
-Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"``; each
-parameter's slice of a fused all-gather keeps ``hp_fsdp_param``/``hp_fsdp_unit``; the
-per-parameter collectives are removed. FSDP fusion is skipped when ``comm_fusion=False``. Idempotent (a
-fused collective is never a candidate again); numerics unchanged (same elements, same reductions).
+A fused collective reads every member's input and feeds every member's users, so fusing is only
+sound when no member's input depends (through any path, fused collectives of this pass included) on
+another member's output. A bucket that would break this (e.g. GPT-2's column-parallel ``Conv1D``
+under FSDP x TP: one gradient is reduce-scattered over ``dp`` then ``tp``, another of the same unit
+over ``tp`` then ``dp``, so once the unit's ``dp`` bucket is fused its ``tp`` members straddle it) is
+cut into parts in graph order, each fused on its own; see :func:`_acyclic_parts`.
+
+Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"`` (with
+``", part <k>/<parts>"`` inside the parentheses when a bucket had to be cut); each parameter's slice
+of a fused all-gather keeps ``hp_fsdp_param``/``hp_fsdp_unit``; the per-parameter collectives are
+removed; the graph is left in a (stable) topological order. FSDP fusion is skipped when
+``comm_fusion=False``. Idempotent (a fused collective is never a candidate again); numerics
+unchanged (same elements, same reductions).
 """
 
 from __future__ import annotations
@@ -28,6 +37,8 @@ import operator
 from collections import defaultdict
 
 import torch
+
+from .. import compat
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -39,7 +50,10 @@ DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
 
 def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     mode = getattr(like, "fake_mode", None)
-    assert mode is not None, "bucketing needs fake-tensor metadata on the local graph"
+    # Lowering traces the local graph under a fake mode, so every value is a fake tensor.
+    assert mode is not None, (
+        f"bucketing needs fake-tensor metadata on the local graph, got a {type(like).__name__} value"
+    )
     with mode:
         return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
@@ -95,8 +109,21 @@ def _position(graph):
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
+def _hoistable(node, anchor, order, seen) -> bool:
+    """Whether ``node`` is available at ``anchor`` or can be recomputed there by copying pure ops
+    (no collective, no random op, nothing impure: copying those would change what runs)."""
+    if node.op == "placeholder" or order.get(node, math.inf) < order[anchor] or node in seen:
+        return True
+    if (node.op != "call_function" or node.is_impure() or compat.is_random_op(node.target)
+            or getattr(node.target, "namespace", None) == "_c10d_functional"):
+        return False
+    seen.add(node)
+    return all(_hoistable(arg, anchor, order, seen) for arg in node.all_input_nodes)
+
+
 def _hoist(graph, node, anchor, order, memo):
-    """``node`` if it is available at ``anchor``; else a copy of its placeholder-only chain there."""
+    """``node`` if it is available at ``anchor``; else a copy there of the pure ops computing it
+    (the caller checked :func:`_hoistable`; in practice a cast or view of a parameter shard)."""
     if node.op == "placeholder" or order.get(node, math.inf) < order[anchor]:
         return node
     if node not in memo:
@@ -118,6 +145,11 @@ def _fuse_all_gather(graph, members, label):
     order = _position(graph)
     waits = [_single_wait(m) for m in members]
     first_use = min((u for w in waits for u in w.users), key=order.__getitem__)
+    seen: set = set()
+    if not all(_hoistable(m.args[0], first_use, order, seen) for m in members):
+        # An input only exists after the first use (and cannot be copied earlier): gather after the
+        # last input instead; the final topological sort moves the earlier uses after the gather.
+        first_use = max((m.args[0] for m in members), key=order.__getitem__).next
     memo: dict = {}
     inputs = [_hoist(graph, m.args[0], first_use, order, memo) for m in members]
     _, size, group = members[0].args
@@ -174,10 +206,11 @@ def _fuse_reduction(graph, members, label):
     _erase(graph, members, waits)
 
 
-def _restore_topological_order(graph: torch.fx.Graph) -> None:
-    """Stable topological sort: keep the existing order, but move any node that now precedes one
-    of its inputs (a per-parameter copy-out, e.g. the unpadding slice of an uneven shard, that ran
-    right after its own collective) to just after the inputs it needs."""
+def _topological_order(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The graph's nodes in a stable topological order: the existing order, except that a node that
+    precedes one of its inputs (a per-parameter copy-out, e.g. the unpadding slice of an uneven
+    shard, that ran right after its own collective) moves to just after the inputs it needs.
+    Raises the ValueError of :func:`_cycle_error` if there is no such order."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     placed: set = set()
@@ -185,27 +218,140 @@ def _restore_topological_order(graph: torch.fx.Graph) -> None:
     waiting: dict = {}
 
     def place(node):
-        order.append(node)
-        placed.add(node)
-        for waiter in sorted(waiting.pop(node, ()), key=position.__getitem__):
-            missing = [a for a in waiter.all_input_nodes if a not in placed]
+        # Depth-first over the nodes that waited on ``node`` (an explicit stack: chains of waiting
+        # nodes can be longer than Python's recursion limit).
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            missing = [a for a in current.all_input_nodes if a not in placed]
             if missing:
-                waiting.setdefault(missing[0], []).append(waiter)
-            else:
-                place(waiter)
+                waiting.setdefault(missing[0], []).append(current)
+                continue
+            order.append(current)
+            placed.add(current)
+            stack.extend(sorted(waiting.pop(current, ()), key=position.__getitem__, reverse=True))
 
     for node in nodes:
-        missing = [a for a in node.all_input_nodes if a not in placed]
-        if missing:
-            waiting.setdefault(missing[0], []).append(node)
-        else:
-            place(node)
-    assert len(order) == len(nodes), "bucketing produced a cycle"
+        place(node)
+    if len(order) != len(nodes):
+        raise _cycle_error([n for n in nodes if n not in placed], placed)
+    return order
+
+
+def _cycle_error(unplaced: list[torch.fx.Node], placed: set) -> ValueError:
+    """The error for a graph bucketing made cyclic, naming the buckets, parameters and nodes of one
+    cycle. Unreachable while :func:`_acyclic_parts` holds; it says what to do if it ever is not."""
+    # Every unplaced node waits on an unplaced input, so following those inputs must come back to a
+    # node already seen: that loop is a cycle (listed in data-flow order, from its earliest node).
+    path: list = []
+    seen: dict = {}
+    node = unplaced[0]
+    while node not in seen:
+        seen[node] = len(path)
+        path.append(node)
+        node = next(a for a in node.all_input_nodes if a not in placed)
+    cycle = path[seen[node]:][::-1]
+    position = {n: i for i, n in enumerate(unplaced)}
+    start = min(range(len(cycle)), key=lambda i: position[cycle[i]])
+    cycle = cycle[start:] + cycle[:start]
+    buckets = sorted({n.meta["hp_bucket"] for n in cycle if "hp_bucket" in n.meta})
+    params = sorted({p for n in cycle for p in (n.meta.get("hp_fsdp_param"), n.meta.get("hp_grad_of")) if p})
+    shown = " -> ".join(n.name for n in cycle[:16]) + (f" -> ... ({len(cycle)} nodes)" if len(cycle) > 16 else "")
+    return ValueError(
+        f"bucketing produced a cycle (a bug in hyper_parallel's bucketing pass): the fused collectives "
+        f"{buckets or '(none)'} of parameters {params or '(none)'} depend on each other through "
+        f"{shown} -> {cycle[0].name}. Work around it with parallelize(..., disable_passes=['bucketing']) "
+        "(collectives stay per parameter; numerics are unchanged) and please report it with the "
+        "model, plan and mesh (dump_dir= writes the graph before this pass)."
+    )
+
+
+def _restore_topological_order(graph: torch.fx.Graph) -> None:
+    """Relink the graph in :func:`_topological_order` (nodes already in order do not move)."""
+    order = _topological_order(graph)
     previous = order[0]
     for node in order[1:]:
         if previous.next is not node:
             previous.append(node)
         previous = node
+
+
+def _acyclic_parts(graph: torch.fx.Graph, buckets: list[list[torch.fx.Node]]) -> list[list[list[torch.fx.Node]]]:
+    """Cut each bucket (collectives in graph order, fused in the order given) into parts that can
+    each become one fused collective while the graph stays acyclic; a bucket that can is one part.
+
+    Fusing a part contracts its collectives into one node: every member's output then depends on
+    every member's input. The contracted graph is acyclic iff no member's input depends, through
+    any path, on another member's output, where paths run through the parts already formed (of
+    this call, as they will be fused). So for each collective we keep the set of collectives (a
+    bitmask) whose outputs its input depends on: first through the graph as it stands, then updated
+    as parts merge. A collective joins the first part of its bucket it is independent of, both
+    ways, else starts a new one. E.g. a unit's ``dp`` reduce-scatters fused as one part make a
+    gradient reduced ``dp`` then ``tp`` depend, through that part, on another reduced ``tp`` then
+    ``dp``: their ``tp`` reduce-scatters land in two parts."""
+    members = [m for bucket in buckets for m in bucket]
+    index = {m: i for i, m in enumerate(members)}
+    ancestors = [0] * len(members)  # bit j of ancestors[i]: member i's input depends on member j
+    reach: dict = {}  # node -> the members whose outputs it depends on (or is)
+    for node in _topological_order(graph):
+        mask = 0
+        for arg in node.all_input_nodes:
+            mask |= reach.get(arg, 0)
+        i = index.get(node)
+        if i is not None:
+            ancestors[i] = mask
+            mask |= 1 << i
+        if mask:
+            reach[node] = mask
+    del reach
+
+    def merge(part: list[int]) -> None:
+        # The part becomes one node: it depends on what any member depended on, and whatever
+        # depended on one member now depends on all of them and on their ancestors.
+        bits = sum(1 << i for i in part)
+        shared = 0
+        for i in part:
+            shared |= ancestors[i]
+        for j, mask in enumerate(ancestors):
+            if mask & bits:
+                ancestors[j] = mask | shared | bits
+        for i in part:
+            ancestors[i] = shared
+
+    result = []
+    for bucket in buckets:
+        ids = [index[m] for m in bucket]
+        bits = sum(1 << i for i in ids)
+        if not any(ancestors[i] & bits for i in ids):  # the common case: the bucket fuses whole
+            merge(ids)
+            result.append([bucket])
+            continue
+        parts: list[list[int]] = []
+        for i in ids:
+            for part in parts:
+                # Members of a part share their ancestors (merge), so one stands for all.
+                if not ancestors[i] & sum(1 << j for j in part) and not ancestors[part[0]] >> i & 1:
+                    part.append(i)
+                    merge(part)
+                    break
+            else:
+                parts.append([i])
+        result.append([[members[i] for i in part] for part in parts])
+    return result
+
+
+def _fuse_buckets(graph: torch.fx.Graph, buckets: list[tuple[str, list[torch.fx.Node]]], fuse,
+                  min_members: int = 1) -> None:
+    """Fuse each ``(name, collectives)`` bucket with ``fuse``, in parts (:func:`_acyclic_parts`),
+    labelled ``"<name> (<n> params)"`` (``", part <k>/<parts>"`` added when cut). Parts with fewer
+    than ``min_members`` collectives are left as they are."""
+    if not buckets:
+        return
+    for (name, _), parts in zip(buckets, _acyclic_parts(graph, [members for _, members in buckets])):
+        for k, part in enumerate(parts, 1):
+            if len(part) >= min_members:
+                where = f", part {k}/{len(parts)}" if len(parts) > 1 else ""
+                fuse(graph, part, f"{name} ({len(part)} params{where})")
 
 
 def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int) -> list[list[torch.fx.Node]]:
@@ -237,16 +383,18 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     graph = gm.graph
     if fsdp is not None and fsdp.comm_fusion:
         all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
-        for (unit, phase, *_), members in all_gathers.items():
-            _fuse_all_gather(graph, members, f"{unit or '<root>'} {phase} all_gather ({len(members)} params)")
-        for (unit, *_), members in reduce_scatters.items():
-            _fuse_reduction(graph, members, f"{unit or '<root>'} reduce_scatter ({len(members)} params)")
+        _fuse_buckets(graph, [(f"{unit or '<root>'} {phase} all_gather", members)
+                              for (unit, phase, *_), members in all_gathers.items()], _fuse_all_gather)
+        _fuse_buckets(graph, [(f"{unit or '<root>'} reduce_scatter", members)
+                              for (unit, *_), members in reduce_scatters.items()], _fuse_reduction)
         # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
-        for (unit, *_), members in _buckets(graph, fsdp)[2].items():
-            _fuse_reduction(graph, members, f"{unit or '<root>'} all_reduce ({len(members)} params)")
+        _fuse_buckets(graph, [(f"{unit or '<root>'} all_reduce", members)
+                              for (unit, *_), members in _buckets(graph, fsdp)[2].items()], _fuse_reduction)
     cap = getattr(ctx, "gradient_bucket_bytes", DEFAULT_GRADIENT_BUCKET_BYTES)
-    for i, members in enumerate(_gradient_all_reduce_buckets(graph, fsdp, cap)):
-        _fuse_reduction(graph, members, f"gradient bucket {i} all_reduce ({len(members)} params)")
+    # As DDP, a gradient alone in its bucket keeps its own all-reduce (also a part cut to one).
+    _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members)
+                          for i, members in enumerate(_gradient_all_reduce_buckets(graph, fsdp, cap))],
+                  _fuse_reduction, min_members=2)
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()

@@ -31,7 +31,23 @@ def build_model(name: str, seed: int = 0, **overrides):
         from hyper_parallel.models import tiny_hf_llama
 
         return tiny_hf_llama(seed=seed, **overrides)
+    if name == "hf_gpt2":
+        from hyper_parallel.models.hf import tiny_hf_gpt2
+
+        return tiny_hf_gpt2(seed=seed, **overrides)
     raise ValueError(f"unknown model {name!r}")
+
+
+def _gpt2_fsdp_tp_plan():
+    """HF GPT-2 under FSDP x TP: Conv1D weights are [in, out], so column-parallel c_attn / c_fc split
+    weight dim 1 and bias dim 0 over tp, row-parallel c_proj weight dim 0; units are the blocks."""
+    from torch.distributed.tensor import Shard
+
+    col = {"parameter": {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}}
+    row = {"parameter": {"weight": {"tp": Shard(0)}}}
+    layouts = {"transformer.h.*.attn.c_attn": col, "transformer.h.*.mlp.c_fc": col,
+               "transformer.h.*.attn.c_proj": row, "transformer.h.*.mlp.c_proj": row}
+    return {"layouts": layouts, "fully_shard": {"units": ["transformer.h.*", ""]}}
 
 
 def build_plan(name: str):
@@ -47,15 +63,24 @@ def build_plan(name: str):
         "fsdp_offload": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "offload_policy": hp.CPUOffloadPolicy()}},
         "fsdp_unfused": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "comm_fusion": False}},
         "fsdp_tp": lambda: {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}},
+        "gpt2_fsdp_tp": _gpt2_fsdp_tp_plan,
     }[name]()
 
 
-def global_batch(model_name: str, batch: int, seq_len: int, seed: int = 1) -> dict[str, torch.Tensor]:
+def global_batch(model_name: str, batch: int, seq_len: int, seed: int = 1,
+                 ignore_fraction: float = 0.0) -> dict[str, torch.Tensor]:
+    """One global batch. ``ignore_fraction`` > 0 sets labels to -100 (padding, unmasked tokens) at
+    random with that probability, and the whole of the last row, so data-parallel ranks count
+    different numbers of tokens (one possibly none): what real training with padded labels sees."""
     g = torch.Generator().manual_seed(seed)
     if model_name == "mlp":
         return {"x": torch.randn(batch, 16, generator=g), "target": torch.randn(batch, 8, generator=g)}
     ids = torch.randint(0, 256, (batch, seq_len), generator=g)
-    return {"input_ids": ids, "labels": ids}
+    labels = ids
+    if ignore_fraction > 0:
+        labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < ignore_fraction, -100)
+        labels[-1] = -100
+    return {"input_ids": ids, "labels": labels}
 
 
 def local_batch(batch: dict, mesh) -> dict:
@@ -90,8 +115,12 @@ def run_parity(
     loss_rtol: float | None = None,
     disable_passes: tuple[str, ...] = (),
     parallelize_options: dict | None = None,
+    ignore_fraction: float = 0.0,
 ) -> dict:
     """Train the parallel and the single-device model side by side; assert they agree each step.
+
+    ``ignore_fraction``: labels set to -100 at that rate (:func:`global_batch`), so ranks hold
+    different numbers of counted tokens and the loss must still be the global per-token mean.
 
     SGD: loss and every gradient with ``assert_close`` defaults. AdamW: the loss within
     ``loss_rtol`` (Adam turns noise in near-zero gradients into full-size updates, DESIGN §3.1).
@@ -110,7 +139,7 @@ def run_parity(
     opt, ref_opt = make_opt(parallel.parameters()), make_opt(reference.parameters())
     losses, ref_losses = [], []
     for step in range(steps):
-        full = global_batch(model, batch, seq_len, seed=step + 1)
+        full = global_batch(model, batch, seq_len, seed=step + 1, ignore_fraction=ignore_fraction)
         loss = _loss(parallel(**local_batch(full, mesh)))
         ref_loss = _loss(reference(**full))
         loss.backward()
@@ -155,6 +184,7 @@ def run_pipeline_parity(
     with_loss_fn: bool = False,
     dump_dir: str | None = None,
     model_overrides: dict | None = None,
+    ignore_fraction: float = 0.0,
 ) -> dict:
     """:func:`run_parity` for a pipelined model: ``pmodel.step`` against forward + backward of the
     single-device model on the whole batch, ``steps`` SGD steps. The optimizer is built before the
@@ -169,7 +199,7 @@ def run_pipeline_parity(
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        full = global_batch("llama", batch, seq_len, seed=step + 1)
+        full = global_batch("llama", batch, seq_len, seed=step + 1, ignore_fraction=ignore_fraction)
         local = local_batch(full, mesh)
         if with_loss_fn:
             loss = parallel.step({"input_ids": local["input_ids"]}, local["labels"])

@@ -1,0 +1,167 @@
+"""The bucketing pass never fuses collectives into a cycle: a bucket whose members would depend on
+each other once fused (directly, or through a bucket fused before it) is cut into parts."""
+
+import operator
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hyper_parallel.passes.bucketing import _restore_topological_order, bucketing_pass
+from hyper_parallel.testing.graph_builder import GraphBuilder
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+RS, AR, WAIT = c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.wait_tensor.default
+
+
+def _reduce(g, x, param, group, kind=RS):
+    """One lowered gradient collective: ``kind`` over ``group`` (2 ranks) and its wait."""
+    args = (x, "sum", 2, group) if kind is RS else (x, "sum", group)
+    return g(WAIT, g(kind, *args, hp_grad_of=param, hp_role="redistribute"))
+
+
+def _gpt2_like_gradients():
+    """The shape GPT-2's column-parallel Conv1D made under FSDP x TP (block h.1): the ``qkv`` weight
+    gradient is reduce-scattered over dp, re-laid out (split on dim 1, cat on dim 0), then over tp;
+    the ``proj`` weight gradient over tp then dp; ``norm`` over dp only. All three belong to unit
+    ``block``, so the dp and tp reduce-scatters form one bucket each, and fusing the dp one puts
+    qkv's tp reduce-scatter after it and proj's before it."""
+    g = GraphBuilder()
+    dq, dp, dn = g.input("d_qkv", 4, 8), g.input("d_proj", 4, 8), g.input("d_norm", 8)
+    qkv = _reduce(g, dq, "block.qkv.weight", "dp")
+    halves = g(aten.split.Tensor, qkv, 4, 1)
+    qkv = _reduce(g, g(aten.cat.default, [g(operator.getitem, halves, 0), g(operator.getitem, halves, 1)]),
+                  "block.qkv.weight", "tp")
+    proj = _reduce(g, _reduce(g, dp, "block.proj.weight", "tp"), "block.proj.weight", "dp")
+    norm = _reduce(g, dn, "block.norm.weight", "dp")
+    return g.module(qkv, proj, norm)
+
+
+def _ctx(units):
+    return SimpleNamespace(fsdp=SimpleNamespace(unit_of=units, comm_fusion=True), gradient_bucket_bytes=1 << 20)
+
+
+def _fused(gm):
+    """``{hp_bucket label: (collective target, group, sorted parameters)}`` of the fused collectives."""
+    out = {}
+    for node in gm.graph.nodes:
+        label = node.meta.get("hp_bucket")
+        if label and node.target in (RS, AR):
+            out[label] = (node.target, node.args[-1], [])
+    for node in gm.graph.nodes:
+        if "hp_bucket" in node.meta and node.meta.get("hp_grad_of"):
+            out[node.meta["hp_bucket"]][2].append(node.meta["hp_grad_of"])
+    return {k: (t, grp, sorted(ps)) for k, (t, grp, ps) in out.items()}
+
+
+def _assert_topological(gm):
+    seen = set()
+    for node in gm.graph.nodes:
+        assert all(a in seen for a in node.all_input_nodes), f"{node.name} runs before one of its inputs"
+        seen.add(node)
+    gm.graph.lint()
+
+
+def _run_twice(gm, ctx):
+    gm = bucketing_pass(gm, ctx)
+    _assert_topological(gm)
+    code = gm.code
+    again = bucketing_pass(gm, ctx)
+    assert again.code == code  # idempotent: fused collectives are never candidates again
+    return gm
+
+
+def test_crossed_reduction_orders_split_the_second_bucket():
+    gm = _run_twice(_gpt2_like_gradients(), _ctx({f"block.{p}.weight": "block" for p in ("qkv", "proj", "norm")}))
+    # The dp bucket (first in graph order) fuses whole; the tp one would then both feed it (proj)
+    # and read it (qkv), so each of its reduce-scatters becomes its own part, in graph order.
+    assert _fused(gm) == {
+        "block reduce_scatter (3 params)": (RS, "dp", ["block.norm.weight", "block.proj.weight", "block.qkv.weight"]),
+        "block reduce_scatter (1 params, part 1/2)": (RS, "tp", ["block.qkv.weight"]),
+        "block reduce_scatter (1 params, part 2/2)": (RS, "tp", ["block.proj.weight"]),
+    }
+    # Nothing is left unfused, and the data flow is the one described above.
+    assert all("hp_bucket" in n.meta for n in gm.graph.find_nodes(op="call_function", target=RS))
+    order = {n.meta["hp_bucket"]: i for i, n in enumerate(gm.graph.nodes) if n.target is RS}
+    assert order["block reduce_scatter (1 params, part 2/2)"] < order["block reduce_scatter (3 params)"]
+    assert order["block reduce_scatter (3 params)"] < order["block reduce_scatter (1 params, part 1/2)"]
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_bucket_straddling_a_dependency_is_cut(kind):
+    """Two gradients of one bucket (same unit, op, group) where the second is computed from the
+    first's reduced value: fused, the collective would read its own output. FSDP fuses each part
+    (one parameter each); DDP, as for any bucket of one gradient, keeps the all-reduces as they are."""
+    g = GraphBuilder()
+    da, db = g.input("d_a", 4, 8), g.input("d_b", 4, 8)
+    kind_op = RS if kind == "fsdp" else AR
+    a = _reduce(g, da, "u.a", "dp", kind_op)
+    b_in = g(aten.add.Tensor, db, a if kind == "ddp" else g(aten.repeat.default, a, [2, 1]))
+    b = _reduce(g, b_in, "u.b", "dp", kind_op)
+    gm = g.module(a, b)
+    gm = _run_twice(gm, _ctx({"u.a": "u", "u.b": "u"} if kind == "fsdp" else {}))
+    if kind == "fsdp":
+        assert _fused(gm) == {"u reduce_scatter (1 params, part 1/2)": (RS, "dp", ["u.a"]),
+                              "u reduce_scatter (1 params, part 2/2)": (RS, "dp", ["u.b"])}
+    else:
+        assert _fused(gm) == {}
+        assert len(gm.graph.find_nodes(op="call_function", target=AR)) == 2
+
+
+def test_independent_buckets_fuse_whole():
+    """No dependency: one fused reduce-scatter per unit and group, as before the cut existed."""
+    g = GraphBuilder()
+    outs = [_reduce(g, g.input(f"d_{p}", 4, 8), f"block.{p}", "dp") for p in ("x", "y")]
+    outs.append(_reduce(g, g.input("d_z", 4, 8), "block.z", "tp"))
+    gm = _run_twice(g.module(*outs), _ctx({"block.x": "block", "block.y": "block", "block.z": "block"}))
+    assert _fused(gm) == {"block reduce_scatter (2 params)": (RS, "dp", ["block.x", "block.y"]),
+                          "block reduce_scatter (1 params)": (RS, "tp", ["block.z"])}
+
+
+def test_all_gather_parts_and_placement():
+    """One unit's forward all-gathers: ``b`` gathers a value computed from ``a``'s gathered
+    parameter (so they cannot share a collective), ``c`` one that only exists after ``a``'s first
+    use and comes from a collective (so it cannot be copied earlier: the fused gather of ``a`` and
+    ``c`` waits for it instead, and ``a``'s use moves after it)."""
+    g = GraphBuilder()
+
+    def gather(x, param):
+        gathered = g(c10d.all_gather_into_tensor.default, x, 2, "dp", hp_fsdp_param=param, hp_fsdp_unit="u",
+                     hp_role="redistribute")
+        return g(aten.relu.default, g(WAIT, gathered))
+
+    use_a = gather(g.input("a", 2, 4), "u.a")
+    late = g(WAIT, g(AR, g.input("x", 2, 4), "sum", "tp"))
+    use_c = gather(late, "u.c")
+    use_b = gather(use_a, "u.b")
+    gm = _run_twice(g.module(use_b, use_c), _ctx({}))
+    gathers = gm.graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default)
+    assert [n.meta["hp_bucket"] for n in gathers] == [
+        "u forward all_gather (2 params, part 1/2)", "u forward all_gather (1 params, part 2/2)"]
+    params = {n.meta["hp_fsdp_param"]: n.meta["hp_bucket"] for n in gm.graph.nodes if "hp_bucket" in n.meta
+              and n.meta.get("hp_fsdp_param")}
+    assert params == {"u.a": gathers[0].meta["hp_bucket"], "u.c": gathers[0].meta["hp_bucket"],
+                      "u.b": gathers[1].meta["hp_bucket"]}
+    assert len(gm.graph.find_nodes(op="call_function", target=AR)) == 1  # never copied
+
+
+def test_a_cycle_is_a_readable_value_error():
+    """The invariant's last line of defence: if fused collectives ever depend on each other, the
+    user reads which buckets, parameters and nodes, and the workaround (not an AssertionError)."""
+    g = GraphBuilder()
+    x = g.input("x", 4, 8)
+    first = g(RS, x, "sum", 2, "dp", hp_bucket="u reduce_scatter (2 params)")
+    wait = g(WAIT, first, hp_bucket="u reduce_scatter (2 params)")
+    out = g(aten.reshape.default, wait, [2, 8], hp_bucket="u reduce_scatter (2 params)", hp_grad_of="u.w")
+    gm = g.module(out)
+    back = g.graph.call_function(aten.add.Tensor, (x, out))
+    first.args = (back, "sum", 2, "dp")  # out feeds first: a cycle
+    with pytest.raises(ValueError) as info:
+        _restore_topological_order(gm.graph)
+    message = str(info.value)
+    assert "bucketing produced a cycle" in message
+    assert "['u reduce_scatter (2 params)']" in message and "['u.w']" in message
+    # The loop, in data-flow order from its earliest node.
+    assert f"{first.name} -> {wait.name} -> {out.name} -> {back.name} -> {first.name}." in message
+    assert "disable_passes=['bucketing']" in message
