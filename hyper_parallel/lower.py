@@ -29,14 +29,15 @@ from torch.distributed.tensor import DTensor, Partial
 
 from . import compat
 from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
-from .capture import CapturedGraph
-from .propagation.engine import _describe, _fmt
+from .capture import CapturedGraph, module_fqn_of
+from .errors import internal_error
+from .propagation.engine import _fmt
 
 log = logging.getLogger(__name__)
 
 _COPIED_META = (
     "stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr",
-    "hp_fsdp_param", "hp_fsdp_unit", "hp_fsdp_phase",
+    "hp_fsdp_param", "hp_fsdp_unit", "hp_fsdp_phase", "hp_loss_mean",
 )
 
 
@@ -106,9 +107,13 @@ def _check_agrees(node, got, want) -> None:
         # Compared by their text: a masked partial's equality also compares its mask buffer.
         if not isinstance(got, DTensor) or _fmt(compat.spec_of(got).placements) != _fmt(want.placements):
             have = _fmt(compat.spec_of(got).placements) if isinstance(got, DTensor) else type(got).__name__
-            raise AssertionError(
-                f"lowering: DTensor computed {have} for {_describe(node)} but propagation chose "
-                f"{_fmt(want.placements)}"
+            # The program would not compute what propagation planned (and the dumps show).
+            module = module_fqn_of(node)
+            raise internal_error(
+                "lowering", f"DTensor's dispatch computed the layout {have} but propagation chose "
+                f"{_fmt(want.placements)}: the two sharding decisions disagree", node=node,
+                workaround="give this op's inputs other layouts in the plan, e.g. change or drop the plan "
+                f"entry of module {module or '<root>'!r} (or of the module feeding it)",
             )
     elif isinstance(want, (tuple, list)):
         for g, w in zip(got, want):
@@ -192,6 +197,8 @@ class _LocalInterpreter:
             if slot is None or want is None:
                 results.append(None)
                 continue
+            # A gradient goes to its parameter's layout, a buffer's new value to the buffer's (a
+            # Partial batch statistic is all-reduced here), a user output to the user-facing one.
             grad_of = info.name if info.kind == "grad" else None
             value = env[slot]
             pending = self.captured.pending_inputs.get(i)

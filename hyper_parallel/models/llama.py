@@ -322,19 +322,23 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+                   num_items_in_batch: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Next-token cross-entropy as HF computes it: position ``t`` predicts ``labels[:, t + 1]``.
 
-    Computed in fp32, mean over all ``b * (s - 1)`` predicted tokens; labels equal to -100 are
-    ignored (``F.cross_entropy``'s default ``ignore_index``).
+    Computed in fp32, mean over the predicted tokens whose label is not -100 (``F.cross_entropy``'s
+    default ``ignore_index``). ``num_items_in_batch`` (HF's argument): divide the summed loss by this
+    count instead, e.g. the tokens of every micro-batch of a gradient-accumulation step, so the
+    micro-steps' losses add up to the mean over the whole step's tokens.
     """
     shift_logits = logits[:, :-1, :]
     if shift_logits.dtype != torch.float32:
         shift_logits = shift_logits.float()
     shift_labels = labels[:, 1:]
-    return F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), reduction="mean"
-    )
+    flat_logits, flat_labels = shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat_logits, flat_labels, reduction="mean")
+    return F.cross_entropy(flat_logits, flat_labels, reduction="sum") / num_items_in_batch
 
 
 class LlamaForCausalLM(nn.Module):
@@ -394,12 +398,14 @@ class LlamaForCausalLM(nn.Module):
         """Same as :meth:`init_weights` with the global RNG (``nn.Module`` convention)."""
         self.init_weights()
 
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None) -> CausalLMOutput:
-        """Compute logits for ``input_ids`` ``(b, s)`` and, with ``labels`` ``(b, s)``, the loss."""
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                num_items_in_batch: Optional[torch.Tensor] = None) -> CausalLMOutput:
+        """Compute logits for ``input_ids`` ``(b, s)`` and, with ``labels`` ``(b, s)``, the loss
+        (:func:`causal_lm_loss`; ``num_items_in_batch`` as there, a 0-d tensor)."""
         logits = self.lm_head(self.model(input_ids))
         if labels is None:
             return CausalLMOutput(logits=logits)
-        return CausalLMOutput(loss=causal_lm_loss(logits, labels), logits=logits)
+        return CausalLMOutput(loss=causal_lm_loss(logits, labels, num_items_in_batch), logits=logits)
 
     def num_parameters(self) -> int:
         """Number of distinct parameter elements (tied weights counted once)."""

@@ -39,6 +39,10 @@ from ..runtime.partition import BACKWARD, FORWARD, _phase_of
 
 RECV_FWD, RECV_BWD = "recv_fwd", "recv_bwd"  # InputInfo kinds of received values
 SEND_FWD, SEND_BWD = "send_fwd", "send_bwd"  # OutputInfo kinds of sent values
+# OutputInfo kind: the token count a micro-batch's mean loss divides by (pipeline/loss.py); a
+# forward output of the last stage, like the loss.
+LOSS_COUNT = "loss_count"
+_FORWARD_OUTPUTS = ("output", LOSS_COUNT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +184,7 @@ def split_stages(
     for value, info in zip(slots, captured.outputs):
         if info.kind == "grad":
             slot_stage.append(param_stage[info.name])
-        elif info.kind == "output":
+        elif info.kind in _FORWARD_OUTPUTS:
             slot_stage.append(last)
         else:
             slot_stage.append(None)
@@ -295,7 +299,7 @@ def _build_stage(gm, s, stage, replicable, info_of, slots, out_infos, slot_stage
 
     forward_out, outputs = [], []
     for value, info, st in zip(slots, out_infos, slot_stage):
-        if info.kind == "output" and st == s:
+        if info.kind in _FORWARD_OUTPUTS and st == s:
             forward_out.append(env[value] if isinstance(value, torch.fx.Node) else value)
             outputs.append(info)
     for t in sends:

@@ -16,9 +16,11 @@ over in memory. Messages carry a tag derived from (value, micro-batch), so a bac
 by tag (gloo) pairs them exactly; NCCL / HCCL match by order, which the built schedules keep
 (every rank posts a pair's receives in the order the peer sends them).
 
-The loss is the mean of the micro-batch losses (each micro-batch backward starts from 1/M), which
-is the full local batch's loss for a mean-reduced loss; it is broadcast from the last stage so every
-pp rank returns it. Each rank's measured compute intervals are kept for the bubble report.
+The loss is the mean over all the step's tokens when the last stage returns its token count
+(pipeline/loss.py: each micro-batch backward starts from its count, the gradients are divided by
+the step's total afterwards); else the mean of the micro-batch losses (each backward starts from
+1/M). It is broadcast from the last stage so every pp rank returns it. Each rank's measured compute
+intervals are kept for the bubble report.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..passes.pipeline_split import RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
+from ..errors import internal_error
+from ..passes.pipeline_split import LOSS_COUNT, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
 from ..runtime.partition import BACKWARD, FORWARD
+from .loss import summed_loss
 from .schedules import MetaStep, MetaStepType
 
 T = MetaStepType
@@ -75,8 +79,10 @@ class PipelineExecutor:
     """Runs one training step of this rank's stages under a schedule."""
 
     def __init__(self, programs: dict[int, StageProgram], schedule: list[MetaStep], transfers: list[Transfer],
-                 num_ranks: int, num_microbatches: int, pp_group, device: torch.device, loss_dtype: torch.dtype):
+                 num_ranks: int, num_microbatches: int, pp_group, device: torch.device, loss_dtype: torch.dtype,
+                 token_mean: bool = False):
         self.programs = programs
+        self.token_mean = token_mean  # the last stage returns its loss's token count (pipeline/loss.py)
         self.schedule = schedule
         self.num_ranks = num_ranks
         self.num_microbatches = num_microbatches
@@ -98,9 +104,11 @@ class PipelineExecutor:
         return mb * self.num_transfers + self.tag_of[(transfer.name, transfer.dst)]
 
     # --- one step ------------------------------------------------------------------------------
-    def run(self, module, micro_batches: list[list]) -> tuple[torch.Tensor | None, dict]:
+    def run(self, module, micro_batches: list[list]) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """Run the schedule. ``micro_batches[mb]``: the flat inputs of micro-batch ``mb``. Returns
-        (mean loss on the last stage's rank, else None; {parameter FQN: local gradient})."""
+        (on the last stage's rank the loss, else None; there the step's token count when the loss
+        is a token mean, else None; {parameter FQN: local gradient}). With a token count the
+        gradients are those of the summed loss: the caller divides them by the count."""
         params = {fqn: p for fqn, p in module.named_parameters()}
         buffers = {fqn: b for fqn, b in module.named_buffers()}
         received: dict = {}  # (value name, dst stage, mb) -> tensor (being received while in pending_recv)
@@ -109,7 +117,8 @@ class PipelineExecutor:
         outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
         in_flight_sends: list = []  # (work, tensors): a sent value lives until its send completes
         grads: dict[str, torch.Tensor] = {}
-        loss_sum = None
+        loss_sum = count_sum = None
+        seeds: dict[int, torch.Tensor] = {}  # micro-batch -> its backward's starting gradient
         scale = 1.0 / self.num_microbatches
         events = []
         t0 = time.perf_counter()
@@ -161,16 +170,25 @@ class PipelineExecutor:
                 saved[(s, mb)] = list(outs[n:])
                 self._route(program.sends[FORWARD], outs[n - len(program.sends[FORWARD]):n], s, mb, FORWARD,
                             outgoing, received)
-                for value, info in zip(outs[:n], program.graph.outputs):
-                    if info.kind == "output":
-                        contrib = value.detach() * scale
-                        loss_sum = contrib if loss_sum is None else loss_sum + contrib
+                results = {info.kind: value.detach() for value, info in zip(outs[:n], program.graph.outputs)
+                           if info.kind in ("output", LOSS_COUNT)}
+                if LOSS_COUNT in results:  # a token mean: weigh each micro-batch by its tokens
+                    count = results[LOSS_COUNT].to(self.loss_dtype)
+                    contrib = summed_loss(results["output"], count)
+                    count_sum = count if count_sum is None else count_sum + count
+                    seeds[mb] = count
+                elif "output" in results:
+                    contrib = results["output"] * scale
+                if results:
+                    loss_sum = contrib if loss_sum is None else loss_sum + contrib
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             elif kind is T.BACKWARD:
                 tangents = []
                 for info in program.graph.inputs:
                     if info.kind == "tangent":
-                        tangents.append(torch.full((), scale, dtype=self.loss_dtype, device=self.device))
+                        seed = seeds.pop(mb, None)
+                        tangents.append(seed if seed is not None else
+                                        torch.full((), scale, dtype=self.loss_dtype, device=self.device))
                     elif info.kind == RECV_BWD:
                         tangents.append(self._take(received, pending_recv, (info.name, s, mb)))
                 args = saved.pop((s, mb)) + tangents
@@ -187,12 +205,28 @@ class PipelineExecutor:
                             outgoing, received)
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
-                raise NotImplementedError(f"pipeline executor: step type {kind} is not supported")
+                raise internal_error(
+                    "the pipeline executor", f"step {step!r} of type {kind.name} is not supported (the "
+                    "built schedules run forward, backward, send and receive steps only)",
+                    workaround="another PipelinePlan(schedule=...)",
+                )
         for work, _ in in_flight_sends:
             work.wait()
-        assert not saved and not pending_recv, (list(saved), list(pending_recv))
+        if saved or pending_recv:
+            # A forward without its backward (or a value received for nothing): missing gradients.
+            left = []
+            if saved:
+                left.append(f"the saved activations of (stage, micro-batch) {sorted(saved)}, whose backward did not run")
+            if pending_recv:
+                left.append(f"the receives {sorted(pending_recv)}, which no step read")
+            raise internal_error(
+                "the pipeline executor", f"the step ended with {' and '.join(left)}, so the gradients would be "
+                "incomplete", workaround="another PipelinePlan(schedule=...)",
+            )
         self.last_timing = StepTiming(events, time.perf_counter() - t0)
-        return loss_sum, grads
+        if count_sum is not None:
+            loss_sum = loss_sum / count_sum
+        return loss_sum, count_sum, grads
 
     def _take(self, received: dict, pending: dict, key):
         work = pending.pop(key, None)
