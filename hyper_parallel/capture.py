@@ -8,6 +8,12 @@ which output's tangent, which parameter's gradient). Backward nodes keep their f
 
 Modules with planned input/output layouts get ``hyper_parallel::boundary`` annotations for the
 duration of the export only (see annotations.py); no hook survives capture.
+
+Buffers the forward updates in place (BatchNorm's running statistics, step counters) come out of
+aot_autograd as input-mutation outputs; they become ``BUFFER_UPDATE`` output slots (after the user
+outputs) holding the buffer's new value, which propagation brings to the buffer's layout and the
+runtime writes back. Batch norm itself is captured decomposed into per-channel sums
+(decompositions.py), so its statistics are global on a batch-sharded input, as SyncBatchNorm's.
 """
 
 from __future__ import annotations
@@ -23,27 +29,9 @@ import torch.utils._pytree as pytree
 
 from . import compat
 from .annotations import boundary, boundary_key
+from .decompositions import capture_decompositions
 
 aten = torch.ops.aten
-
-# Loss kernels whose "mean" reduction divides by the numel of the tensor they run on. On a shard
-# that is the local numel, so they are captured decomposed into explicit ops (whose constants are
-# the global sizes) instead of trusted to a sharding rule.
-IMPLICIT_MEAN_OPS = (
-    aten.mse_loss.default,
-    aten.mse_loss_backward.default,
-    aten.l1_loss.default,
-    aten.smooth_l1_loss.default,
-    aten.smooth_l1_loss_backward.default,
-    aten.huber_loss.default,
-    aten.huber_loss_backward.default,
-    aten.binary_cross_entropy.default,
-    aten.binary_cross_entropy_backward.default,
-    aten.binary_cross_entropy_with_logits.default,
-    aten.soft_margin_loss.default,
-    aten.soft_margin_loss_backward.default,
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class InputInfo:
@@ -55,20 +43,27 @@ class InputInfo:
 
 
 INPUT_GRAD = "input_grad"  # OutputInfo kind: the gradient of a user input that requires grad
+# OutputInfo kind: the new value of a buffer the forward updates in place (BatchNorm's running
+# statistics, step counters). Not a user output and without a tangent: the forward program returns
+# it after the user outputs and the runtime writes it into the module's buffer.
+BUFFER_UPDATE = "buffer_update"
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputInfo:
     """What one output slot of the joint graph is."""
 
-    kind: str  # "output" | "grad" | "input_grad" | "none"
-    name: str  # output path (e.g. "loss"), the parameter FQN or the input path whose gradient this is
+    kind: str  # "output" | "buffer_update" | "grad" | "input_grad" | "none"
+    name: str  # output path (e.g. "loss"), the buffer / parameter FQN or the input path whose gradient this is
     index: int  # flat user-output index, flat user-input index (input_grad) or -1
 
 
 @dataclasses.dataclass
 class CapturedGraph:
-    """The joint graph plus everything needed to call it like the original module."""
+    """The joint graph plus everything needed to call it like the original module.
+
+    Output slots, in order: the user outputs, the buffer updates (``BUFFER_UPDATE``), one gradient
+    slot per primal, then whatever passes append (kept gathered parameters)."""
 
     gm: torch.fx.GraphModule
     inputs: list[InputInfo]  # one per placeholder, in order
@@ -82,6 +77,16 @@ class CapturedGraph:
     # (propagation/accumulation.py); lowering adds the two.
     pending_inputs: dict[int, torch.fx.Node] = dataclasses.field(default_factory=dict)
 
+    @property
+    def buffer_updates(self) -> tuple[str, ...]:
+        """FQNs of the buffers the forward updates, in the order of their output slots."""
+        return tuple(o.name for o in self.outputs if o.kind == BUFFER_UPDATE)
+
+    @property
+    def num_forward_outputs(self) -> int:
+        """Output slots the forward produces for the caller: user outputs, then buffer updates."""
+        return self.num_user_outputs + len(self.buffer_updates)
+
     def add_input(self, kind: str, name: str, val: torch.Tensor) -> torch.fx.Node:
         """A new non-differentiable primal input, placed after the last primal (the joint graph
         keeps primals before tangents) with a ``None`` gradient slot (one slot per primal)."""
@@ -93,7 +98,7 @@ class CapturedGraph:
         node.meta["val"] = val
         # Its gradient slot follows the other primals' (outputs that are not gradients, such as
         # kept gathered parameters, stay last).
-        grad_end = self.num_user_outputs + sum(i.kind != "tangent" for i in self.inputs)
+        grad_end = self.num_forward_outputs + sum(i.kind != "tangent" for i in self.inputs)
         self.inputs.insert(last + 1, InputInfo(kind, name, -1))
         output = graph.output_node()
         slots = list(output.args[0])
@@ -196,7 +201,7 @@ def capture(
         with fx_traceback.preserve_node_meta():
             joint = compat.aot_export_joint_with_descriptors(
                 stack, program, tuple(args), dict(kwargs),
-                decompositions=compat.decompositions_for(IMPLICIT_MEAN_OPS),
+                decompositions=capture_decompositions(),
             )
     gm = joint.graph_module
     _drop_metadata_assertions(gm)
@@ -216,11 +221,15 @@ def capture(
             desc.output, compat.PlainAOTOutput
         ):
             inputs.append(InputInfo("tangent", f"tangent of output {desc.output.idx}", desc.output.idx))
-        else:
-            raise NotImplementedError(
-                f"capture: unsupported joint-graph input {desc!r} (placeholder {node.name}); "
-                "input mutations and subclass inputs are not supported yet"
+        elif isinstance(desc, compat.TangentAOTInput) and isinstance(desc.output, compat.InputMutationAOTOutput):
+            # A value written into something that requires grad: rejected with what to do.
+            _mutation_output(desc.output.mutated_input, type(model).__name__, input_paths)
+            raise ValueError(
+                f"capture: {type(model).__name__}.forward writes into {desc.output.mutated_input.expr()}, "
+                "which requires grad; only buffers without gradients may be updated in forward"
             )
+        else:
+            raise _unsupported(desc, f"placeholder {node.name!r}", type(model).__name__, input_paths, joint.out_spec)
 
     output_node = gm.graph.output_node()
     outputs: list[OutputInfo] = []
@@ -229,6 +238,8 @@ def capture(
         if isinstance(desc, compat.PlainAOTOutput):
             outputs.append(OutputInfo("output", str(desc.idx), desc.idx))
             num_user_outputs += 1
+        elif isinstance(desc, compat.InputMutationAOTOutput):
+            outputs.append(_mutation_output(desc.mutated_input, type(model).__name__, input_paths))
         elif isinstance(desc, compat.GradAOTOutput):
             grad_of = desc.grad_of
             if isinstance(grad_of, compat.ParamAOTInput):
@@ -240,7 +251,9 @@ def capture(
         elif desc is None:
             outputs.append(OutputInfo("none", "", -1))
         else:
-            raise NotImplementedError(f"capture: unsupported joint-graph output {desc!r}")
+            raise _unsupported(desc, "output slot", type(model).__name__, input_paths, joint.out_spec)
+
+    _put_buffer_updates_after_user_outputs(gm, outputs)
 
     # Readable output paths ("loss", "logits", "[0]") from the exported program's output structure.
     out_spec = joint.out_spec
@@ -260,6 +273,95 @@ def capture(
         input_paths=input_paths,
         output_paths=output_paths,
     )
+
+
+def _mutation_output(mutated, model_name: str, input_paths: list[str]) -> OutputInfo:
+    """The output slot of a value the forward writes into one of its inputs: a buffer's new value
+    (written back by the runtime); anything else is rejected, naming it and what to do."""
+    if isinstance(mutated, compat.BufferAOTInput):
+        return OutputInfo(BUFFER_UPDATE, mutated.target, -1)
+    if isinstance(mutated, compat.ParamAOTInput):
+        raise ValueError(
+            f"capture: {model_name}.forward writes into parameter {mutated.target!r} in place; "
+            "parameters are sharded DTensors owned by the optimizer. Update it outside forward (e.g. "
+            "under torch.no_grad() after optimizer.step()), or register it as a buffer if it is state"
+        )
+    if isinstance(mutated, compat.PlainAOTInput):
+        raise ValueError(
+            f"capture: {model_name}.forward writes into its input {input_paths[mutated.idx]!r} in "
+            "place; inputs are this rank's shard of the batch, so the write would not reach the "
+            "caller's tensor. Return the new value instead"
+        )
+    raise _unsupported(mutated, "mutated input", model_name, input_paths, None)
+
+
+def _desc_chain(desc) -> list:
+    """An aot_autograd descriptor and the descriptors it refers to (a tangent's output, a
+    subclass attribute's tensor, a view's base ...), outermost first."""
+    chain = [desc]
+    while dataclasses.is_dataclass(chain[-1]) and len(chain) < 16:
+        inner = [getattr(chain[-1], f.name) for f in dataclasses.fields(chain[-1])]
+        inner = [v for v in inner if type(v).__name__.endswith(("AOTInput", "AOTOutput"))]
+        if not inner:
+            break
+        chain.append(inner[0])
+    return chain
+
+
+def _unsupported(desc, slot: str, model_name: str, input_paths: list[str], out_spec) -> ValueError:
+    """The error for a joint-graph input or output capture has no meaning for: which value of the
+    model it is, why, and what to do."""
+    chain = _desc_chain(desc)
+    kinds = " ".join(type(d).__name__ for d in chain)
+    try:
+        expr = desc.expr()
+    except Exception:  # noqa: BLE001 - the repr still names it
+        expr = repr(desc)
+    names = []
+    for d in chain:
+        if isinstance(d, compat.PlainAOTInput) and d.idx < len(input_paths):
+            names.append(f"input {input_paths[d.idx]}")
+        elif isinstance(d, compat.PlainAOTOutput) and out_spec is not None:
+            paths = flat_paths(pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec))
+            names.append(f"output {(paths[d.idx] if d.idx < len(paths) else d.idx) or '(the only one)'}")
+    value = f"{expr} ({', '.join(names)})" if names else expr
+    if "Subclass" in kinds:
+        why = (f"a tensor subclass (a DTensor, a quantized or wrapper tensor) reaches the joint graph as "
+               f"{value}; hyper_parallel captures plain tensors only. Make forward take, hold and return "
+               "plain tensors (e.g. .full_tensor() / .to_local() of a DTensor, dequantize)")
+    elif "IntermediateBase" in kinds:
+        why = (f"outputs of {model_name}.forward are views of one intermediate tensor ({value}), which "
+               "capture does not support (aot_autograd adds their common base as an extra output). Return "
+               ".clone() of the views (or return the tensor once and take the views outside the model)")
+    elif "ViewBase" in kinds or "SyntheticBase" in kinds:
+        why = (f"inputs of {model_name}.forward alias each other ({value}: one is a view of another). "
+               "Pass separate tensors (.clone() the view)")
+    elif "Token" in kinds:
+        why = (f"{model_name}.forward calls an op with side effects ({value}: e.g. print through "
+               "torch.ops.aten._print, or another effectful op), which capture does not support "
+               "(aot_autograd threads effect tokens through the graph). Remove it from forward")
+    else:
+        why = (f"{value} ({desc!r}) is not a parameter, buffer, input, output, tangent or gradient "
+               "capture knows. If the model is otherwise ordinary PyTorch, please report it")
+    return ValueError(f"capture: {model_name}: the joint graph's {slot} is unsupported: {why}.")
+
+
+def _put_buffer_updates_after_user_outputs(gm: torch.fx.GraphModule, outputs: list[OutputInfo]) -> None:
+    """Reorder the joint graph's output slots (and ``outputs``, in place) to user outputs, buffer
+    updates, then the rest (gradients): aot_autograd puts input mutations first, while the
+    compiler's passes and the runtime find the gradients right after the forward's outputs."""
+    rank = {"output": 0, BUFFER_UPDATE: 1}
+    order = sorted(range(len(outputs)), key=lambda i: rank.get(outputs[i].kind, 2))  # stable
+    if order == list(range(len(outputs))):
+        return
+    output_node = gm.graph.output_node()
+    slots = list(output_node.args[0])
+    output_node.args = (type(output_node.args[0])(slots[i] for i in order),)
+    descs = output_node.meta.get("desc")
+    if descs is not None:
+        output_node.meta["desc"] = [descs[i] for i in order]
+    outputs[:] = [outputs[i] for i in order]
+    gm.recompile()
 
 
 def _drop_metadata_assertions(gm: torch.fx.GraphModule) -> None:

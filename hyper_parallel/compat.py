@@ -15,6 +15,7 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # n
 from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
     BufferAOTInput,
     GradAOTOutput,
+    InputMutationAOTOutput,  # a value forward writes into an input (BatchNorm's running statistics)
     ParamAOTInput,
     PlainAOTInput,
     PlainAOTOutput,
@@ -264,3 +265,10 @@ def count_as_compiled_frame() -> None:
 
     count = set_fullgraph_compiled_frame_count(-1)  # -1: not counting (no fullgraph call active)
     set_fullgraph_compiled_frame_count(count + 1 if count >= 0 else count)
+
+
+def set_group_timeout(group, timeout) -> None:
+    """Set how long collectives of an existing process group wait (gloo and NCCL)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)

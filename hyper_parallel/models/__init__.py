@@ -3,7 +3,7 @@
 transformers is only imported when :func:`tiny_hf_llama` is called.
 """
 
-from hyper_parallel.models.hf import tiny_hf_llama, tiny_hf_llama_config
+from hyper_parallel.models.hf import tiny_hf_gpt2, tiny_hf_llama, tiny_hf_llama_config
 from hyper_parallel.models.llama import (
     CausalLMOutput,
     LlamaConfig,
@@ -13,10 +13,12 @@ from hyper_parallel.models.llama import (
     LlamaRMSNorm,
     causal_lm_loss,
 )
+from hyper_parallel.models.convnet import ConvNet
 from hyper_parallel.models.mlp import MLP
 from hyper_parallel.models.plans import llama_dp_plan, llama_tp_plan, mlp_tp_plan
 
 __all__ = [
+    "ConvNet",
     "MLP",
     "CausalLMOutput",
     "LlamaConfig",
@@ -28,6 +30,7 @@ __all__ = [
     "llama_dp_plan",
     "llama_tp_plan",
     "mlp_tp_plan",
+    "tiny_hf_gpt2",
     "tiny_hf_llama",
     "tiny_hf_llama_config",
 ]

@@ -3,9 +3,10 @@
 Every node of the lowered joint graph knows its phase: captured nodes carry autograd's
 ``partitioner_tag`` ("is_forward"/"is_backward"), and passes that add nodes tag them (the
 reshard_after_forward copies, the fused backward collectives). A node without a tag is backward if
-any of its inputs is, else forward. The forward program runs the forward nodes and returns the user
-outputs plus every forward value a backward node reads (the saved tensors); the backward program
-takes the saved tensors and the tangents and returns one gradient per primal.
+any of its inputs is, else forward. The forward program runs the forward nodes and returns its
+outputs (the user outputs, then the new values of buffers updated in forward: no tangent, written
+back by the runtime) plus every forward value a backward node reads (the saved tensors); the
+backward program takes the saved tensors and the tangents and returns one gradient per primal.
 
 torch's partitioners decide placement from dataflow and heuristics (a forward value that backward
 could recompute from saved inputs is copied into backward; every collective is forcibly saved),
@@ -16,6 +17,8 @@ re-run a forward all-gather in backward. Here the schedule in the graph is the s
 from __future__ import annotations
 
 import torch
+
+from ..errors import internal_error
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -52,7 +55,8 @@ def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
 
 
 def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
-    """(forward GraphModule, backward GraphModule, number of saved tensors)."""
+    """(forward GraphModule, backward GraphModule, number of saved tensors). The joint graph's first
+    ``num_fwd_outputs`` output slots are the forward's (user outputs and buffer updates)."""
     phases: dict[torch.fx.Node, str] = {}
     for node in joint.graph.nodes:
         if node.op != "output":
@@ -61,7 +65,12 @@ def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
     fwd_outputs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
     for out in fwd_outputs:
         if isinstance(out, torch.fx.Node) and phases[out] == BACKWARD:
-            raise AssertionError(f"forward output {out.name} was scheduled in backward")
+            raise internal_error(
+                "the forward/backward partition", "a forward output (user output or buffer update) is "
+                "computed in backward: a node it depends on is tagged backward", node=out,
+                workaround="turn the passes off one at a time (parallelize(..., disable_passes=[...])) to "
+                "find the one that tags it",
+            )
 
     saved: list[torch.fx.Node] = []
     for node in joint.graph.nodes:

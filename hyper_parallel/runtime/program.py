@@ -4,6 +4,11 @@
 backward nodes as scheduled by the passes; the forward values backward reads are saved) and runs
 the pair inside one ``torch.autograd.Function``, so the user's ``loss.backward()``
 runs our backward graph and leaves each parameter's gradient in its (DTensor) ``.grad``.
+
+Buffers the forward updates in place (BatchNorm's running statistics, step counters) are outputs
+of the forward program, after the user outputs and already in the buffer's storage layout (lowering
+brought them there); after the forward runs they are written into the module's buffers
+(:func:`write_buffers`), so the module holds what one device would after the same step.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import torch
 
 from .. import compat
 from ..capture import CapturedGraph
+from ..errors import internal_error
 from .partition import partition_by_phase
 
 
@@ -42,53 +48,114 @@ class CompiledProgram:
 
     forward_gm: torch.fx.GraphModule
     backward_gm: torch.fx.GraphModule
+    # The forward's outputs before its saved tensors: the model's outputs, then one new value per
+    # entry of ``buffer_updates`` (memory.py reads this count too).
     num_user_outputs: int
     num_primals: int
     tangent_outputs: tuple[int, ...]  # which user outputs have a tangent input in backward
-    differentiable: tuple[bool, ...]  # per user output
+    differentiable: tuple[bool, ...]  # per output counted by num_user_outputs (buffer updates: False)
     # FQNs of the gathered parameters backward returns after the gradients (kept for the next
     # forward: set_reshard_after_backward(False)).
     kept_gathered: tuple[str, ...] = ()
+    # FQNs of the buffers the forward updates, in the order of their outputs (after the model's).
+    buffer_updates: tuple[str, ...] = ()
     # Set by the runtime per call: receives the backward's gradients and returns what autograd gets
     # (gradient accumulation keeps not-yet-reduced gradients aside for the next micro-step).
     grad_hook: object = None
     # Set by the runtime per call: receives {FQN: gathered parameter} when kept_gathered is not empty.
     kept_hook: object = None
+    # Set by the runtime per call (bind_buffers): receives {FQN: new value} of ``buffer_updates``.
+    buffer_hook: object = None
+    # Set by the runtime per call: (exception, GraphModule, "forward" | "backward") -> a clearer
+    # exception naming the call and collective, or None to re-raise as is (collective_errors.py).
+    on_error: object = None
 
     @classmethod
     def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
         primals = [i for i in captured.inputs if i.kind != "tangent"]
         tangents = tuple(i.index for i in captured.inputs if i.kind == "tangent")
-        num_outputs = captured.num_user_outputs
+        # The buffer updates are forward outputs without a tangent, like non-differentiable user outputs.
+        num_outputs = captured.num_forward_outputs
         fw, bw, _ = partition_by_phase(joint_gm, num_outputs)
-        differentiable = tuple(i in tangents for i in range(num_outputs))
-        for gm in (fw, bw):
-            if any(
-                isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.find_nodes(op="placeholder")
-            ):
-                raise NotImplementedError("dynamic shapes are not supported yet")
+        differentiable = tuple(i in tangents for i in range(captured.num_user_outputs))
+        differentiable += (False,) * len(captured.buffer_updates)
+        for phase, gm in (("forward", fw), ("backward", bw)):
+            for n in gm.graph.find_nodes(op="placeholder"):
+                if isinstance(n.meta.get("val"), torch.SymInt):
+                    # Capture traces fake tensors of static shapes (torch.export specialises them).
+                    raise internal_error(
+                        "the runtime", f"placeholder {n.name!r} of the {phase} program is a symbolic "
+                        "size, but capture specialises every shape (dynamic shapes are not supported yet)",
+                    )
         kept = tuple(o.name for o in captured.outputs if o.kind == "gathered")
         # Backward frees each saved activation after its last use (as eager autograd does), not
         # when it returns: it takes its arguments as one list that it clears.
         compat.use_boxed_calling_convention(bw)
-        return cls(fw, bw, num_outputs, len(primals), tangents, differentiable, kept)
+        return cls(fw, bw, num_outputs, len(primals), tangents, differentiable, kept,
+                   buffer_updates=captured.buffer_updates)
+
+    @property
+    def num_model_outputs(self) -> int:
+        """How many of the forward's outputs are the model's own (the rest are buffer updates)."""
+        return self.num_user_outputs - len(self.buffer_updates)
+
+    def bind_buffers(self, module: torch.nn.Module) -> None:
+        """Write the buffers this program updates into ``module``'s after each forward (the
+        runtime calls this before running the program)."""
+        self.buffer_hook = (lambda values: write_buffers(module, values)) if self.buffer_updates else None
 
     def saved_for_backward(self) -> list[torch.fx.Node]:
         """The forward graph's outputs that backward consumes (activations, views, inputs)."""
         return list(self.forward_gm.graph.output_node().args[0][self.num_user_outputs :])
 
     def __call__(self, *primals: torch.Tensor):
-        return _RunStep.apply(self, *primals)
+        """The model's outputs; the buffer updates go to ``buffer_hook``."""
+        outs = _RunStep.apply(self, *primals)
+        if not self.buffer_updates:
+            return outs
+        n = self.num_model_outputs
+        if self.buffer_hook is None:
+            raise RuntimeError(
+                f"this program updates buffers {list(self.buffer_updates)} in forward but nothing writes "
+                "them back: call program.bind_buffers(module) before running it"
+            )
+        self.buffer_hook(dict(zip(self.buffer_updates, outs[n:])))
+        return outs[:n]
+
+
+def write_buffers(module: torch.nn.Module, values: dict) -> None:
+    """Copy each new value into ``module``'s buffer of that FQN, in place (its local shard when the
+    buffer is a DTensor), so references to the buffer (``state_dict()``) see it, as with eager
+    BatchNorm's in-place update."""
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    with torch.no_grad():
+        for fqn, value in values.items():
+            buffer = buffers.get(fqn)
+            if buffer is None:
+                raise ValueError(
+                    f"{type(module).__name__}: the compiled forward updates buffer {fqn!r}, which is no "
+                    "longer registered on the module; keep the buffers the model was compiled with "
+                    "(re-register it) or parallelize the model again"
+                )
+            local = compat.plain_tensor(buffer)
+            if local.shape != value.shape:
+                raise ValueError(
+                    f"{type(module).__name__}: buffer {fqn!r} holds shape {tuple(local.shape)} on this "
+                    f"rank but the compiled forward computed {tuple(value.shape)} for it; the buffer was "
+                    "replaced after compiling: load new values with load_state_dict (in place) instead"
+                )
+            local.copy_(value)
 
 
 class _RunStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: CompiledProgram, *primals):
-        outs = program.forward_gm(*primals)
+        outs = _call(program.on_error, program.forward_gm, "forward", primals)
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
         ctx.grad_hook = program.grad_hook
         ctx.kept_hook = program.kept_hook
+        ctx.on_error = program.on_error
         ctx.primal_meta = [(p.dtype, p.device) if isinstance(p, torch.Tensor) else (None, None) for p in primals]
         ctx.save_for_backward(*saved)
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
@@ -101,8 +168,14 @@ class _RunStep(torch.autograd.Function):
         program: CompiledProgram = ctx.program
         args = [*ctx.saved_tensors, *[grad_outputs[i].contiguous() for i in program.tangent_outputs]]
         ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
-        grads = program.backward_gm(args)
-        assert len(grads) == program.num_primals + len(program.kept_gathered), len(grads)
+        grads = _call(ctx.on_error, program.backward_gm, "backward", args, boxed=True)
+        if len(grads) != program.num_primals + len(program.kept_gathered):
+            # Gradients would be handed to the wrong parameters: never run on.
+            raise internal_error(
+                "the runtime (backward)", f"the backward program returned {len(grads)} values, not one "
+                f"gradient per primal ({program.num_primals}) plus {len(program.kept_gathered)} kept "
+                "gathered parameters",
+            )
         grads, kept = grads[: program.num_primals], grads[program.num_primals :]
         if kept and ctx.kept_hook is not None:
             ctx.kept_hook(dict(zip(program.kept_gathered, kept)))
@@ -114,3 +187,14 @@ class _RunStep(torch.autograd.Function):
             g.to(device=device, dtype=dtype) if g is not None and (g.dtype, g.device) != (dtype, device) else g
             for g, (dtype, device) in zip(grads, ctx.primal_meta)
         ))
+
+
+def _call(on_error, gm: torch.fx.GraphModule, phase: str, args, boxed: bool = False):
+    """Run one program; an exception it raises goes through ``on_error`` to name where it was."""
+    try:
+        return gm(args) if boxed else gm(*args)
+    except RuntimeError as exc:
+        better = on_error(exc, gm, phase) if on_error is not None else None
+        if better is None:
+            raise
+        raise better from exc
