@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from . import compat
+from . import compat, options
 from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from .debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .fully_shard import (
@@ -45,7 +46,9 @@ from .runtime.grad_accumulation import GradientAccumulator
 from .runtime.program import CompiledProgram, flatten_placeholders
 from .runtime.fsdp_methods import FsdpMethods
 from .runtime.unshard import GatheredParams, watch_optimizers
-from .spmd import check_spmd_on_mesh
+from .runtime.collective_errors import reworded
+from .runtime.input_check import empty_problem, index_inputs, index_problem
+from .spmd import agree, check_spmd_on_mesh, digest_of
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +62,14 @@ class CompiledEntry:
     program: CompiledProgram
     report: PropagationReport
     summary: dict
+    index_inputs: tuple = ()  # runtime.input_check.IndexInput: ids and labels checked before each call
 
 
 class _ParallelState:
     def __init__(
         self, resolved: ResolvedPlan, mesh, original_cls, parameters, *, dump_dir, disable_passes,
         prefetch_depth: int, gradient_bucket_bytes: int, activation, plan_swap, memory_budget_bytes,
+        check_inputs: bool | None = None, timeout=None,
     ):
         self.resolved = resolved
         self.mesh = mesh
@@ -78,6 +83,10 @@ class _ParallelState:
         self.activation = activation  # recompute.ActivationPlan
         self.plan_swap = plan_swap  # the plan's swap entry (recompute="auto" re-resolves with it)
         self.memory_budget_bytes = memory_budget_bytes
+        self.check_inputs = check_inputs  # None: ids and labels checked on the CPU only (input_check.py)
+        self.timeout = timeout  # datetime.timedelta for this module's collectives, or None
+        self.calls = 0  # calls so far, named in errors ("call 3")
+        self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.gradient_sync = True
         self.all_reduce = True
@@ -208,14 +217,47 @@ def _entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Co
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     resolved = state.resolved_for_flags()
     prefetch = recorded_prefetch(module) if resolved.fsdp is not None else {}
-    key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved), repr(prefetch))
+    # Train/eval mode changes the program (BatchNorm in eval normalises with its running statistics
+    # and updates nothing; dropout is off): the root's mode and the modules set otherwise are flags.
+    mode = ("train" if module.training else "eval",
+            tuple(fqn for fqn, m in module.named_modules() if m.training != module.training))
+    key = (in_spec, tuple(_signature(x) for x in flat), _flags_key(resolved) + (mode,), repr(prefetch))
     entry = state.cache.get(key)
+    state.calls += 1
+    # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
+    # hits its cache while a peer compiles another signature would otherwise hang.
+    if key not in state.digests:
+        state.digests[key] = digest_of(_describe_call(key, flat, args, kwargs))
+    paths = lambda: flat_paths((args, kwargs))  # noqa: E731 - only needed to word an error
+    problem = empty_problem(flat, paths)
+    if entry is not None and problem is None:
+        problem = _index_problem(state, entry, flat)
+    what = f"call {state.calls} of {state.original_cls.__name__}"
+    describe = lambda: _describe_call(key, flat, args, kwargs)  # noqa: E731
+    agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.timeout)
     if entry is None:
         compile_fn = _compile_within_budget if state.activation.auto_blocks else _compile
         entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
         state.cache[key] = entry
+        # Ids and labels could not be checked before the program existed: once more after compiling.
+        if entry.index_inputs and state.check_inputs is not False:
+            problem = _index_problem(state, entry, flat)
+            agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.timeout)
     state.last = entry
     return entry, flat
+
+
+def _index_problem(state: _ParallelState, entry: CompiledEntry, flat) -> str | None:
+    if state.check_inputs is False:
+        return None
+    return index_problem(entry.index_inputs, flat, force=bool(state.check_inputs))
+
+
+def _describe_call(key, flat, args, kwargs) -> str:
+    """The call signature the ranks agree on, one line per input (what an error shows)."""
+    in_spec, signatures, flags, prefetch = key
+    lines = [f"input '{p}': {format_signature(s)}" for p, s in zip(flat_paths((args, kwargs)), signatures)]
+    return "\n".join([*lines, f"input structure: {in_spec}", f"FSDP flags: {flags}", f"prefetch: {prefetch}"])
 
 
 def compile_for_inputs(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> None:
@@ -244,6 +286,15 @@ def _signature(x):
     return ("const", type(x).__name__, repr(x))
 
 
+def format_signature(signature: tuple) -> str:
+    """``int64[4, 16] on cpu`` for a tensor's :func:`_signature`, ``int 3`` for a constant."""
+    if signature[0] == "tensor":
+        _, shape, dtype, requires_grad, device = signature
+        text = f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+        return text + (" requiring grad" if requires_grad else "")
+    return f"{signature[1]} {signature[2]}"
+
+
 def parallelize(
     model: nn.Module,
     plan: Any = None,
@@ -256,6 +307,8 @@ def parallelize(
     memory_budget_bytes: int | None = None,
     materialize: bool = True,
     loss_fn=None,
+    check_inputs: bool | None = None,
+    timeout=None,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
 
@@ -270,9 +323,22 @@ def parallelize(
     only, see ``hyper_parallel.explain``: the module can be compiled and inspected, not run).
     ``loss_fn``: with a pipeline plan, ``loss_fn(output, target)`` gives the loss the last stage
     computes (else the model must return its loss); train with ``pmodel.step(inputs, targets)``.
+    ``check_inputs``: check token ids and labels against the embedding's vocabulary and the loss's
+    classes before each call (None:
+    for inputs on the CPU, where it is free; True: also on accelerators, which synchronises the
+    device; False: never). ``timeout``: seconds (or a timedelta) a collective of this module may wait
+    for its peers before the call fails naming the program, collective and call (default: the
+    process groups' own, 30 minutes on gloo, 10 on NCCL).
+
+    Before distributing anything the ranks check that they resolved the same plan and options
+    (a ValueError on every rank naming the difference, not a hang); every call likewise checks
+    that all ranks run the same input signature.
     """
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"parallelize(bucket_cap_mb={bucket_cap_mb!r}): give a positive size in MB")
+    bucket_cap_mb = options.check_bucket_cap_mb(bucket_cap_mb)
+    prefetch_depth = options.check_int("prefetch_depth", prefetch_depth, minimum=0)
+    memory_budget_bytes = options.check_memory_budget(memory_budget_bytes)
+    check_inputs = options.check_check_inputs(check_inputs)
+    timeout = options.check_timeout(timeout)
     if mesh is None:
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
     if isinstance(model, ParallelModule):
@@ -313,21 +379,56 @@ def parallelize(
         from .passes.reshard_after_forward import attach_post_forward_groups
 
         resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
+    prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
+    if timeout is not None:
+        set_collective_timeout(pipeline.mesh if pipeline is not None else mesh, timeout)
+    # Agree on the plan before parameters are distributed: differing plans would hang in there.
+    settings = _describe_plan(resolved, activation, full_plan, prefetch_depth=prefetch_depth,
+                              bucket_cap_mb=bucket_cap_mb, disable_passes=sorted(disable_passes),
+                              check_inputs=check_inputs, timeout=timeout, loss_fn=loss_fn is not None)
+    agree(pipeline.mesh if pipeline is not None else mesh, f"parallelize({type(model).__name__})",
+          digest_of(settings), lambda: settings, timeout=timeout)
+    dump_source = "dump_dir" if dump_dir else "HYPER_PARALLEL_DUMP_DIR"
+    dump_dir = options.prepare_dump_dir(dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR"), _rank(), dump_source)
     distribute_parameters(model, resolved.param_placements, mesh, materialize=materialize)
     _offload_shards(model, resolved)
-    dump_dir = dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR")
     original_cls = type(model)
     model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
     model._hp = _ParallelState(
         resolved, mesh, original_cls, list(model.parameters()), dump_dir=dump_dir,
         disable_passes=disable_passes,
-        prefetch_depth=_default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth,
+        prefetch_depth=prefetch_depth,
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), activation=activation,
         plan_swap=full_plan.swap, memory_budget_bytes=memory_budget_bytes,
+        check_inputs=check_inputs, timeout=timeout,
     )
     model._hp.pipeline = pipeline
     link_units_to_root(model)
     return model
+
+
+def set_collective_timeout(mesh, timeout) -> None:
+    """Collectives over ``mesh``'s axes wait at most ``timeout`` for their peers."""
+    for axis in range(mesh.ndim):
+        compat.set_group_timeout(mesh.get_group(axis), timeout)
+
+
+def _describe_plan(resolved: ResolvedPlan, activation, full_plan, **settings) -> str:
+    """What every rank must agree on before parameters are distributed, one fact per line: each
+    parameter's layout, the FSDP units, activation and pipeline plans, and the options."""
+    unit_of = resolved.fsdp.unit_of if resolved.fsdp is not None else {}
+    lines = [
+        f"parameter {fqn}: {placements}" + (f", FSDP unit {unit_of[fqn]!r}" if fqn in unit_of else "")
+        for fqn, placements in sorted(resolved.param_placements.items())
+    ]
+    if resolved.fsdp is not None:
+        lines += [f"FSDP unit {u.module_fqn!r}: reshard_after_forward={u.reshard_after_forward}"
+                  for u in resolved.fsdp.units]
+    lines.append(f"activation: {activation!r}")
+    lines.append(f"pipeline: {full_plan.pipeline!r}")
+    lines += [f"option {k}: {v!r}" for k, v in sorted(settings.items())]
+    # Reprs of callables (recompute policies) carry addresses that differ between processes.
+    return re.sub(r" at 0x[0-9a-f]+", "", "\n".join(lines))
 
 
 def _default_prefetch_depth(mesh) -> int:
@@ -557,7 +658,7 @@ def _finish(
     dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series)  # for `hyper-parallel report`
     if _rank() == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
-    return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary)
+    return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured))
 
 
 def _compile_within_budget(
@@ -670,15 +771,28 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     if entry.program.kept_gathered:
         entry.program.kept_hook = _keep_gathered_hook(module, entry)
     entry.program.grad_hook = _gradient_hook(module, entry)
+    entry.program.bind_buffers(module)  # buffers updated in forward (BatchNorm running statistics)
+    entry.program.on_error = _error_context(module, entry)
     outs = entry.program(*primals)
     return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+
+def _error_context(module: ParallelModule, entry: CompiledEntry):
+    """Names the call, program and collective in an error a compiled program raises."""
+    state = module._hp
+    call = f"call {state.calls} of {state.original_cls.__name__} (rank {_rank()})"
+
+    def on_error(exc: Exception, gm: torch.fx.GraphModule, phase: str):
+        return reworded(exc, gm, phase, call, group_axis_names(state.mesh, entry.resolved.fsdp))
+
+    return on_error
 
 
 def _meta_outputs(entry: CompiledEntry) -> Any:
     """Called with meta inputs (shape inference, e.g. torch.distributed.pipelining's stages): the
     outputs as meta tensors of this rank's local shapes, from the compiled program; nothing runs."""
     program = entry.program
-    outs = program.forward_gm.graph.output_node().args[0][: program.num_user_outputs]
+    outs = program.forward_gm.graph.output_node().args[0][: program.num_model_outputs]
     metas = [
         torch.empty(o.meta["val"].shape, dtype=o.meta["val"].dtype, device="meta") if isinstance(o, torch.fx.Node) else o
         for o in outs

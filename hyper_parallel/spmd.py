@@ -1,14 +1,21 @@
-"""SPMD consistency check: every rank must run the same collectives in the same order.
+"""SPMD consistency: every rank must run the same collectives in the same order.
 
-At compile time the ranks exchange a hash of their collective sequence (kind, mesh axis, dtype,
-local shape, per program). A mismatch would hang or corrupt a real run; here it is a ValueError on
-every rank that names the first collective that differs, with the joint-graph node it serves.
+Two checks, both a ValueError on every rank instead of a hang:
+
+* at compile time the ranks exchange a hash of their collective sequence (kind, mesh axis, dtype,
+  local shape, per program); a mismatch names the first collective that differs, with the
+  joint-graph node it serves;
+* before ``parallelize`` distributes parameters and before every call, :func:`agree` exchanges a
+  digest of the resolved plan / the call's input signature and flags, and whether this rank found a
+  problem with its inputs (see the section below).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 
+import torch
 import torch.distributed as dist
 
 from .debug import Collective
@@ -64,3 +71,93 @@ def check_spmd_on_mesh(programs: dict[str, list[Collective]], mesh) -> str:
         check_spmd(programs, group=mesh.get_group(axis))
     return digest
 
+
+
+# --- agreement before anything can hang -----------------------------------------------------------
+# The compile-time check above runs only where a rank compiles. A rank that reuses a cached program
+# while its peer compiles a new input signature would wait in the peer's compile while the peer
+# waits in the cached program: a hang. So every call (and parallelize, before it distributes the
+# parameters) first exchanges a digest of what it is about to run, plus whether this rank found a
+# problem with its inputs; a difference or a problem is a ValueError on every rank. The exchange is
+# one all-gather of two int64 per rank over a gloo group (host memory: no device synchronisation).
+
+_CONTROL_GROUPS: dict = {}  # (backend of the default group, timeout seconds) -> gloo group over the world
+
+
+def digest_of(text: str) -> int:
+    """A stable 63-bit digest of ``text`` (Python's hash() differs between processes)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def _exchange_groups(mesh, timeout) -> list:
+    """Where agreement is exchanged: one gloo group over the world when ``mesh`` spans it (the
+    default group when it is gloo already), else each axis of the mesh in turn (a sub-mesh, such
+    as a pipeline stage's: ranks that agree along every axis line agree on the whole mesh)."""
+    if mesh.size() != dist.get_world_size():
+        return [mesh.get_group(axis) for axis in range(mesh.ndim)]
+    if dist.get_backend() in ("gloo", "fake") and timeout is None:
+        return [None]
+    key = (dist.get_backend(), None if timeout is None else timeout.total_seconds())
+    if key not in _CONTROL_GROUPS:
+        # Every rank creates it at the same call (the first parallelize or call after a change
+        # of timeout), as new_group requires.
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        _CONTROL_GROUPS[key] = dist.new_group(backend="gloo", **kwargs)
+    return [_CONTROL_GROUPS[key]]
+
+
+class AgreementError(ValueError):
+    """Ranks disagree on what to run, or one rank found a problem with its inputs."""
+
+
+def agree(mesh, what: str, digest: int, describe, problem: str | None = None, *, timeout=None) -> None:
+    """Raise :class:`AgreementError` (a ValueError) on every rank of ``mesh`` unless all of them
+    pass the same ``digest`` and none a ``problem``.
+
+    ``what`` names the moment ("parallelize", "call 3 of LlamaForCausalLM"); ``describe()`` gives
+    this rank's human-readable version of what the digest covers, gathered only when digests differ
+    so the error can show both sides. ``timeout``: a timedelta for the exchange, or None for the
+    group's own."""
+    if not dist.is_initialized() or mesh.size() == 1:
+        if problem:
+            raise AgreementError(f"{what}: {problem}")
+        return
+    for group in _exchange_groups(mesh, timeout):
+        size = dist.get_world_size(group)
+        mine = torch.tensor([digest, 1 if problem else 0], dtype=torch.int64)
+        if group is not None and mesh.device_type != "cpu" and dist.get_backend(group) != "gloo":
+            mine = mine.to(mesh.device_type)  # a device mesh axis group (sub-mesh case)
+        everyone = [torch.empty_like(mine) for _ in range(size)]
+        try:
+            dist.all_gather(everyone, mine, group=group)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"{what}: rank {dist.get_rank()} timed out or lost a peer while checking that every "
+                f"rank runs the same step ({exc}). A peer is not running this step: it raised an "
+                "error, exited, or is stuck elsewhere; see that rank's output."
+            ) from exc
+        digests = {int(t[0]) for t in everyone}
+        if len(digests) == 1 and not any(int(t[1]) for t in everyone):
+            continue
+        details = [None] * size
+        dist.all_gather_object(details, (dist.get_rank(), describe(), problem), group=group)
+        raise AgreementError(_disagreement(what, details))
+
+
+def _disagreement(what: str, details: list) -> str:
+    problems = [(rank, p) for rank, _, p in details if p]
+    if problems:
+        lines = [f"rank {rank}: {p}" for rank, p in problems]
+        return f"{what}: " + "; ".join(lines) + " (raised on every rank, so none is left waiting)"
+    first_rank, first, _ = details[0]
+    for rank, text, _ in details[1:]:
+        lines = itertools.zip_longest(first.splitlines(), text.splitlines(), fillvalue="<nothing>")
+        diff = next(((a, b) for a, b in lines if a != b), None)
+        if diff is not None:
+            return (
+                f"{what}: ranks disagree on what to run, which would hang: rank {first_rank} has "
+                f"{diff[0]!r} where rank {rank} has {diff[1]!r}. Every rank must use the same plan "
+                "and options and pass inputs with the same shapes and dtypes (pad variable-length "
+                "batches to one length on all ranks)."
+            )
+    return f"{what}: ranks disagree on what to run (digests differ but descriptions match)"

@@ -33,7 +33,9 @@ from ..capture import flat_paths
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..passes.pipeline_split import StageGraph, split_stages
 from ..runtime.partition import partition_by_phase
-from ..spmd import sequence_hash
+from ..runtime.input_check import empty_problem
+from ..spmd import agree, digest_of, sequence_hash
+from .loss import expose_loss_count
 from .plan import AUTO, ResolvedPipeline
 from .runtime import PipelineExecutor, StageProgram
 from .schedules import analytic_bubble, build_schedule, format_schedule, simulate
@@ -158,8 +160,15 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     args, kwargs = call_arguments(inputs, targets, pipe.loss_fn)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     paths = flat_paths((args, kwargs))
+    from ..api import _signature, format_signature
+
+    # Every rank of the whole mesh agrees on the step's inputs first (spmd.agree): a rank with
+    # another batch shape would otherwise wait forever for its stage peers.
+    state.calls += 1
+    text = "\n".join(f"input '{p}': {format_signature(_signature(x))}" for p, x in zip(paths, flat))
+    agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
+          empty_problem(flat, lambda: paths), timeout=state.timeout)
     mbs = micro_batches(flat, plan.num_microbatches, paths)
-    from ..api import _signature
 
     key = (in_spec, tuple(_signature(x) for x in mbs[0]))
     entry = pipe.cache.get(key)
@@ -167,11 +176,15 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
         entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
     pipe.last = entry
-    loss, grads = entry.executor.run(module, mbs)
+    loss, count, grads = entry.executor.run(module, mbs)
+    loss, count = _broadcast_loss(pipe, loss, count, entry)
+    if count is not None:  # the gradients are of the summed loss (pipeline/loss.py)
+        for g in grads.values():
+            g.div_(count)
     _accumulate_gradients(module, grads)
     if state.dump_dir:
         _dump_timeline(state, entry)
-    return _broadcast_loss(pipe, loss, entry)
+    return loss
 
 
 def _check_no_fsdp_flags(state) -> None:
@@ -227,14 +240,19 @@ def _accumulate_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> 
         p.grad = g if p.grad is None else p.grad + g
 
 
-def _broadcast_loss(pipe: PipelineState, loss: torch.Tensor | None, entry: PipelineEntry) -> torch.Tensor:
-    """Every pp rank returns the loss, computed on the last stage's rank."""
+def _broadcast_loss(pipe: PipelineState, loss: torch.Tensor | None, count: torch.Tensor | None,
+                    entry: PipelineEntry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every pp rank gets the loss and, for a token-mean loss, the step's token count, both
+    computed on the last stage's rank (one broadcast of the pair)."""
     last_rank = (pipe.resolved.num_stages - 1) % pipe.resolved.num_ranks
-    if loss is None:
-        loss = torch.empty((), dtype=entry.executor.loss_dtype, device=entry.executor.device)
+    executor = entry.executor
+    pair = torch.empty(2, dtype=executor.loss_dtype, device=executor.device)
+    if loss is not None:
+        pair[0] = loss
+        pair[1] = count if count is not None else 0
     if pipe.resolved.num_ranks > 1:
-        dist.broadcast(loss, src=dist.get_global_rank(pipe.pp_group, last_rank), group=pipe.pp_group)
-    return loss
+        dist.broadcast(pair, src=dist.get_global_rank(pipe.pp_group, last_rank), group=pipe.pp_group)
+    return pair[0], (pair[1] if executor.token_mean else None)
 
 
 def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineEntry:
@@ -258,6 +276,14 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         split_points, auto_report = choose_split_points(lowered.local, lowered.captured, module, resolved, state)
     else:
         split_points, auto_report = plan.split_points, None
+    if lowered.captured.buffer_updates:
+        # The stage programs have no slot for them yet: refused rather than silently not updated.
+        raise ValueError(
+            f"pipeline: the model updates buffers in forward ({', '.join(lowered.captured.buffer_updates[:3])}; "
+            "BatchNorm running statistics?), which pipeline stages do not write back yet. Use a plan "
+            "without a pipeline, or norms without running statistics (track_running_stats=False)"
+        )
+    token_mean = expose_loss_count(lowered.local, lowered.captured)
     stages = split_stages(lowered.local, lowered.captured, split_points, resolved.num_stages)
 
     programs: dict[int, StageProgram] = {}
@@ -286,7 +312,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         if i.kind == "output"
     )
     executor = PipelineExecutor(programs, schedule[resolved.rank], transfers, resolved.num_ranks,
-                                plan.num_microbatches, pipe.pp_group, device, loss_dtype)
+                                plan.num_microbatches, pipe.pp_group, device, loss_dtype, token_mean)
     summary = {
         "split_points": list(split_points),
         "num_stages": resolved.num_stages,

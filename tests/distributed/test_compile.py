@@ -51,9 +51,39 @@ def spmd_mismatch():
     _compile_llama_tp(None, seq_len=16 if dist.get_rank() == 0 else 8)
 
 
-def test_spmd_mismatch_is_an_error_not_a_hang(dist2):
-    with pytest.raises(ValueError, match=r"SPMD check failed: collective #\d+ of the forward program"):
+def test_input_signature_mismatch_is_an_error_not_a_hang(dist2):
+    # The per-call agreement (spmd.agree) catches it before either rank compiles, naming both sides.
+    with pytest.raises(ValueError, match=r"rank 0 has .input 'input_ids': int64\[2, 16\] on cpu. where rank 1 "
+                                         r"has .input 'input_ids': int64\[2, 8\] on cpu"):
         dist2.run(spmd_mismatch)
+
+
+class _RankDependent(torch.nn.Module):
+    """Runs its layer twice on rank 0 only: same inputs and plan, different programs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if dist.get_rank() == 0:
+            h = self.lin(h)
+        return h.sum()
+
+
+def rank_dependent_program():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    model = hp.parallelize(_RankDependent(), {"tensor_parallel": {"lin": "colwise"}}, mesh)
+    model(torch.randn(4, 8)).backward()
+
+
+def test_spmd_mismatch_is_an_error_not_a_hang(dist2):
+    # Model code that branches on the rank passes the input agreement; the compile-time check of
+    # the collective sequences catches it.
+    with pytest.raises(ValueError, match=r"SPMD check failed: collective #\d+ of the forward program"):
+        dist2.run(rank_dependent_program)
 
 
 def wrong_mesh_size():
