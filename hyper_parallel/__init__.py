@@ -21,6 +21,7 @@ from .pipeline import (
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
 from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
+from .errors import InternalError
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -41,6 +42,7 @@ from .styles import (
 __all__ = [
     "CheckpointError",
     "CheckpointPolicy",
+    "InternalError",
     "checkpoint",
     "checkpoint_wrapper",
     "swap",

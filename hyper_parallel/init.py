@@ -407,7 +407,10 @@ class _Arena:
         """A CPU tensor with ``like``'s dtype, shape and strides in the buffer (own version counter)."""
         start = -(-self.offset // _ALIGN) * _ALIGN
         end = start + _span_bytes(like)
-        assert end <= self.nbytes, "arena sized for the largest module"
+        assert end <= self.nbytes, (
+            f"init arena: {end} bytes needed, {self.nbytes} held; it is sized for the largest module's own "
+            "tensors, and one step takes only the tensors of one module"
+        )
         self.offset = end
         t = torch.empty(0, dtype=like.dtype)
         t.set_(self.buffer.untyped_storage(), start // like.element_size(), like.shape, like.stride())

@@ -749,7 +749,7 @@ class _Resolver:
 
     def apply_tensor_parallel(self, tp_axis: str | None) -> None:
         for key, style in self.plan.tensor_parallel.items():
-            assert tp_axis is not None  # _resolve_tp_axis raised otherwise
+            assert tp_axis is not None, "_resolve_tp_axis returns an axis whenever tensor_parallel has entries"
             where = f"tensor_parallel[{key!r}]"
             source = f"{where} {type(style).__name__}"
             for module_fqn in self.matched("tensor_parallel", key):

@@ -3,7 +3,8 @@
 Each pass is ``pass(gm, ctx) -> gm``: a pure graph-to-graph function whose module docstring says
 what it reads and writes in ``node.meta``. ``run_passes`` runs them in order, skipping the names in
 ``ctx.disable_passes``, and hands each intermediate graph to ``ctx.on_pass`` (dumps). Turning an
-optimisation pass off never changes numerics.
+optimisation pass off never changes numerics. A pass whose own invariant breaks (an ``assert``)
+raises :class:`~hyper_parallel.errors.InternalError` naming the pass and that workaround.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import internal_error
 from .bucketing import DEFAULT_GRADIENT_BUCKET_BYTES, bucketing_pass
 from .cleanup import cleanup_pass
 from .cse import cse_pass
@@ -64,7 +66,10 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModu
         if name in ctx.disable_passes:
             continue
         before = len(gm.graph.nodes)
-        gm = fn(gm, ctx)
+        try:
+            gm = fn(gm, ctx)
+        except AssertionError as exc:  # a pass's invariant broke: name the pass and the workaround
+            raise internal_error(name, str(exc) or type(exc).__name__, pass_name=name) from exc
         log.info("[%s] %d nodes -> %d", name, before, len(gm.graph.nodes))
         if ctx.on_pass is not None:
             ctx.on_pass(name, gm)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..cost import get_profile
 from ..cost.compute import node_work, roofline_time, tensor_bytes
 from ..debug import DEVICE_PROFILES
+from ..errors import internal_error
 from ..passes.pipeline_split import assign_stages
 from ..recompute import repeated_blocks
 from ..runtime.partition import BACKWARD, FORWARD
@@ -82,7 +83,12 @@ def best_split(seconds: list[float], memory: list[int] | None, num_stages: int,
         if source in sub and target in sub and nx.has_path(sub, source, target):
             path = nx.shortest_path(sub, source, target, weight="weight")
             return [i for i, _ in path[1:-1]], threshold
-    raise AssertionError("unreachable: the full graph has a path")
+    # The largest threshold keeps every edge, so only a non-finite stage time (a cost-model bug) ends here.
+    raise internal_error(
+        "pipeline split_points='auto'", f"no cut into {num_stages} stages was found though one exists (stage "
+        f"times {seconds} seconds per segment)",
+        workaround="give PipelinePlan(split_points=[...]) explicitly",
+    )
 
 
 def choose_split_points(gm: torch.fx.GraphModule, captured, module, resolved: ResolvedPipeline,

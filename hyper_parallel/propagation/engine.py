@@ -16,7 +16,9 @@ be complete), which is exactly the transpose Megatron's f/g operators hand-code.
 Sinks: user outputs are brought to the user-facing layout (0-d results such as the loss
 Replicate, i.e. the global value; other outputs Shard(0) over the data-parallel axes like the
 inputs), and each parameter gradient to its parameter's layout, so that a Partial gradient becomes an
-all-reduce (or reduce-scatter for a sharded parameter) and nothing is assumed.
+all-reduce (or reduce-scatter for a sharded parameter) and nothing is assumed. A buffer's new value
+(BatchNorm running statistics) goes to the buffer's storage layout (Replicate, normally): the value
+one device computes on the global batch, which every rank then writes into its copy.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .. import compat
 from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
-from ..capture import INPUT_GRAD, CapturedGraph, module_fqn_of, source_line
+from ..capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of, source_line
+from ..errors import internal_error
 from .accumulation import GRAD_ACCUM, insert_gradient_accumulation
 from .boundaries import merge_boundaries
+from .loss_reduction import make_token_means_global
 from .rules import NoShardingRule, propagate_op
 from .unshard import GATHERED, PREGATHERED, insert_unshard_nodes
 
@@ -271,7 +275,13 @@ class _Propagator:
             return self.fallback(node, tensor_nodes, "rule gave no output layout")
         if suggested is not None:
             if len(suggested) != len(current):
-                raise AssertionError(f"{node.name}: {len(suggested)} suggested specs for {len(current)} tensors")
+                # Lowering would pair input layouts with the wrong inputs.
+                raise internal_error(
+                    "layout propagation", f"the sharding rule of {node.target} gave {len(suggested)} input "
+                    f"layouts for the op's {len(current)} tensor inputs", node=node,
+                    workaround="a plan that gives this op's inputs other layouts avoids the rule's "
+                    f"strategy, e.g. change the plan entry of module {module_fqn_of(node) or '<root>'!r}",
+                )
             wanted = tuple(
                 compat.DTensorSpec(self.mesh, s.placements, tensor_meta=c.tensor_meta)
                 for s, c in zip(suggested, current)
@@ -303,6 +313,8 @@ class _Propagator:
                 wanted.append(None)
             elif info.kind == "output":
                 wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
+            elif info.kind == BUFFER_UPDATE:  # written back into the buffer: its storage layout
+                wanted.append(make_spec(self.mesh, self.resolved.param_placements[info.name], slot.meta["val"]))
             elif info.kind == INPUT_GRAD:  # a differentiable user input's gradient: the input's layout
                 wanted.append(make_spec(self.mesh, self.input_specs[info.index].placements, slot.meta["val"]))
             elif info.kind == GATHERED:  # kept after backward: as computed with
@@ -337,7 +349,10 @@ class _Propagator:
             elif node.op == "output":
                 node.meta["hp_layout"] = self.output(node)
             else:
-                raise NotImplementedError(f"propagation: unsupported node kind {node.op} ({node.name})")
+                raise internal_error(
+                    "layout propagation", f"a {node.op!r} node in the captured joint graph (capture emits "
+                    "placeholder, call_function, get_attr and output nodes only)", node=node,
+                )
         return self.report
 
 
@@ -373,6 +388,7 @@ def propagate(captured: CapturedGraph, resolved, mesh, storage_dtypes=None) -> P
 
     ``storage_dtypes``: parameter FQN -> stored dtype, where FSDP mixed precision captured the
     parameter in another (compute) dtype."""
+    make_token_means_global(captured.gm)
     merge_boundaries(captured.gm, resolved)
     insert_unshard_nodes(captured, resolved, storage_dtypes or {}, mesh.device_type)
     insert_gradient_accumulation(captured, resolved.fsdp)

@@ -38,7 +38,8 @@ class GradientAccumulator:
         def keep(grads: list) -> list:
             if self.buffers and self.layout != layout:
                 raise RuntimeError(
-                    f"gradient accumulation: gradients pending in layout {self.layout!r} meet new ones in "
+                    f"gradient accumulation: gradients of {sorted(self.buffers)[:3]} pending in layout "
+                    f"{self.layout!r} meet new ones in "
                     f"{layout!r}; run each micro-step's backward before the next forward when changing "
                     "set_requires_gradient_sync / set_requires_all_reduce"
                 )
