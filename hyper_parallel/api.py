@@ -310,7 +310,7 @@ def parallelize(
     check_inputs: bool | None = None,
     timeout=None,
 ) -> nn.Module:
-    """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see DESIGN §1).
+    """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see docs/architecture.md §1).
 
     ``plan`` is a :class:`ParallelPlan`, the same as a nested dict, or None to use only the entries
     recorded by ``shard_module``/``parallelize_module``. The model's parameters are distributed now

@@ -6,7 +6,7 @@ group, so the plan layer and its tests can run with no distributed backend). Imp
 creates no process group and imports no vendor extension; ``torch_npu`` is imported only when an
 ``"npu"`` mesh is requested.
 
-Axis-name convention (DESIGN section 1): ``dp_replicate, dp_shard (alias fsdp), dp, ep, cp, tp, pp``;
+Axis-name convention (docs/architecture.md §1): ``dp_replicate, dp_shard (alias fsdp), dp, ep, cp, tp, pp``;
 any axis whose name starts with ``"dp"`` or equals ``"fsdp"`` is a data-parallel axis.
 """
 

@@ -264,7 +264,7 @@ def option_from_value(cls, value: Any, name: str):
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """What to parallelize and how; mesh-agnostic data (see DESIGN section 1).
+    """What to parallelize and how; mesh-agnostic data (see docs/architecture.md §1).
 
     * ``tensor_parallel``: module-FQN glob -> :class:`ParallelStyle` (or a style name such as
       ``"colwise"``); styles apply on mesh axis ``tp_axis``.

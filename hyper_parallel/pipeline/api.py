@@ -341,7 +341,7 @@ def _device_of(module: nn.Module, flat: list) -> torch.device:
 
 
 def _check_stage_spmd(colls: dict, resolved: ResolvedPipeline) -> None:
-    """Ranks running the same stages must run the same collectives (DESIGN §3.3): hashes are
+    """Ranks running the same stages must run the same collectives (docs/architecture.md §4.3): hashes are
     exchanged over the world and compared among ranks with this rank's pp coordinate."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return

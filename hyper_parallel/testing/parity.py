@@ -1,4 +1,4 @@
-"""Single-device parity runs: the oracle every plan and pass is tested against (DESIGN §3.1).
+"""Single-device parity runs: the oracle every plan and pass is tested against (docs/architecture.md §4.1).
 
 Each function here runs *on every rank* of a worker pool (hyper_parallel.testing.distributed): it
 builds a model from a seed, keeps an untouched single-device copy, parallelizes the other, feeds
@@ -123,7 +123,7 @@ def run_parity(
     different numbers of counted tokens and the loss must still be the global per-token mean.
 
     SGD: loss and every gradient with ``assert_close`` defaults. AdamW: the loss within
-    ``loss_rtol`` (Adam turns noise in near-zero gradients into full-size updates, DESIGN §3.1).
+    ``loss_rtol`` (Adam turns noise in near-zero gradients into full-size updates, docs/architecture.md §4.1).
     Returns the losses and the compile summary (rank-local).
     """
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
