@@ -46,6 +46,18 @@ def test_padded_labels_pipeline(dist2):
     dist2.run(run_pipeline_parity, plan, (2,), ("pp",), ignore_fraction=PADDED)
 
 
+def _check_and_step(step, loss, ref_loss, parallel, reference, opt, ref_opt) -> None:
+    """Loss and every gradient against one device's (``assert_close`` defaults), then an SGD step
+    of both models."""
+    torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
+    ref = dict(reference.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, msg=lambda m, n=name: f"step {step} {n}: {m}")
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+
+
 # --- a masked language model (transformers' BERT): ~15% of positions carry a label ------------------
 
 def _tiny_bert(seed: int = 0):
@@ -83,13 +95,7 @@ def masked_lm_parity(plan, steps=3):
         loss, ref_loss = parallel(**local).loss, reference(**full).loss
         loss.backward()
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-        ref = dict(reference.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, msg=lambda m, n=name: f"{n}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _check_and_step(step, loss, ref_loss, parallel, reference, opt, ref_opt)
     return counts
 
 
@@ -134,13 +140,7 @@ def classifier_parity(weighted: bool, smoothing: float, steps=3):
         loss, ref_loss = parallel(**local_batch(full, mesh)), reference(**full)
         loss.backward()
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-        ref = dict(reference.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, msg=lambda m, n=name: f"{n}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _check_and_step(step, loss, ref_loss, parallel, reference, opt, ref_opt)
 
 
 @pytest.mark.parametrize("weighted,smoothing", [(True, 0.0), (False, 0.1), (True, 0.1)],
@@ -172,13 +172,7 @@ def accumulation_parity(plan, micro_steps=2, steps=2, model="llama"):
             loss = parallel(**local_batch(batch, mesh), num_items_in_batch=count).loss
             loss.backward()
             total = total + loss.detach()
-        torch.testing.assert_close(total, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
-        ref = dict(reference.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, msg=lambda m, n=name: f"{n}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _check_and_step(step, total, ref_loss.detach(), parallel, reference, opt, ref_opt)
 
 
 @pytest.mark.parametrize("plan", [{}, {"fully_shard": {"units": ["model.layers.*", ""]}}], ids=["dp", "fsdp"])
