@@ -25,8 +25,8 @@ from typing import Any, Mapping
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
+from .compat import pytree
 from . import compat
 from .annotations import boundary, boundary_key
 from .decompositions import capture_decompositions
@@ -384,6 +384,18 @@ def module_fqn_of(node: torch.fx.Node) -> str:
 def _normalize_fqn(path: str) -> str:
     # export writes list indices as "layers.0" or "layers[0]" depending on the container; normalise.
     return path.replace("[", ".").replace("]", "").replace("L['self'].", "").lstrip(".")
+
+
+def describe_node(node: torch.fx.Node) -> str:
+    """``node 'x' (op) in module 'm' at file:line: code``: how errors and dumps name a node."""
+    where = source_line(node)
+    module = module_fqn_of(node)
+    text = f"node '{node.name}' ({node.target})"
+    if module:
+        text += f" in module '{module}'"
+    if where:
+        text += f" at {where}"
+    return text
 
 
 def source_line(node: torch.fx.Node) -> str:

@@ -9,6 +9,8 @@ and module reparametrization for capture on fake tensors.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree  # noqa: F401 - flatten/unflatten of call arguments and outputs
+from torch._ops import OpOverload  # noqa: F401 - the type of every torch.ops.<ns>.<op>.<overload>
 
 # --- capture: joint forward+backward graph with input/output descriptors -------------------------
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors  # noqa: F401
@@ -143,7 +145,9 @@ def fake_store():
 def op_overload_name(target) -> str:
     """``"aten.mm.default"`` for an aten/custom op overload, else the callable's name."""
     if isinstance(target, torch._ops.OpOverload):
-        return f"{target.name().replace('::', '.')}.{target._overloadname}"
+        # name() is "aten::mm" for the default overload and "aten::add.Tensor" for the others.
+        name = target.name().replace("::", ".")
+        return f"{name}.default" if target._overloadname == "default" else name
     return getattr(target, "__name__", str(target))
 
 

@@ -11,6 +11,10 @@ keeps the check. Every check of the compiler and how a user meets it: ``docs/int
 
 from __future__ import annotations
 
+import torch
+
+from . import capture
+
 __all__ = ["InternalError", "REPORT", "describe_node", "internal_error", "pass_workaround"]
 
 REPORT = (
@@ -25,12 +29,8 @@ class InternalError(RuntimeError):
 
 def describe_node(node) -> str:
     """``node 'x' (op) in module 'm' at file:line`` for an fx node; other values as they print."""
-    import torch
-
     if isinstance(node, torch.fx.Node):
-        from .propagation.engine import _describe
-
-        return _describe(node)
+        return capture.describe_node(node)
     return str(node)
 
 

@@ -24,9 +24,9 @@ import operator
 
 import torch
 import torch.fx.traceback as fx_traceback
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Partial
 
+from .compat import pytree
 from . import compat
 from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from .capture import CapturedGraph, module_fqn_of

@@ -42,8 +42,8 @@ import operator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from .compat import pytree
 from . import compat
 
 __all__ = [

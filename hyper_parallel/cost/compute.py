@@ -18,9 +18,10 @@ import logging
 import operator
 
 import torch
-import torch.utils._pytree as pytree
 from torch.utils import flop_counter
 
+from .. import compat
+from ..compat import pytree
 from .hardware import HardwareProfile
 
 __all__ = ["NodeWork", "node_work", "roofline_time", "tensor_bytes", "COLLECTIVE_KIND", "WAIT_TARGET"]
@@ -94,14 +95,14 @@ def _arg_vals(node: torch.fx.Node):
 def _is_view(target) -> bool:
     if target is operator.getitem or target in _VIEWS_WITHOUT_ANNOTATION:
         return True
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, compat.OpOverload):
         # A view aliases its input and writes nothing; in-place ops also alias but do move memory.
         return target.is_view
     return False
 
 
 def _flops(target, args, kwargs, out_val) -> int:
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, compat.OpOverload):
         return 0
     packet = target.overloadpacket
     formula = flop_counter.flop_registry.get(packet) or _EXTRA_FORMULAS.get(packet)
@@ -136,7 +137,7 @@ def node_work(node: torch.fx.Node) -> NodeWork:
     out_val = node.meta.get("val")
     if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out_val)):
         # Host-side arithmetic (sym sizes) or an op whose value was not recorded: no kernel.
-        return _VIEW if out_val is not None or not isinstance(target, torch._ops.OpOverload) else _NONE
+        return _VIEW if out_val is not None or not isinstance(target, compat.OpOverload) else _NONE
     moved = tensor_bytes((args, kwargs)) + tensor_bytes(out_val)
     return NodeWork("compute", flops=_flops(target, args, kwargs, out_val), bytes=moved,
                     dtype=_first_float_dtype((args, kwargs)))

@@ -26,8 +26,8 @@ import operator
 from typing import Mapping, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 
+from ..compat import pytree
 from ..capture import module_fqn_of
 from ..compat import op_overload_name
 from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis

@@ -27,8 +27,9 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
+
+from ..compat import pytree
 
 __all__ = [
     "CausalLMOutput",

@@ -24,7 +24,7 @@ def _eligible(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):  # the type of every torch.ops.<ns>.<op>.<overload>
+    if isinstance(target, compat.OpOverload):  # the type of every torch.ops.<ns>.<op>.<overload>
         if target.namespace == _C10D_NAMESPACE:
             return True
         if compat.is_random_op(target) or compat.is_mutating_op(target):

@@ -26,8 +26,8 @@ from __future__ import annotations
 import operator
 
 import torch
-import torch.utils._pytree as pytree
 
+from ..compat import pytree
 from .. import compat
 from ..capture import module_fqn_of
 from ..recompute import CheckpointPolicy

@@ -60,6 +60,8 @@ def swap_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             continue
         if not any(_is_backward(u) for u in node.users):
             continue  # not saved for backward: nothing to swap
+        if any(u.op == "output" for u in node.users):
+            continue  # returned to the caller, who holds it anyway: swapping it frees nothing
         key = (region, val.dtype) if node.meta.get("hp_swap_group") else (region, node.name)
         groups[key].append(node)
     if not groups:

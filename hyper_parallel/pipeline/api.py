@@ -24,12 +24,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..compat import pytree
 from .. import compat
 from ..capture import flat_paths
+from ..compile.driver import capture_and_lower, current_rank, format_signature, run_pass_pipeline, signature
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..passes.pipeline_split import StageGraph, split_stages
 from ..runtime.partition import partition_by_phase
@@ -160,17 +161,15 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     args, kwargs = call_arguments(inputs, targets, pipe.loss_fn)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
     paths = flat_paths((args, kwargs))
-    from ..api import _signature, format_signature
-
     # Every rank of the whole mesh agrees on the step's inputs first (spmd.agree): a rank with
     # another batch shape would otherwise wait forever for its stage peers.
     state.calls += 1
-    text = "\n".join(f"input '{p}': {format_signature(_signature(x))}" for p, x in zip(paths, flat))
+    text = "\n".join(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat))
     agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
           empty_problem(flat, lambda: paths), timeout=state.timeout)
     mbs = micro_batches(flat, plan.num_microbatches, paths)
 
-    key = (in_spec, tuple(_signature(x) for x in mbs[0]))
+    key = (in_spec, tuple(signature(x) for x in mbs[0]))
     entry = pipe.cache.get(key)
     if entry is None:
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
@@ -209,10 +208,8 @@ def _check_no_fsdp_flags(state) -> None:
 def _dump_timeline(state, entry: PipelineEntry) -> None:
     """``pipeline_trace.json``: this rank's measured compute steps of the last step as a Chrome
     trace (one row per stage; the gaps are the bubble), for Perfetto / chrome://tracing."""
-    from ..api import _rank
-
     timing = entry.executor.last_timing
-    rank = _rank()
+    rank = current_rank()
     events = [
         {"name": name, "ph": "X", "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": rank, "tid": f"stage {stage}",
          "cat": "forward" if name.startswith("F") else "backward"}
@@ -257,16 +254,14 @@ def _broadcast_loss(pipe: PipelineState, loss: torch.Tensor | None, count: torch
 
 def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineEntry:
     """Compile one micro-batch signature into this rank's stage programs (module docstring)."""
-    from ..api import _capture_and_lower, _rank, run_pass_pipeline
-
     state = module._hp
     pipe: PipelineState = state.pipeline
     resolved = pipe.resolved
     plan = resolved.plan
-    rank = _rank()
+    rank = current_rank()
     dumper = Dumper(state.dump_dir, rank)
     original_forward = state.original_cls.forward.__get__(module)
-    lowered = _capture_and_lower(
+    lowered = capture_and_lower(
         module, state, state.resolved, args, kwargs, flat, dumper,
         wrap_forward=lambda: loss_forward(module, pipe.loss_fn, original_forward),
     )

@@ -30,12 +30,13 @@ import operator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from ..compat import pytree
 from .. import compat
 from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
-from ..capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of, source_line
+from ..capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
+from ..capture import describe_node as _describe
 from ..errors import internal_error
 from .accumulation import GRAD_ACCUM, insert_gradient_accumulation
 from .boundaries import merge_boundaries
@@ -93,17 +94,6 @@ def data_parallel_placements(mesh, val, dp_axes) -> tuple:
     return tuple(
         Shard(0) if (shard_batch and name in dp_axes) else Replicate() for name in names
     )
-
-
-def _describe(node: torch.fx.Node) -> str:
-    where = source_line(node)
-    module = module_fqn_of(node)
-    text = f"node '{node.name}' ({node.target})"
-    if module:
-        text += f" in module '{module}'"
-    if where:
-        text += f" at {where}"
-    return text
 
 
 def check_divisible(node, spec, mesh, what: str) -> None:

@@ -15,9 +15,9 @@ execution with explicit redistribution and lists the op in the compile report.
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Replicate, Shard
 
+from ..compat import pytree
 from .. import compat
 
 aten = torch.ops.aten

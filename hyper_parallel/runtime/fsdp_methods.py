@@ -1,7 +1,7 @@
 """The FSDP2 / HSDPModule methods of a parallelized module (``ParallelModule`` inherits them).
 
 Most of them change what the next program does, so they set flags on the module's state that
-``_ParallelState.resolved_for_flags`` turns into a program variant (compiled once per combination):
+``runtime.module.ParallelState.resolved_for_flags`` turns into a program variant (compiled once per combination):
 gradient sync and the HSDP all-reduce (accumulation in the graph, propagation/accumulation.py),
 reshard after forward / backward, the reduce op, and which units ``unshard()`` gathered ahead
 (runtime/unshard.py).
@@ -14,7 +14,7 @@ from .unshard import UnshardHandle, gather_unit
 
 class FsdpMethods:
     """Mixin: the HSDPModule / FSDP2 method names on the parallel module (``self._hp`` is its
-    ``_ParallelState``)."""
+    ``ParallelState``)."""
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate gradients locally without communication (micro-steps); True: the next

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.utils._pytree as pytree
 
+from ..compat import pytree
 from .. import compat
 
 __all__ = ["GraphBuilder", "read_tree"]

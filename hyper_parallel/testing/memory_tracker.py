@@ -21,8 +21,8 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.utils._pytree as pytree
 
+from ..compat import pytree
 from .. import compat
 
 __all__ = ["MemoryTracker", "measure_training_memory", "unique_storage_bytes"]

@@ -1,0 +1,353 @@
+"""The compile driver: one input signature of a module → its compiled program.
+
+    capture (fake global-shape tensors) → propagate (pre-propagation rewrites, layouts) → lower →
+    passes → partition → SPMD check → summary and dumps
+
+``capture_and_lower`` is the front half (what ``recompute="auto"`` and the pipeline path share:
+the pipeline splits the lowered graph into stages and runs ``run_pass_pipeline`` on each);
+``finish`` the back half. ``state`` arguments are the module's ``runtime.module.ParallelState``
+(options and program-changing flags); nothing here keeps state between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+
+from ..compat import pytree
+from .. import compat
+from ..capture import CapturedGraph, capture, flat_paths, module_fqn_of
+from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
+from ..lower import lower
+from ..memory import estimate_program
+from ..passes import PassContext, run_passes
+from ..plan import ResolvedPlan
+from ..propagation.engine import PropagationReport, propagate
+from ..recompute import annotated_regions, auto_candidates, capturing, resolve_activation_plan
+from ..runtime.input_check import index_inputs
+from ..runtime.program import CompiledProgram, flatten_placeholders
+from ..spmd import check_spmd_on_mesh
+
+if TYPE_CHECKING:  # the runtime module calls the driver, not the other way round
+    from ..runtime.module import ParallelModule, ParallelState
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CompiledEntry:
+    """One compiled input signature: the program plus what the dumps and reports show."""
+
+    captured: CapturedGraph
+    resolved: ResolvedPlan
+    program: CompiledProgram
+    report: PropagationReport
+    summary: dict
+    index_inputs: tuple = ()  # runtime.input_check.IndexInput: ids and labels checked before each call
+
+
+def signature(x):
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
+    return ("const", type(x).__name__, repr(x))
+
+
+def format_signature(signature: tuple) -> str:
+    """``int64[4, 16] on cpu`` for a tensor's :func:`signature`, ``int 3`` for a constant."""
+    if signature[0] == "tensor":
+        _, shape, dtype, requires_grad, device = signature
+        text = f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
+        return text + (" requiring grad" if requires_grad else "")
+    return f"{signature[1]} {signature[2]}"
+
+
+def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:
+    """Layouts of the user's tensor inputs: plan.inputs, else Shard(0) over the data-parallel axes."""
+    return {
+        path: resolved.input_placements(path, x.dim())
+        for path, x in zip(paths, flat)
+        if isinstance(x, torch.Tensor)
+    }
+
+
+def _compute_dtypes(module: nn.Module, resolved: ResolvedPlan) -> dict:
+    """Parameter FQN -> the dtype it computes in (FSDP mixed precision's param_dtype)."""
+    fsdp = resolved.fsdp
+    policy = fsdp.mixed_precision if fsdp is not None else None
+    if policy is None or policy.param_dtype is None:
+        return {}
+    return {
+        fqn: policy.param_dtype
+        for fqn, p in module.named_parameters()
+        if fqn in fsdp.unit_of and p.is_floating_point()
+    }
+
+
+def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
+    shape = list(local_shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= mesh.size(axis)
+    return tuple(shape)
+
+
+def capture_device(t: torch.Tensor) -> torch.device:
+    """The device a value is captured on: where it lives, so factory ops in the graph (positions,
+    masks) and the swap pass's copies back name the device the program runs on. Meta tensors
+    (planning) are captured on the CPU."""
+    return torch.device("cpu") if t.device.type == "meta" else t.device
+
+
+@dataclasses.dataclass
+class Lowered:
+    """The front half of a compile (capture, propagate, lower) for one input signature: what the
+    passes start from. ``recompute="auto"`` runs the passes on copies of it, once per candidate."""
+
+    captured: CapturedGraph
+    resolved: ResolvedPlan  # with this signature's input layouts
+    report: PropagationReport
+    local: torch.fx.GraphModule
+    input_placements: dict
+    annotated: dict  # hp.checkpoint / hp.swap calls seen while capturing
+
+
+def capture_and_lower(
+    module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
+    dumper: Dumper, wrap_forward=None,
+) -> Lowered:
+    """``wrap_forward``: a context manager factory that changes what the module's forward returns
+    while it is captured (the pipeline's loss)."""
+    mesh = state.mesh
+    paths = flat_paths((args, kwargs))
+    input_placements = _input_placements(resolved_plan, paths, flat)
+    resolved = dataclasses.replace(resolved_plan, inputs={**resolved_plan.inputs, **input_placements})
+
+    # Capture on fake tensors of the *global* shapes: single-device semantics, no real memory.
+    fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        # An input that requires grad gets its gradient (a pipeline stage's activations).
+        fake_flat = [
+            torch.empty(_global_shape(x.shape, input_placements[p], mesh), dtype=x.dtype, device=capture_device(x),
+                        requires_grad=x.requires_grad)
+            if isinstance(x, torch.Tensor) else x
+            for p, x in zip(paths, flat)
+        ]
+        compute_dtypes = _compute_dtypes(module, resolved_plan)
+        fake_state = {
+            fqn: nn.Parameter(
+                torch.empty(shape, dtype=compute_dtypes.get(fqn, dtype), device=device), requires_grad=requires_grad,
+            )
+            for fqn, (shape, dtype, requires_grad, device) in state.all_parameters(module).items()
+        }
+        fake_state.update({
+            fqn: torch.empty(t.shape, dtype=t.dtype, device=capture_device(t)) for fqn, t in module.named_buffers()
+        })
+    fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
+    module.__class__, parallel_cls = state.original_cls, module.__class__
+    try:
+        with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
+                (wrap_forward() if wrap_forward else contextlib.nullcontext()):
+            captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules)
+            annotated = annotated_regions()
+    finally:
+        module.__class__ = parallel_cls
+    _name_tied_parameters(captured, module)
+    dumper.graph("captured", captured.gm)
+
+    storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
+    report = propagate(captured, resolved, mesh, storage_dtypes)
+    local = lower(captured, mesh)
+    dumper.graph("lowered", local)
+    return Lowered(captured, resolved, report, local, input_placements, annotated)
+
+
+def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
+    """A parameter shared by several modules (tied embedding and output head) may be captured under
+    any of its names; use the one ``named_parameters()`` gives, which is the one that holds it."""
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        aliases[fqn] = canonical.setdefault(id(p), fqn)
+    captured.inputs[:] = [
+        dataclasses.replace(i, name=aliases.get(i.name, i.name)) if i.kind == "param" else i for i in captured.inputs
+    ]
+    captured.outputs[:] = [
+        dataclasses.replace(o, name=aliases.get(o.name, o.name)) if o.kind == "grad" else o for o in captured.outputs
+    ]
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose graph passes may rewrite without touching ``gm`` (node meta copied shallowly)."""
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, explicit_prefetch: dict,
+                      activation, annotated: dict, on_pass) -> torch.fx.GraphModule:
+    """The ordered passes over one lowered (or stage) joint graph with this module's options."""
+    return run_passes(
+        local, PassContext(
+            mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
+            prefetch_depth=state.prefetch_depth,
+            activation=dataclasses.replace(activation or state.activation, annotated=annotated),
+            gradient_bucket_bytes=state.gradient_bucket_bytes,
+            disable_passes=state.disable_passes,
+            on_pass=on_pass,
+        )
+    )
+
+
+def compile_program(
+    module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
+    explicit_prefetch: dict, activation=None,
+) -> CompiledEntry:
+    """``activation``: the recompute/swap plan to compile with (default: the module's)."""
+    dumper = Dumper(state.dump_dir, current_rank())
+    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
+    return finish(state, resolved_plan, lowered, explicit_prefetch, activation, dumper)
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def finish(
+    state: ParallelState, resolved_plan: ResolvedPlan, lowered: Lowered, explicit_prefetch: dict, activation,
+    dumper: Dumper, local: torch.fx.GraphModule | None = None,
+) -> CompiledEntry:
+    """The back half of a compile: passes, partition, SPMD check, summary and dumps. ``local``: the
+    lowered graph to run the passes on (default: ``lowered.local`` itself)."""
+    mesh = state.mesh
+    captured = lowered.captured
+    local = run_pass_pipeline(state, resolved_plan, lowered.local if local is None else local, explicit_prefetch,
+                              activation, lowered.annotated, dumper.graph)
+    dumper.text("layouts.tsv", layout_table(local))
+    flatten_placeholders(local, captured)
+    program = CompiledProgram.from_joint(local, captured)
+    dumper.graph("forward", program.forward_gm)
+    dumper.graph("backward", program.backward_gm)
+
+    axis_of_group = group_axis_names(mesh, resolved_plan.fsdp)
+    colls = {
+        "forward": collectives(program.forward_gm, axis_of_group),
+        "backward": collectives(program.backward_gm, axis_of_group),
+    }
+    digest = check_spmd_on_mesh(colls, mesh)
+    memory_series = [] if dumper.dir else None  # live bytes per moment, for the report's plot
+    memory = estimate_program(program, captured, series=memory_series)  # no optimizer state: memory_report(opt) adds it
+    summary = {
+        "collectives": {name: collective_summary(c) for name, c in colls.items()},
+        "collectives_per_step": collective_summary(colls["forward"] + colls["backward"]),
+        "saved_for_backward": _saved_summary(program),
+        "fallbacks": lowered.report.fallbacks,
+        "plan_redistributions": lowered.report.boundaries,
+        "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
+        "spmd_hash": digest,
+        "inputs": {p: [str(pl) for pl in v] for p, v in lowered.input_placements.items()},
+        "memory": memory.as_dict(),
+    }
+    dumper.json("summary.json", summary)
+    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series)  # for `hyper-parallel report`
+    if current_rank() == 0:
+        log.info("[compile] %s", summary["collectives_per_step"])
+    return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured))
+
+
+def compile_within_budget(
+    module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
+    explicit_prefetch: dict,
+) -> CompiledEntry:
+    """``recompute="auto"``: among :func:`recompute.auto_candidates` (each recomputing at least as
+    much as the one before, none more than full recompute of every block), compile the first
+    whose estimated peak (``summary["memory"]["peak"]``, the largest over ranks so every rank
+    picks the same program) fits ``memory_budget_bytes``, found by bisection.
+
+    Capture, propagation and lowering run once; each tried candidate runs only the passes (on a
+    copy of the lowered graph) and the estimate. The dumps show the chosen candidate: its passes
+    are re-run with the dumper at the end."""
+    dumper = Dumper(state.dump_dir, current_rank())
+    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
+    silent = Dumper(None, current_rank())
+    candidates = auto_candidates(state.activation.auto_blocks)
+    tried: dict[int, int] = {}
+
+    def activation_of(i: int):
+        return resolve_activation_plan(candidates[i], state.plan_swap, module)
+
+    def peak(i: int) -> int:
+        if i not in tried:
+            entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(i), silent,
+                            local=copy_graph_module(lowered.local))
+            value = torch.tensor([entry.summary["memory"]["peak"]], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(value, op=dist.ReduceOp.MAX)
+            tried[i] = int(value.item())
+        return tried[i]
+
+    budget = state.memory_budget_bytes
+    last = len(candidates) - 1
+    if peak(last) > budget:
+        raise ValueError(
+            f"recompute='auto': memory_budget_bytes={budget:,} cannot be met; recomputing every "
+            f"block fully still peaks at {peak(last):,} bytes per rank (the smallest achievable "
+            "with recompute). Raise the budget, shard more (fully_shard, tensor parallelism) or "
+            "use a smaller batch"
+        )
+    lo, hi = 0, last
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(lo), dumper)
+    entry.summary["recompute_auto"] = {
+        "memory_budget_bytes": budget, "estimated_peak": tried[lo], "chosen": candidates[lo],
+        "candidates_compiled": len(tried),
+    }
+    dumper.json("summary.json", entry.summary)
+    log.info("[recompute auto] %s", entry.summary["recompute_auto"])
+    return entry
+
+
+def _saved_summary(program: CompiledProgram) -> dict:
+    """Bytes kept from forward to backward, and how many of them are gathered FSDP parameters."""
+    from ..passes.recompute import is_view_of_input
+    from ..passes.reshard_after_forward import gathered_param_region
+
+    region = gathered_param_region(program.forward_gm.graph)
+    total = gathered = 0
+    by_module: dict[str, dict[str, int]] = {}
+    swapped = {"count": 0, "bytes": 0}  # kept in host memory by the swap pass
+    for node in program.saved_for_backward():
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or is_view_of_input(node):
+            continue  # inputs (and views of them, such as t(weight)) are held anyway
+        nbytes = val.numel() * val.element_size()
+        total += nbytes
+        if node in region:
+            gathered += nbytes
+            continue
+        if node.meta.get("hp_swap_copy") == "to_host":
+            swapped["count"] += 1
+            swapped["bytes"] += nbytes
+        entry = by_module.setdefault(module_fqn_of(node), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += nbytes
+    # Activations by the module that computed them (gathered FSDP parameters counted apart).
+    return {
+        "bytes": total, "gathered_param_bytes": gathered, "swapped": swapped,
+        "activations_by_module": dict(sorted(by_module.items())),
+    }
+

@@ -1,0 +1,337 @@
+"""The module ``parallelize`` returns, at run time: per-call agreement, the program cache, running.
+
+The user's model object *is* the parallel module: its class is swapped for a subclass that also
+derives from :class:`ParallelModule` (as FSDP2 extends modules), so attribute access,
+``isinstance`` and ``state_dict()`` keys are unchanged. Each call: the ranks agree on the input
+signature and flags (spmd.agree; input checks ride along), the program for that key is compiled on
+a miss (compile/driver.py), then run inside one autograd Function (runtime/program.py); buffers the
+forward updates are written back and FSDP gradient hooks keep pending gradients aside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..compat import pytree
+from ..capture import flat_paths
+from ..compile.driver import (
+    CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,
+)
+from ..debug import group_axis_names
+from ..fully_shard import recorded_prefetch
+from ..memory import estimate_program
+from ..pipeline.api import call_arguments, loss_of, pipeline_report, pipeline_step
+from ..plan import ResolvedPlan
+from ..propagation.accumulation import GRAD_ACCUM
+from ..propagation.unshard import PREGATHERED
+from ..spmd import agree, digest_of
+from .collective_errors import reworded
+from .fsdp_methods import FsdpMethods
+from .grad_accumulation import GradientAccumulator
+from .input_check import empty_problem, index_problem
+from .unshard import GatheredParams, watch_optimizers
+
+log = logging.getLogger(__name__)
+
+
+class ParallelState:
+    def __init__(
+        self, resolved: ResolvedPlan, mesh, original_cls, parameters, *, dump_dir, disable_passes,
+        prefetch_depth: int, gradient_bucket_bytes: int, activation, plan_swap, memory_budget_bytes,
+        check_inputs: bool | None = None, timeout=None,
+    ):
+        self.resolved = resolved
+        self.mesh = mesh
+        self.original_cls = original_cls
+        self.dump_dir = dump_dir
+        self.disable_passes = frozenset(disable_passes)
+        self.cache: dict[Any, CompiledEntry] = {}
+        # Compile options.
+        self.prefetch_depth = prefetch_depth
+        self.gradient_bucket_bytes = gradient_bucket_bytes
+        self.activation = activation  # recompute.ActivationPlan
+        self.plan_swap = plan_swap  # the plan's swap entry (recompute="auto" re-resolves with it)
+        self.memory_budget_bytes = memory_budget_bytes
+        self.check_inputs = check_inputs  # None: ids and labels checked on the CPU only (input_check.py)
+        self.timeout = timeout  # datetime.timedelta for this module's collectives, or None
+        self.calls = 0  # calls so far, named in errors ("call 3")
+        self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
+        # Program-changing flags (HSDPModule methods); each combination is compiled once.
+        self.gradient_sync = True
+        self.all_reduce = True
+        self.reshard_after_forward: bool | None = None  # None: as the plan says
+        self.reduce_op = "avg"
+        self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
+        self.reshard_after_backward = True
+        self.gathered = GatheredParams(parameters)  # by unshard(), or kept by backward for the next forward
+        watch_optimizers(self.gathered)
+        self.last: CompiledEntry | None = None  # the program the last call ran
+        # Pipeline parallelism: parameters of stages other ranks run, released from this rank after
+        # the split (FQN -> (global shape, dtype, requires_grad, device), for later captures).
+        self.released: dict[str, tuple] = {}
+        self.pipeline = None  # pipeline.api.PipelineState when the plan has a pipeline
+
+    def all_parameters(self, module: nn.Module) -> dict[str, tuple]:
+        """FQN -> (global shape, dtype, requires_grad, capture device) of every parameter of the
+        model, the ones released by the pipeline split included."""
+        specs = {
+            fqn: (tuple(t.shape), t.dtype, t.requires_grad, capture_device(t)) for fqn, t in module.named_parameters()
+        }
+        return {**specs, **self.released}
+
+    def resolved_for_flags(self) -> ResolvedPlan:
+        fsdp = self.resolved.fsdp
+        if fsdp is None:
+            return self.resolved
+        units = fsdp.units
+        if self.reshard_after_forward is not None:
+            units = tuple(dataclasses.replace(u, reshard_after_forward=self.reshard_after_forward) for u in units)
+        # Gradients pending from earlier micro-steps become inputs of this program, added to its
+        # own gradients before they are reduced (propagation/accumulation.py).
+        fsdp = dataclasses.replace(
+            fsdp, units=units, gradient_sync=self.gradient_sync, all_reduce=self.all_reduce,
+            accumulated=self.accumulator.pending, reduce_op=self.reduce_op,
+            pregathered=tuple(sorted(self.gathered.units)),
+            reshard_after_backward=self.reshard_after_backward,
+        )
+        return dataclasses.replace(self.resolved, fsdp=fsdp)
+
+
+class ParallelModule(FsdpMethods, nn.Module):
+    """Mixin added to the user's model class by :func:`parallelize`."""
+
+    _hp: ParallelState
+
+    def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
+        if self._hp.pipeline is not None:
+            raise RuntimeError(
+                "a pipelined model trains through pmodel.step(inputs, targets) (forward and backward "
+                "over all micro-batches); calling it directly is not supported"
+            )
+        entry, flat = entry_for(self, args, kwargs)
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+            return _meta_outputs(entry)
+        return _run(self, entry, flat)
+
+    def step(self, inputs, targets=None) -> torch.Tensor:
+        """Forward and backward of one training step; returns the (global, detached) loss and
+        leaves the gradients in ``.grad`` (added to what is there, as ``backward`` does).
+        ``inputs``: a tensor, a tuple of positional or a dict of keyword arguments of the model;
+        ``targets``: the second argument of ``parallelize(loss_fn=...)`` (pipelines only). With a
+        pipeline plan the local batch is split into its micro-batches and run on the schedule."""
+        if self._hp.pipeline is not None:
+            return pipeline_step(self, inputs, targets)
+        args, kwargs = call_arguments(inputs, targets, None)
+        loss = loss_of(self(*args, **kwargs))
+        loss.backward()
+        return loss.detach()
+
+    def pipeline_report(self) -> dict:
+        """The last pipeline step: schedule, split points, and the bubble fraction measured on
+        every pp rank next to the schedule's analytic one. Collective over the pp axis."""
+        return pipeline_report(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load full tensors, DTensors or local shards into the sharded parameters (in place)."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; use assign=False")
+        from ..state_dict import StateDictOptions, set_model_state_dict
+
+        self._hp.gathered.clear()  # gathered from the old values
+        return set_model_state_dict(self, state_dict, StateDictOptions(strict=strict))
+
+    # --- what users and tests read -----------------------------------------------------------
+    def compile_summary(self) -> dict:
+        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...);
+        for a pipelined model, of the last step's stages (split points, transfers, collectives)."""
+        pipe = self._hp.pipeline
+        if pipe is not None:
+            if pipe.last is None:
+                raise RuntimeError("the module has not been compiled yet: run pmodel.step(...) once")
+            return pipe.last.summary
+        return self._last_entry().summary
+
+    def compiled_programs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        """(forward, backward) GraphModules of the program the last call ran, for inspection."""
+        entry = self._last_entry()
+        return entry.program.forward_gm, entry.program.backward_gm
+
+    def memory_report(self, optimizer=None) -> dict:
+        """This rank's estimated memory for one training step of the program the last call ran
+        (hyper_parallel.memory): parameters, gradients, optimizer state, saved activations, the
+        forward / backward / optimizer-step peaks, the overall peak and the node (module, source
+        line) where it is reached. ``optimizer``: the optimizer instance (its real state once it has
+        stepped), or "sgd" / "sgd_momentum" / "adam" / "adamw"; None counts no optimizer state."""
+        entry = self._last_entry()
+        return estimate_program(entry.program, entry.captured, optimizer).as_dict()
+
+    def _last_entry(self) -> CompiledEntry:
+        if self._hp.pipeline is not None:
+            raise RuntimeError("a pipelined model has one program per stage: see pipeline_report() and its dumps")
+        if self._hp.last is None:
+            raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
+        return self._hp.last
+
+
+def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["CompiledEntry", list]:
+    """The compiled entry for this call's input signature and the module's flags (compiled on a
+    cache miss), made the module's last; and the flat inputs."""
+    state = module._hp
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    resolved = state.resolved_for_flags()
+    prefetch = recorded_prefetch(module) if resolved.fsdp is not None else {}
+    # Train/eval mode changes the program (BatchNorm in eval normalises with its running statistics
+    # and updates nothing; dropout is off): the root's mode and the modules set otherwise are flags.
+    mode = ("train" if module.training else "eval",
+            tuple(fqn for fqn, m in module.named_modules() if m.training != module.training))
+    key = (in_spec, tuple(signature(x) for x in flat), _flags_key(resolved) + (mode,), repr(prefetch))
+    entry = state.cache.get(key)
+    state.calls += 1
+    # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
+    # hits its cache while a peer compiles another signature would otherwise hang.
+    if key not in state.digests:
+        state.digests[key] = digest_of(_describe_call(key, flat, args, kwargs))
+    paths = lambda: flat_paths((args, kwargs))  # noqa: E731 - only needed to word an error
+    problem = empty_problem(flat, paths)
+    if entry is not None and problem is None:
+        problem = _index_problem(state, entry, flat)
+    what = f"call {state.calls} of {state.original_cls.__name__}"
+    describe = lambda: _describe_call(key, flat, args, kwargs)  # noqa: E731
+    agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.timeout)
+    if entry is None:
+        compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
+        entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
+        state.cache[key] = entry
+        # Ids and labels could not be checked before the program existed: once more after compiling.
+        if entry.index_inputs and state.check_inputs is not False:
+            problem = _index_problem(state, entry, flat)
+            agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.timeout)
+    state.last = entry
+    return entry, flat
+
+
+def _index_problem(state: ParallelState, entry: CompiledEntry, flat) -> str | None:
+    if state.check_inputs is False:
+        return None
+    return index_problem(entry.index_inputs, flat, force=bool(state.check_inputs))
+
+
+def _describe_call(key, flat, args, kwargs) -> str:
+    """The call signature the ranks agree on, one line per input (what an error shows)."""
+    in_spec, signatures, flags, prefetch = key
+    lines = [f"input '{p}': {format_signature(s)}" for p, s in zip(flat_paths((args, kwargs)), signatures)]
+    return "\n".join([*lines, f"input structure: {in_spec}", f"FSDP flags: {flags}", f"prefetch: {prefetch}"])
+
+
+def _flags_key(resolved: ResolvedPlan) -> tuple:
+    fsdp = resolved.fsdp
+    if fsdp is None:
+        return ()
+    return (
+        fsdp.gradient_layout, fsdp.accumulated, fsdp.reduce_op, fsdp.pregathered, fsdp.reshard_after_backward,
+        tuple(u.reshard_after_forward for u in fsdp.units),
+    )
+
+
+def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
+    captured = entry.captured
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    primals = []
+    for info in captured.inputs:
+        if info.kind == "param":
+            p = params[info.name]
+            primals.append(p.to_local() if isinstance(p, DTensor) else p)
+        elif info.kind == "buffer":
+            b = buffers[info.name]
+            primals.append(b.to_local() if isinstance(b, DTensor) else b)
+        elif info.kind == "input":
+            primals.append(flat[info.index])
+        elif info.kind == GRAD_ACCUM:
+            primals.append(_pending_gradient(module._hp.accumulator, info.name, entry, len(primals)))
+        elif info.kind == PREGATHERED:
+            primals.append(module._hp.gathered.take(entry.resolved.fsdp.unit_of[info.name], info.name))
+    module._hp.gathered.clear()  # consumed by this forward
+    if entry.program.kept_gathered:
+        entry.program.kept_hook = _keep_gathered_hook(module, entry)
+    entry.program.grad_hook = _gradient_hook(module, entry)
+    entry.program.bind_buffers(module)  # buffers updated in forward (BatchNorm running statistics)
+    entry.program.on_error = _error_context(module, entry)
+    outs = entry.program(*primals)
+    return pytree.tree_unflatten(list(outs), captured.out_spec)
+
+
+def _error_context(module: ParallelModule, entry: CompiledEntry):
+    """Names the call, program and collective in an error a compiled program raises."""
+    state = module._hp
+    call = f"call {state.calls} of {state.original_cls.__name__} (rank {current_rank()})"
+
+    def on_error(exc: Exception, gm: torch.fx.GraphModule, phase: str):
+        return reworded(exc, gm, phase, call, group_axis_names(state.mesh, entry.resolved.fsdp))
+
+    return on_error
+
+
+def _meta_outputs(entry: CompiledEntry) -> Any:
+    """Called with meta inputs (shape inference, e.g. torch.distributed.pipelining's stages): the
+    outputs as meta tensors of this rank's local shapes, from the compiled program; nothing runs."""
+    program = entry.program
+    outs = program.forward_gm.graph.output_node().args[0][: program.num_model_outputs]
+    metas = [
+        torch.empty(o.meta["val"].shape, dtype=o.meta["val"].dtype, device="meta") if isinstance(o, torch.fx.Node) else o
+        for o in outs
+    ]
+    return pytree.tree_unflatten(metas, entry.captured.out_spec)
+
+
+def _keep_gathered_hook(module: ParallelModule, entry: CompiledEntry):
+    """Store the gathered parameters backward returns, for the next forward."""
+    unit_of = entry.resolved.fsdp.unit_of
+
+    def keep(values: dict[str, torch.Tensor]) -> None:
+        for fqn, value in values.items():
+            module._hp.gathered.put(unit_of[fqn], {fqn: value})
+
+    return keep
+
+
+def _pending_gradient(accumulator: GradientAccumulator, fqn: str, entry: CompiledEntry, primal_index: int):
+    """The gradient of ``fqn`` accumulated by earlier micro-steps (zeros if it got none there)."""
+    if fqn in accumulator.buffers:
+        return accumulator.take(fqn)
+    val = list(entry.program.forward_gm.graph.find_nodes(op="placeholder"))[primal_index].meta["val"]
+    return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
+
+
+def _gradient_hook(module: ParallelModule, entry: CompiledEntry):
+    """What backward does with FSDP gradients that are not final yet (accumulation micro-steps)."""
+    fsdp = entry.resolved.fsdp
+    if fsdp is None:
+        return None
+    accumulator = module._hp.accumulator
+    layout = fsdp.gradient_layout
+    if layout != "reduced":
+        primal_params = [
+            info.name if info.kind == "param" and info.name in fsdp.unit_of else None
+            for info in entry.captured.inputs if info.kind != "tangent"
+        ]
+        return accumulator.keep_hook(primal_params, layout)
+
+    def check_nothing_left(grads):
+        if accumulator.buffers:
+            raise RuntimeError(
+                "gradient accumulation: gradients of "
+                f"{sorted(accumulator.buffers)[:3]} were accumulated without sync but this "
+                "synchronising step did not reduce them (a micro-step's backward ran after this "
+                "step's forward, or the parameters got no gradient here); run each backward before "
+                "the next forward"
+            )
+        return grads
+
+    return check_nothing_left

@@ -1,0 +1,90 @@
+"""The package's import structure: no import cycle among hyper_parallel modules, and private torch
+names only in compat.py (a torch upgrade that moves one is fixed in one file).
+
+Both are read from the source with ``ast``: every import statement counts, also the ones inside
+functions (a cycle hidden by a function-local import is still a cycle), except those under
+``if TYPE_CHECKING:`` (annotations only, never executed)."""
+
+import ast
+import importlib
+import pathlib
+
+import networkx as nx
+
+import hyper_parallel
+
+ROOT = pathlib.Path(hyper_parallel.__file__).parent
+PRIVATE_TORCH = ("torch._", "torch.distributed._", "torch.distributed.tensor._", "torch.utils._")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ("hyper_parallel",) + path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: pathlib.Path):
+    """(imported module, line, the dotted names it imports) for every executed import of a module."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+    def walk(nodes):
+        for node in nodes:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield alias.name, node.lineno, [alias.name]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module
+                yield target, node.lineno, [f"{target}.{a.name}" for a in node.names]
+            else:
+                yield from walk(ast.iter_child_nodes(node))
+
+    return list(walk(ast.parse(path.read_text()).body))
+
+
+def test_every_module_imports():
+    for name in sorted(MODULES):
+        if not name.endswith("__main__"):  # the CLI entry: importing it runs it
+            importlib.import_module(name)
+
+
+def test_no_import_cycle():
+    graph = nx.DiGraph()
+    graph.add_nodes_from(MODULES)
+    for name, path in MODULES.items():
+        for target, _, names in _imports(name, path):
+            for dotted in [*names, target]:  # "from .pkg import module" imports the module itself
+                if dotted in MODULES and dotted != name:
+                    graph.add_edge(name, dotted)
+                    break
+    cycles = sorted(nx.simple_cycles(graph), key=len)
+    assert not cycles, f"import cycles among hyper_parallel modules: {cycles[:5]}"
+
+
+def test_private_torch_names_only_in_compat():
+    offenders = []
+    for name, path in MODULES.items():
+        if name == "hyper_parallel.compat":
+            continue
+        for target, line, names in _imports(name, path):
+            private = [n for n in [target, *names] if n and n.startswith(PRIVATE_TORCH)]
+            if private:
+                offenders.append(f"{path.relative_to(ROOT.parent)}:{line} imports {private[0]}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            # torch._x attribute chains in code (torch.ops.<namespace> is the public op registry).
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                text = ast.unparse(node)
+                if text.startswith(PRIVATE_TORCH) and not text.startswith("torch.ops."):
+                    offenders.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} uses {text}")
+    assert not offenders, "private torch names outside compat.py:\n" + "\n".join(offenders)
