@@ -9,20 +9,16 @@ explicit lists; only node order changes; idempotent."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn as nn
 
-import hyper_parallel as hp
-from hyper_parallel import passes
 from hyper_parallel.capture import module_fqn_of
-from hyper_parallel.explain import compile_for_explain, fake_world
 from hyper_parallel.passes.prefetch import prefetch_pass
+from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -51,36 +47,6 @@ class Net(nn.Module):
         return self.head(x).sum()
 
 
-def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
-    """``(gm, ctx)``: a copy of the joint graph pass ``upto`` receives when ``model_fn()`` is
-    parallelized with ``plan`` on a simulated ``world``-rank ``dp`` mesh as ``rank`` (``upto`` is
-    replaced by a recorder, the passes after it are disabled), and the pass context it runs with."""
-    seen = {}
-
-    def record(gm, ctx):
-        seen["gm"] = copy_graph_module(gm)
-        seen["ctx"] = dataclasses.replace(ctx, on_pass=None, disable_passes=frozenset())
-        return gm
-
-    names = passes.pass_names()
-    recording = [(name, record if name == upto else fn) for name, fn in passes.PASSES]
-    with fake_world(world, rank), mock.patch.object(passes, "PASSES", recording):
-        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        with hp.init_empty_weights():
-            model = model_fn()
-        compile_for_explain(model, plan, mesh, (torch.empty(4, 8, device="meta"),),
-                            disable_passes=names[names.index(upto) + 1:], **options)
-    return seen["gm"], seen["ctx"]
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy a pass may rewrite without touching ``gm`` (node meta copied shallowly)."""
-    graph = torch.fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
-
-
 @functools.lru_cache(maxsize=None)
 def _bucketed():
     return pass_input(Net, {"fully_shard": {"units": ["layers.*", ""]}}, 2, "prefetch")
@@ -103,19 +69,11 @@ def _dataflow(gm):
     }
 
 
-def _assert_valid(gm):
-    seen = set()
-    for node in gm.graph.nodes:
-        assert all(a in seen for a in node.all_input_nodes), f"{node.name} runs before one of its inputs"
-        seen.add(node)
-    gm.graph.lint()
-
-
 def _run(gm, ctx, idempotent=True):
     """The pass, checked: a valid graph, the same data flow, idempotent."""
     before = _dataflow(gm)
     gm = prefetch_pass(gm, ctx)
-    _assert_valid(gm)
+    assert_valid_order(gm)
     assert _dataflow(gm) == before  # node order only: nothing added, removed or rewired
     if idempotent:
         code = gm.code

@@ -13,23 +13,20 @@ values and ``swap_inputs`` inputs are marked ``hp_swap``; numerics unchanged; id
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import operator
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn as nn
 
 import hyper_parallel as hp
-from hyper_parallel import passes
 from hyper_parallel.capture import module_fqn_of
-from hyper_parallel.explain import compile_for_explain, fake_world
 from hyper_parallel.passes.recompute import recompute_pass
 from hyper_parallel.passes.reshard_after_forward import _is_backward, gathered_param_region, reshard_after_forward_pass
 from hyper_parallel.recompute import CheckpointPolicy
+from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -76,36 +73,6 @@ class CheckpointedNet(nn.Module):
         return self.head(hp.checkpoint(self.block, h, swap_inputs=True)).sum()
 
 
-def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
-    """``(gm, ctx)``: a copy of the joint graph pass ``upto`` receives when ``model_fn()`` is
-    parallelized with ``plan`` on a simulated ``world``-rank ``dp`` mesh as ``rank`` (``upto`` is
-    replaced by a recorder, the passes after it are disabled), and the pass context it runs with."""
-    seen = {}
-
-    def record(gm, ctx):
-        seen["gm"] = copy_graph_module(gm)
-        seen["ctx"] = dataclasses.replace(ctx, on_pass=None, disable_passes=frozenset())
-        return gm
-
-    names = passes.pass_names()
-    recording = [(name, record if name == upto else fn) for name, fn in passes.PASSES]
-    with fake_world(world, rank), mock.patch.object(passes, "PASSES", recording):
-        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        with hp.init_empty_weights():
-            model = model_fn()
-        compile_for_explain(model, plan, mesh, (torch.empty(4, 8, device="meta"),),
-                            disable_passes=names[names.index(upto) + 1:], **options)
-    return seen["gm"], seen["ctx"]
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy a pass may rewrite without touching ``gm`` (node meta copied shallowly)."""
-    graph = torch.fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
-
-
 @functools.lru_cache(maxsize=None)
 def _lowered(policy: str, model_fn=Net, fsdp=False, regions="layers.*"):
     plan = {"recompute": {regions: policy}} if policy else {}
@@ -143,14 +110,6 @@ def _assert_same_numbers(before, after):
         assert (b is None and a is None) or torch.equal(b, a)
 
 
-def _assert_valid(gm):
-    seen = set()
-    for node in gm.graph.nodes:
-        assert all(a in seen for a in node.all_input_nodes), f"{node.name} runs before one of its inputs"
-        seen.add(node)
-    gm.graph.lint()
-
-
 def _run(gm, ctx, numerics=True, idempotent=True):
     """The pass, checked: a valid graph, the same results on real tensors, idempotent (see
     test_idempotent_with_consecutive_regions for where it is not). Returns the graph and the nodes
@@ -159,7 +118,7 @@ def _run(gm, ctx, numerics=True, idempotent=True):
     order = [n.name for n in gm.graph.nodes]
     before = _execute(gm) if numerics else None
     gm = recompute_pass(gm, ctx)
-    _assert_valid(gm)
+    assert_valid_order(gm)
     if numerics:
         _assert_same_numbers(before, _execute(gm))
     if idempotent:
@@ -360,7 +319,7 @@ def test_fsdp_gathers_are_left_to_reshard_after_forward():
     assert not set(origin.values()) & gathered
     assert any(a in gathered for c in new for a in c.all_input_nodes)
     gm = reshard_after_forward_pass(gm, ctx)
-    _assert_valid(gm)
+    assert_valid_order(gm)
     saved = _crossing(gm)
     assert not saved & gathered
     assert {n for n in saved if _region(n) and not _is_random(n)} == {_layer_output(gm, "layers.0")}

@@ -11,21 +11,19 @@ them over a k-rank group in backward; idempotent."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn as nn
 
 import hyper_parallel as hp
-from hyper_parallel import passes
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.explain import fake_world
 from hyper_parallel.passes.reshard_after_forward import (
     POST_FORWARD, _is_backward, gathered_param_region, reshard_after_forward_pass,
 )
+from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -57,36 +55,6 @@ class Net(nn.Module):
         return self.head(x).sum()
 
 
-def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
-    """``(gm, ctx)``: a copy of the joint graph pass ``upto`` receives when ``model_fn()`` is
-    parallelized with ``plan`` on a simulated ``world``-rank ``dp`` mesh as ``rank`` (``upto`` is
-    replaced by a recorder, the passes after it are disabled), and the pass context it runs with."""
-    seen = {}
-
-    def record(gm, ctx):
-        seen["gm"] = copy_graph_module(gm)
-        seen["ctx"] = dataclasses.replace(ctx, on_pass=None, disable_passes=frozenset())
-        return gm
-
-    names = passes.pass_names()
-    recording = [(name, record if name == upto else fn) for name, fn in passes.PASSES]
-    with fake_world(world, rank), mock.patch.object(passes, "PASSES", recording):
-        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        with hp.init_empty_weights():
-            model = model_fn()
-        compile_for_explain(model, plan, mesh, (torch.empty(4, 8, device="meta"),),
-                            disable_passes=names[names.index(upto) + 1:], **options)
-    return seen["gm"], seen["ctx"]
-
-
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy a pass may rewrite without touching ``gm`` (node meta copied shallowly)."""
-    graph = torch.fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
-
-
 @functools.lru_cache(maxsize=None)
 def _lowered(mixed: bool):
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mixed else None
@@ -99,17 +67,9 @@ def _fresh(mixed=False):
     return copy_graph_module(gm), ctx
 
 
-def _assert_valid(gm):
-    seen = set()
-    for node in gm.graph.nodes:
-        assert all(a in seen for a in node.all_input_nodes), f"{node.name} runs before one of its inputs"
-        seen.add(node)
-    gm.graph.lint()
-
-
 def _run(gm, ctx):
     gm = reshard_after_forward_pass(gm, ctx)
-    _assert_valid(gm)
+    assert_valid_order(gm)
     code = gm.code
     assert reshard_after_forward_pass(gm, ctx).code == code  # idempotent
     return gm

@@ -1,0 +1,53 @@
+"""The graph a pass receives in a real compile, for pass-level unit tests (tests/passes/).
+
+``pass_input`` compiles a small model on torch's ``fake`` process-group backend (one process, meta
+tensors) through the real pipeline, with the pass under test replaced by a recorder and the passes
+after it disabled: the test gets exactly the joint graph and ``PassContext`` the pass would see, with
+real lowering meta, and runs the pass itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from unittest import mock
+
+import torch
+
+import hyper_parallel as hp
+from .. import passes
+from ..compile.driver import copy_graph_module
+from ..explain import compile_for_explain, fake_world
+
+__all__ = ["assert_valid_order", "copy_graph_module", "pass_input"]
+
+
+def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
+    """``(gm, ctx)``: a copy of the joint graph pass ``upto`` receives when ``model_fn()`` is
+    parallelized with ``plan`` on a simulated ``world``-rank ``dp`` mesh as ``rank``, and the pass
+    context it runs with (``on_pass`` and ``disable_passes`` cleared). The model takes one ``(4, 8)``
+    input."""
+    seen = {}
+
+    def record(gm, ctx):
+        seen["gm"] = copy_graph_module(gm)
+        seen["ctx"] = dataclasses.replace(ctx, on_pass=None, disable_passes=frozenset())
+        return gm
+
+    names = passes.pass_names()
+    recording = [(name, record if name == upto else fn) for name, fn in passes.PASSES]
+    with fake_world(world, rank), mock.patch.object(passes, "PASSES", recording):
+        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        with hp.init_empty_weights():
+            model = model_fn()
+        compile_for_explain(model, plan, mesh, (torch.empty(4, 8, device="meta"),),
+                            disable_passes=names[names.index(upto) + 1:], **options)
+    return seen["gm"], seen["ctx"]
+
+
+def assert_valid_order(gm: torch.fx.GraphModule) -> None:
+    """Every node after its inputs, and fx's own consistency checks."""
+    seen = set()
+    for node in gm.graph.nodes:
+        assert all(a in seen for a in node.all_input_nodes), f"{node.name} runs before one of its inputs"
+        seen.add(node)
+    gm.graph.lint()
