@@ -29,19 +29,10 @@ from hyper_parallel.models.hf import _TINY_GPT2, _TINY_LLAMA, _import_transforme
 
 __all__ = ["HF_ARCHS", "hf_fsdp_plan", "hf_layer_globs", "hf_tp_plan", "tiny_hf_config", "tiny_hf_model"]
 
-# Shared by the decoder-only LMs with Llama-style configs. Head dim 64 / 4 = 16 everywhere (several
+# Shared by the decoder-only LMs with Llama-style configs: the tiny Llama's sizes (the attention
+# implementation is chosen per architecture below). Head dim 64 / 4 = 16 everywhere (several
 # architectures default to head_dim 128 or 256 independently of hidden_size, so it is set).
-_DECODER = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    use_cache=False,
-    tie_word_embeddings=False,
-)
+_DECODER = {k: v for k, v in _TINY_LLAMA.items() if k != "attn_implementation"}
 _MOE = dict(intermediate_size=64)  # Mixtral's intermediate_size is each expert's width
 
 # arch -> (config class, config entries, attention implementation). Token ids that default to
