@@ -107,45 +107,31 @@ def test_bubble_reported_and_schedule_dumped(dist2, tmp_path):
     assert (tmp_path / "stage0" / "rank0").is_dir() and (tmp_path / "stage1" / "rank1").is_dir()
 
 
-def test_auto_split_is_close_to_the_best_measured(dist2):
-    """split_points='auto' (cost model) against every split, each measured: the slowest stage of
-    auto's choice is within 10% of the best split's. The large vocabulary makes the head the heaviest
-    part, so the balanced cut is not the middle one."""
-    r = dist2.run(_auto_vs_all)[0]
-    assert r["measured"][r["auto"]] <= 1.10 * min(r["measured"].values()), r
+def test_auto_split_takes_the_cost_models_best_cut(dist2):
+    """split_points='auto' picks the cut whose slowest stage is the smallest under the cost model's
+    per-segment estimate (recomputed here from the reported segments), every rank the same. The large
+    vocabulary makes the head the heaviest segment, so the balanced cut is the last block, not the
+    middle one. Whether the estimate tracks measured step time is a benchmark question:
+    ``bench/bench_pipeline.py --auto-split`` measures every cut next to auto's choice."""
+    reports = dist2.run(_auto_split_report)
+    assert reports[0] == reports[1]
+    report = reports[0]
+    seconds = report["segment_seconds"]
+    blocks = [f"model.layers.{i}" for i in range(len(seconds) - 1)]
+    slowest = {blocks[c - 1]: max(sum(seconds[:c]), sum(seconds[c:])) for c in range(1, len(seconds))}
+    assert report["chosen"] == [min(slowest, key=slowest.get)], (report, slowest)
+    assert report["slowest_stage_seconds"] == pytest.approx(min(slowest.values()))
+    assert report["chosen"] == ["model.layers.3"], slowest
 
 
-def _auto_vs_all(rounds: int = 7):
-    """Rank-local: auto's choice, and the median over ``rounds`` of each split's slowest stage
-    (compute seconds of forward + backward over the micro-batches). The splits are measured in
-    turns, round by round, so load on the machine hits them alike."""
-    import copy
-    import statistics
-
+def _auto_split_report():
     from hyper_parallel.testing.parity import build_model, global_batch
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     model = build_model("llama", vocab_size=8192, hidden_size=64, intermediate_size=256)
-    batch = global_batch("llama", 8, 16)
-
-    def build(split):
-        plan = {"pipeline": _pipeline(split, "GPipe", 2)}
-        pmodel = hp.parallelize(copy.deepcopy(model), plan, mesh)
-        pmodel.step(batch)  # compile
-        return pmodel
-
-    auto = build("auto").compile_summary()["split_points"][0]
-    models = {split: build([split]) for split in ("model.layers.1", "model.layers.2", "model.layers.3")}
-    samples: dict = {split: [] for split in models}
-    for _ in range(rounds):
-        for split, pmodel in models.items():
-            pmodel.step(batch)
-            per_stage: dict = {}
-            for events in pmodel.pipeline_report()["timeline"].values():
-                for _, stage, start, end in events:
-                    per_stage[stage] = per_stage.get(stage, 0.0) + end - start
-            samples[split].append(max(per_stage.values()))
-    return {"auto": auto, "measured": {k: statistics.median(v) for k, v in samples.items()}}
+    pmodel = hp.parallelize(model, {"pipeline": _pipeline("auto", "GPipe", 2)}, mesh)
+    pmodel.step(global_batch("llama", 8, 16))
+    return pmodel.compile_summary()["auto_split"]
 
 
 def _parallelize_error(plan, mesh_shape=(2,), names=("pp",), batch=8):
