@@ -1,14 +1,14 @@
 """``parallelize(model, plan, mesh)``: the user's entry point.
 
-It validates the options, resolves the plan (tensor-parallel layouts, FSDP units, activation and
-pipeline plans), has every rank agree on the result before anything is distributed, distributes the
-parameters and turns the model into a :class:`~hyper_parallel.runtime.module.ParallelModule`,
-which compiles on its first call (compile/driver.py) and runs the cached program afterwards.
+It validates the options, resolves the plan (``plan.resolution.resolve``: tensor-parallel layouts,
+FSDP units, activation and pipeline plans), has every rank agree on the result before anything is
+distributed, distributes the parameters and turns the model into a
+:class:`~hyper_parallel.runtime.module.ParallelModule`, which compiles on its first call
+(compile/driver.py) and runs the cached program afterwards.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -21,11 +21,10 @@ from torch.distributed.tensor import DTensor
 
 from . import compat, options
 from .compile.driver import current_rank
-from .fully_shard import collect_recorded_fully_shard, link_units_to_root, resolve_fully_shard
+from .fully_shard import link_units_to_root
 from .init import distribute_parameters
-from .pipeline.api import PipelineState, stage_mesh
-from .plan import ResolvedPlan, collect_recorded_plan, merge_plans, resolve_plan
-from .recompute import resolve_activation_plan
+from .plan import ResolvedPlan
+from .plan.resolution import resolve
 from .runtime.module import ParallelModule, ParallelState, entry_for
 from .spmd import agree, digest_of
 
@@ -92,49 +91,17 @@ def parallelize(
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
     if isinstance(model, ParallelModule):
         raise ValueError("this model is already parallelized; call parallelize on the original model once")
-    recorded = collect_recorded_plan(model)
-    full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
-    pipeline = None
-    if full_plan.pipeline is not None:
-        from .pipeline.plan import resolve_pipeline
-
-        # The rest of the plan applies within a stage: on the mesh without the pp axis.
-        pipeline = PipelineState(resolve_pipeline(full_plan.pipeline, model, mesh), mesh, loss_fn)
-        mesh = stage_mesh(mesh, pipeline.resolved.plan.axis)
-    elif loss_fn is not None:
-        raise ValueError(
-            "parallelize(loss_fn=...) is for pipeline plans (ParallelPlan.pipeline), whose stages need "
-            "the loss inside the compiled program; without a pipeline, compute the loss on the output"
-        )
-    resolved = resolve_plan(full_plan, model, mesh)
-    activation = resolve_activation_plan(full_plan.recompute, full_plan.swap, model)
-    if pipeline is not None and activation.auto_blocks:
-        raise ValueError(
-            "recompute='auto' is not supported with a pipeline plan yet; give each stage's modules an "
-            "explicit recompute entry ('full' / 'selective')"
-        )
-    if bool(activation.auto_blocks) != (memory_budget_bytes is not None):
-        raise ValueError(
-            "recompute='auto' needs parallelize(..., memory_budget_bytes=<per-rank bytes>)"
-            if activation.auto_blocks else
-            "memory_budget_bytes applies to recompute='auto'; set ParallelPlan(recompute='auto') or "
-            "drop memory_budget_bytes"
-        )
-    fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
-    if fully_shard_spec is not None:
-        resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
-        # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).
-        from .passes.reshard_after_forward import attach_post_forward_groups
-
-        resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
+    resolution = resolve(plan, model, mesh, loss_fn=loss_fn, memory_budget_bytes=memory_budget_bytes)
+    resolved, activation = resolution.resolved, resolution.activation
+    mesh = resolution.mesh  # with a pipeline plan, the stage mesh: the rest of the plan applies there
     prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
     if timeout is not None:
-        set_collective_timeout(pipeline.mesh if pipeline is not None else mesh, timeout)
+        set_collective_timeout(resolution.full_mesh, timeout)
     # Agree on the plan before parameters are distributed: differing plans would hang in there.
-    settings = _describe_plan(resolved, activation, full_plan, prefetch_depth=prefetch_depth,
+    settings = _describe_plan(resolved, activation, resolution.plan, prefetch_depth=prefetch_depth,
                               bucket_cap_mb=bucket_cap_mb, disable_passes=sorted(disable_passes),
                               check_inputs=check_inputs, timeout=timeout, loss_fn=loss_fn is not None)
-    agree(pipeline.mesh if pipeline is not None else mesh, f"parallelize({type(model).__name__})",
+    agree(resolution.full_mesh, f"parallelize({type(model).__name__})",
           digest_of(settings), lambda: settings, timeout=timeout)
     dump_source = "dump_dir" if dump_dir else "HYPER_PARALLEL_DUMP_DIR"
     dump_dir = options.prepare_dump_dir(dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR"), current_rank(), dump_source)
@@ -147,10 +114,10 @@ def parallelize(
         disable_passes=disable_passes,
         prefetch_depth=prefetch_depth,
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), activation=activation,
-        plan_swap=full_plan.swap, memory_budget_bytes=memory_budget_bytes,
+        plan_swap=resolution.plan.swap, memory_budget_bytes=memory_budget_bytes,
         check_inputs=check_inputs, timeout=timeout,
     )
-    model._hp.pipeline = pipeline
+    model._hp.pipeline = resolution.pipeline
     link_units_to_root(model)
     return model
 

@@ -26,6 +26,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
+from .ir.kinds import InputKind, OutputKind
 from .compat import pytree
 from . import compat
 from .annotations import boundary, boundary_key
@@ -37,23 +38,23 @@ aten = torch.ops.aten
 class InputInfo:
     """What one placeholder of the joint graph is."""
 
-    kind: str  # "param" | "buffer" | "input" | "tangent"
+    kind: InputKind
     name: str  # parameter/buffer FQN, user-input path (e.g. "input_ids"), or "tangent of <output>"
     index: int  # flat user-input index, output index for tangents, or -1
 
 
-INPUT_GRAD = "input_grad"  # OutputInfo kind: the gradient of a user input that requires grad
+INPUT_GRAD = OutputKind.INPUT_GRAD
 # OutputInfo kind: the new value of a buffer the forward updates in place (BatchNorm's running
 # statistics, step counters). Not a user output and without a tangent: the forward program returns
 # it after the user outputs and the runtime writes it into the module's buffer.
-BUFFER_UPDATE = "buffer_update"
+BUFFER_UPDATE = OutputKind.BUFFER_UPDATE
 
 
 @dataclasses.dataclass(frozen=True)
 class OutputInfo:
     """What one output slot of the joint graph is."""
 
-    kind: str  # "output" | "buffer_update" | "grad" | "input_grad" | "none"
+    kind: OutputKind
     name: str  # output path (e.g. "loss"), the buffer / parameter FQN or the input path whose gradient this is
     index: int  # flat user-output index, flat user-input index (input_grad) or -1
 
@@ -92,18 +93,18 @@ class CapturedGraph:
         keeps primals before tangents) with a ``None`` gradient slot (one slot per primal)."""
         graph = self.gm.graph
         placeholders = list(graph.find_nodes(op="placeholder"))
-        last = max(i for i, info in enumerate(self.inputs) if info.kind != "tangent")
+        last = max(i for i, info in enumerate(self.inputs) if info.kind != InputKind.TANGENT)
         with graph.inserting_after(placeholders[last]):
             node = graph.placeholder(f"{kind}_{sum(i.kind == kind for i in self.inputs)}")
         node.meta["val"] = val
         # Its gradient slot follows the other primals' (outputs that are not gradients, such as
         # kept gathered parameters, stay last).
-        grad_end = self.num_forward_outputs + sum(i.kind != "tangent" for i in self.inputs)
+        grad_end = self.num_forward_outputs + sum(i.kind != InputKind.TANGENT for i in self.inputs)
         self.inputs.insert(last + 1, InputInfo(kind, name, -1))
         output = graph.output_node()
         slots = list(output.args[0])
         output.args = (type(output.args[0])(slots[:grad_end] + [None] + slots[grad_end:]),)
-        self.outputs.insert(grad_end, OutputInfo("none", "", -1))
+        self.outputs.insert(grad_end, OutputInfo(OutputKind.NONE, "", -1))
         return node
 
 
@@ -212,15 +213,15 @@ def capture(
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = node.meta["desc"]
         if isinstance(desc, compat.ParamAOTInput):
-            inputs.append(InputInfo("param", desc.target, -1))
+            inputs.append(InputInfo(InputKind.PARAM, desc.target, -1))
         elif isinstance(desc, compat.BufferAOTInput):
-            inputs.append(InputInfo("buffer", desc.target, -1))
+            inputs.append(InputInfo(InputKind.BUFFER, desc.target, -1))
         elif isinstance(desc, compat.PlainAOTInput):
-            inputs.append(InputInfo("input", input_paths[desc.idx], desc.idx))
+            inputs.append(InputInfo(InputKind.INPUT, input_paths[desc.idx], desc.idx))
         elif isinstance(desc, compat.TangentAOTInput) and isinstance(
             desc.output, compat.PlainAOTOutput
         ):
-            inputs.append(InputInfo("tangent", f"tangent of output {desc.output.idx}", desc.output.idx))
+            inputs.append(InputInfo(InputKind.TANGENT, f"tangent of output {desc.output.idx}", desc.output.idx))
         elif isinstance(desc, compat.TangentAOTInput) and isinstance(desc.output, compat.InputMutationAOTOutput):
             # A value written into something that requires grad: rejected with what to do.
             _mutation_output(desc.output.mutated_input, type(model).__name__, input_paths)
@@ -236,20 +237,20 @@ def capture(
     num_user_outputs = 0
     for desc in output_node.meta["desc"]:
         if isinstance(desc, compat.PlainAOTOutput):
-            outputs.append(OutputInfo("output", str(desc.idx), desc.idx))
+            outputs.append(OutputInfo(OutputKind.OUTPUT, str(desc.idx), desc.idx))
             num_user_outputs += 1
         elif isinstance(desc, compat.InputMutationAOTOutput):
             outputs.append(_mutation_output(desc.mutated_input, type(model).__name__, input_paths))
         elif isinstance(desc, compat.GradAOTOutput):
             grad_of = desc.grad_of
             if isinstance(grad_of, compat.ParamAOTInput):
-                outputs.append(OutputInfo("grad", grad_of.target, -1))
+                outputs.append(OutputInfo(OutputKind.GRAD, grad_of.target, -1))
             elif isinstance(grad_of, compat.PlainAOTInput):  # a user input that requires grad
                 outputs.append(OutputInfo(INPUT_GRAD, input_paths[grad_of.idx], grad_of.idx))
             else:
-                outputs.append(OutputInfo("none", repr(grad_of), -1))
+                outputs.append(OutputInfo(OutputKind.NONE, repr(grad_of), -1))
         elif desc is None:
-            outputs.append(OutputInfo("none", "", -1))
+            outputs.append(OutputInfo(OutputKind.NONE, "", -1))
         else:
             raise _unsupported(desc, "output slot", type(model).__name__, input_paths, joint.out_spec)
 
@@ -260,7 +261,7 @@ def capture(
     dummy = pytree.tree_unflatten(list(range(out_spec.num_leaves)), out_spec)
     output_paths = flat_paths(dummy)
     outputs = [
-        dataclasses.replace(o, name=output_paths[o.index]) if o.kind == "output" else o
+        dataclasses.replace(o, name=output_paths[o.index]) if o.kind == OutputKind.OUTPUT else o
         for o in outputs
     ]
     return CapturedGraph(

@@ -50,30 +50,58 @@ filesystem for multi-node jobs; DCP assumes this too), only one save per ``path`
 and renames within a directory are atomic (POSIX local filesystems, NFS, Lustre, GPFS). Without a
 process group everything runs in the one process.
 
+Modules: this one holds :func:`save_checkpoint`, :func:`load_checkpoint` and the save's commit;
+:mod:`~hyper_parallel.checkpoint_collectives` the error and the steps that raise it on every rank;
+:mod:`~hyper_parallel.checkpoint_files` the files, checksums and manifest;
+:mod:`~hyper_parallel.checkpoint_keys` the key checks of a load.
+
 (Named ``checkpoint_io``, not ``checkpoint``: a submodule ``hyper_parallel.checkpoint`` would replace
 the package attribute ``hp.checkpoint``, activation checkpointing, once imported.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
 import os
-import re
 import shutil
 import time
 import uuid
 import warnings
-import zlib
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.futures import Future
 
+from .checkpoint_collectives import (
+    CheckpointError,
+    _Reader,
+    _agreed,
+    _dcp_errors,
+    _distributed,
+    _gathered,
+    _on_rank0,
+    _single_process_quiet,
+    _world,
+)
+from .checkpoint_files import (
+    FORMAT,
+    VERSION,
+    _DCP_METADATA,
+    _OLD,
+    _TMP,
+    _check_file,
+    _check_replaceable,
+    _fsync_dir,
+    _keys,
+    _locate,
+    _normalize,
+    _owner,
+    _parent,
+    _record,
+    _siblings,
+    _write_manifest,
+)
+from .checkpoint_keys import _match_keys
 from .state_dict import (
     IncompatibleKeys,
     get_model_state_dict,
@@ -84,342 +112,17 @@ from .state_dict import (
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
-MANIFEST = "hp_checkpoint.json"
-FORMAT = "hyper_parallel.checkpoint"
-VERSION = 1
-_TMP, _OLD = ".tmp-", ".old-"
-_DCP_METADATA = ".metadata"
-_RANK_FILE = re.compile(r"__(\d+)_")  # DCP's FileSystemWriter names rank r's files __r_<n>.distcp
-_CHUNK = 8 << 20  # read size for checksums: large enough that zlib releases the GIL, small in memory
-_MAX_LISTED = 20  # keys named in one error message
 
 # Test hook: called with the name of each step of a save ("data_written", "manifest_written",
 # "old_moved", "new_moved"). Tests make it raise a BaseException or kill the process to check that
-# an interrupted save leaves a loadable checkpoint. Not an API.
+# an interrupted save leaves a loadable checkpoint. Not an API. It lives here, with the steps it
+# reports, so that setting ``checkpoint_io._fault_hook`` reaches them.
 _fault_hook: Optional[Callable[[str], None]] = None
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be saved or loaded: incomplete, corrupt, or not matching the model.
-
-    The message names the directory (and the file or key) and says what to do. Raised on every rank.
-    """
 
 
 def _reached(step: str) -> None:
     if _fault_hook is not None:
         _fault_hook(step)
-
-
-# --------------------------------------------------------------------------------------------
-# Collective helpers: every rank takes part in every exchange, failed or not
-# --------------------------------------------------------------------------------------------
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-
-
-def _error_text(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not _distributed():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _combined(errors: Mapping[int, str]) -> str:
-    """One message for the errors of several ranks; ranks that failed alike are named together."""
-    by_text: dict[str, list[int]] = {}
-    for rank, text in sorted(errors.items()):
-        by_text.setdefault(text, []).append(rank)
-    if len(by_text) == 1 and len(errors) == _world()[1]:
-        return next(iter(by_text))  # the same verdict on every rank: say it once
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
-                     for text, ranks in by_text.items())
-
-
-def _exchange(fn: Callable[[], Any], share: bool) -> Any:
-    """Run ``fn`` on this rank, then all-gather the verdicts (and with ``share`` the results): if
-    it failed on any rank, every rank raises the same CheckpointError. Returns all ranks' results
-    (``share``) or this rank's."""
-    result, error, cause = None, None, None
-    try:
-        result = fn()
-    except Exception as exc:  # not BaseException: a KeyboardInterrupt or kill is not a verdict
-        error, cause = _error_text(exc), exc
-    gathered = _all_gather((result, error) if share else (None, error))
-    errors = {rank: e for rank, (_, e) in enumerate(gathered) if e is not None}
-    if errors:
-        raise CheckpointError(_combined(errors)) from cause
-    return [r for r, _ in gathered] if share else result
-
-
-def _agreed(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on this rank; raises on every rank if it failed on any."""
-    return _exchange(fn, share=False)
-
-
-def _gathered(fn: Callable[[], Any]) -> list[Any]:
-    """``fn()`` on every rank, every rank's result on every rank; raises on all if any failed."""
-    return _exchange(fn, share=True)
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0 only and give every rank its result (or raise its error everywhere)."""
-    rank, world = _world()
-    box: list[Any] = [None]
-    cause = None
-    if rank == 0:
-        try:
-            box[0] = (True, fn())
-        except Exception as exc:
-            box[0], cause = (False, _error_text(exc)), exc
-    if world > 1:
-        dist.broadcast_object_list(box, src=0)
-    ok, value = box[0]
-    if not ok:
-        raise CheckpointError(value) from cause
-    return value
-
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Without a process group DCP warns on every call that it assumes one process: we chose that."""
-    with warnings.catch_warnings():
-        if not _distributed():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-@contextlib.contextmanager
-def _dcp_errors(action: str, directory: str, hint: str = "") -> Iterator[None]:
-    """Re-raise DCP's ``CheckpointException`` (a BaseException) as a CheckpointError naming the
-    directory and each rank's error. DCP raises it on every rank (its steps exchange failures)."""
-    try:
-        yield
-    except dcp.CheckpointException as exc:
-        failures = {}
-        for rank, (err, _) in exc.failures.items():
-            text = _error_text(err)
-            failures[rank] = text if len(text) <= 800 else text[:800] + " [...]"  # torch.load's run long
-        raise CheckpointError(
-            f"{action} of checkpoint {directory} failed in torch.distributed.checkpoint on rank(s) "
-            f"{sorted(exc.failures)}: {_combined(failures)}{hint}"
-        ) from None  # the CheckpointException's own text is the same per-rank errors, with tracebacks
-
-
-class _Reader(dcp.FileSystemReader):
-    """DCP's FileSystemReader, reading one file at a time so that an error names its file (DCP's
-    own say only what failed, e.g. an unpickling error, not where)."""
-
-    def read_data(self, plan: dcp.LoadPlan, planner: dcp.LoadPlanner) -> Future:
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:  # storage_data: FileSystemReader's records of where each item lies
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in per_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except Exception as exc:
-                raise CheckpointError(f"reading {name}: {_error_text(exc)}") from exc
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-
-# --------------------------------------------------------------------------------------------
-# Files
-# --------------------------------------------------------------------------------------------
-
-
-def _normalize(path: str | os.PathLike) -> str:
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text.strip():
-        raise TypeError(f"checkpoint path must be a non-empty str or os.PathLike, got {path!r}")
-    return os.path.normpath(text)  # "ckpt/" and "ckpt" name the same checkpoint and siblings
-
-
-def _owner(name: str, index: int, world: int) -> int:
-    """The rank that checksums file ``name`` (``index``: its position in the sorted file list)."""
-    match = _RANK_FILE.match(name)
-    return int(match.group(1)) % world if match else index % world
-
-
-def _crc32(path: str) -> str:
-    crc, buf = 0, bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
-    return f"{crc:08x}"
-
-
-def _record(directory: str, name: str) -> dict[str, Any]:
-    full = os.path.join(directory, name)
-    return {"size": os.path.getsize(full), "crc32": _crc32(full)}
-
-
-def _check_file(directory: str, name: str, expected: Mapping[str, Any], checksum: bool) -> Optional[str]:
-    """What is wrong with one file of a checkpoint, or None."""
-    full = os.path.join(directory, name)
-    if not os.path.isfile(full):
-        return f"{name} is missing"
-    size = os.path.getsize(full)
-    if size != expected["size"]:
-        return (f"{name} has {size} bytes, expected {expected['size']} (truncated or overwritten "
-                "after the save)")
-    if checksum:
-        crc = _crc32(full)
-        if crc != expected["crc32"]:
-            return f"{name} has CRC-32 {crc}, expected {expected['crc32']} (its contents changed after the save)"
-    return None
-
-
-def _fsync_dir(directory: str) -> None:
-    # A rename is durable once its directory is synced; some filesystems cannot open directories.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _parent(path: str) -> str:
-    return os.path.dirname(os.path.abspath(path))
-
-
-def _siblings(path: str) -> list[str]:
-    """Directories left next to ``path`` by saves: ``<path>.tmp-*`` and ``<path>.old-*``."""
-    parent, base = _parent(path), os.path.basename(path)
-    try:
-        names = os.listdir(parent)
-    except FileNotFoundError:
-        return []
-    return sorted(
-        os.path.join(os.path.dirname(path), name) for name in names
-        if (name.startswith(base + _TMP) or name.startswith(base + _OLD))
-        and os.path.isdir(os.path.join(parent, name))
-    )
-
-
-def _is_checkpoint_file(name: str) -> bool:
-    return name in (MANIFEST, _DCP_METADATA) or name.endswith(".distcp") or name.startswith(_DCP_METADATA)
-
-
-def _check_replaceable(path: str) -> None:
-    """A save replaces ``path``: refuse if it is anything but a checkpoint (or an empty directory),
-    so a wrong path cannot delete a user's files."""
-    if not os.path.lexists(path):
-        return
-    if os.path.islink(path):
-        raise CheckpointError(f"save_checkpoint: {path} is a symbolic link, which a save would replace; save "
-                              f"to {os.path.realpath(path)} or another path")
-    if not os.path.isdir(path):
-        raise CheckpointError(f"save_checkpoint: {path} exists and is not a directory; choose another path")
-    others = sorted(n for n in os.listdir(path) if not _is_checkpoint_file(n))
-    if others:
-        raise CheckpointError(
-            f"save_checkpoint: {path} exists and is not a checkpoint (it holds {others[:5]}); a save "
-            "replaces the whole directory, so remove it or choose another path"
-        )
-
-
-# --------------------------------------------------------------------------------------------
-# The manifest (hp_checkpoint.json)
-# --------------------------------------------------------------------------------------------
-
-
-def _spec(value: Any) -> dict[str, Any]:
-    if isinstance(value, torch.Tensor):  # DTensor.shape is the global shape
-        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
-    return {"type": type(value).__name__}
-
-
-def _keys(state: Mapping[str, Any]) -> dict[str, Any]:
-    keys: dict[str, Any] = {"model": {k: _spec(v) for k, v in state["model"].items()}, "optimizer": None}
-    if "optimizer" in state:
-        opt = state["optimizer"]
-        keys["optimizer"] = {
-            "state": {fqn: {name: _spec(v) for name, v in entry.items()} for fqn, entry in opt["state"].items()},
-            "param_groups": [sorted(group) for group in opt["param_groups"]],
-        }
-    return keys
-
-
-def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
-    # Written under another name and renamed, so the commit marker is never half-written.
-    final = os.path.join(directory, MANIFEST)
-    partial = final + ".partial"
-    with open(partial, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, final)
-    _fsync_dir(directory)
-
-
-def _read_manifest(directory: str) -> dict[str, Any]:
-    file = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(file):
-        legacy = os.path.isfile(os.path.join(directory, _DCP_METADATA))
-        raise CheckpointError(
-            f"incomplete checkpoint: {directory} was not finished (no {MANIFEST}): its save was "
-            "interrupted, or another tool wrote it"
-            + (" (it has DCP's .metadata: written by torch.distributed.checkpoint.save directly or an "
-               "older hyper_parallel? load it with torch.distributed.checkpoint.load)" if legacy else "")
-            + ". Load the last complete checkpoint instead."
-        )
-    try:
-        with open(file) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{file} cannot be read as JSON ({exc}); the checkpoint is damaged") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a hyper_parallel checkpoint manifest (no format {FORMAT!r})")
-    if not isinstance(manifest.get("version"), int) or manifest["version"] > VERSION:
-        raise CheckpointError(
-            f"{file} has format version {manifest.get('version')!r}; this hyper_parallel reads up to "
-            f"version {VERSION}: upgrade hyper_parallel to load it"
-        )
-    return manifest
-
-
-def _locate(path: str) -> tuple[str, dict[str, Any], Optional[str]]:
-    """(directory, manifest, warning) of the checkpoint to load at ``path`` (runs on rank 0)."""
-    if os.path.isdir(path):
-        return path, _read_manifest(path), None
-    if os.path.lexists(path):
-        raise CheckpointError(f"load_checkpoint: {path} is not a directory; a checkpoint is a directory")
-    # No directory at path: a save may have been killed between its two renames. Its new
-    # checkpoint is complete in <path>.tmp-<id> (and the previous one in <path>.old-<id>).
-    complete, incomplete = [], []
-    for candidate in _siblings(path):
-        try:
-            complete.append((_read_manifest(candidate)["saved_at"], candidate))
-        except (CheckpointError, KeyError):
-            incomplete.append(os.path.basename(candidate))
-    if complete:
-        _, directory = max(complete)
-        warning = (f"load_checkpoint: no checkpoint at {path}, but a save was interrupted while "
-                   f"replacing it; loading the newest complete one, {directory}. The next "
-                   "save_checkpoint to this path cleans up.")
-        return directory, _read_manifest(directory), warning
-    found = f"; found only incomplete ones {incomplete} (no {MANIFEST}: their saves were interrupted)" \
-        if incomplete else ""
-    raise CheckpointError(f"load_checkpoint: no checkpoint at {path}{found}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -531,102 +234,6 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
 # --------------------------------------------------------------------------------------------
 # Load
 # --------------------------------------------------------------------------------------------
-
-
-def _listed(keys: list[str]) -> str:
-    if len(keys) <= _MAX_LISTED:
-        return str(keys)
-    return f"{keys[:_MAX_LISTED]} and {len(keys) - _MAX_LISTED} more"
-
-
-def _match_keys(state: Mapping[str, Any], manifest: Mapping[str, Any], strict: bool,
-                directory: str, model_name: str) -> tuple[dict[str, Any], list[str], list[str]]:
-    """Check the model's (and optimizer's) keys against the checkpoint's, on every rank together.
-
-    Returns (the state to read with DCP, missing keys, unexpected keys). A pipeline stage holds
-    only some of the model's keys, so a checkpoint key is unexpected only if no rank holds it.
-    Each rank's findings are all-gathered before anyone raises, so all ranks raise the same error.
-    """
-    local = state["model"]
-    requests: list[dict[str, Any]] = []
-
-    def findings() -> tuple[list[str], list[str], set[str]]:
-        saved = manifest["keys"]
-        saved_model = saved["model"]
-        problems = []
-        shapes = [
-            f"{key!r}: checkpoint {tuple(saved_model[key]['shape'])}, model {tuple(value.shape)}"
-            for key, value in local.items()
-            if key in saved_model and "shape" in saved_model[key] and isinstance(value, torch.Tensor)
-            and list(value.shape) != saved_model[key]["shape"]
-        ]
-        if shapes:
-            problems.append(f"global shapes differ: {'; '.join(shapes)}")
-        request: dict[str, Any] = {"model": {k: v for k, v in local.items() if k in saved_model}}
-        if "optimizer" in state:
-            if saved["optimizer"] is None:
-                problems.append("it was saved without optimizer state: pass optimizer=None to load the model only")
-            else:
-                request["optimizer"] = _optimizer_request(
-                    state["optimizer"], saved["optimizer"], saved_model, strict, problems)
-        requests.append(request)
-        return problems, sorted(set(local) - set(saved_model)), set(saved_model) - set(local)
-
-    gathered = _gathered(findings)  # raises on every rank if findings() raised on any
-    request = requests[0]
-    problems = list(dict.fromkeys(p for rank_problems, _, _ in gathered for p in rank_problems))
-    missing = sorted({k for _, rank_missing, _ in gathered for k in rank_missing})
-    unexpected = sorted(set.intersection(*(not_here for _, _, not_here in gathered)))
-    if strict and (missing or unexpected):
-        parts = []
-        if unexpected:
-            parts.append(f"unexpected keys (in the checkpoint, not in the model): {_listed(unexpected)}")
-        if missing:
-            parts.append(f"missing keys (in the model, not in the checkpoint): {_listed(missing)}")
-        problems.append(
-            f"{'; '.join(parts)}. Was it saved from a model with another configuration (e.g. another "
-            "number of layers)? Build the model it was saved from, or pass strict=False to load the "
-            "keys both have and get the others back"
-        )
-    if problems:
-        raise CheckpointError(
-            f"load_checkpoint({directory}) into {model_name} (saved on {manifest['world_size']} ranks): "
-            + "; ".join(problems)
-        )
-    return request, missing, unexpected
-
-
-def _optimizer_request(current: Mapping[str, Any], saved: Mapping[str, Any], saved_model: Mapping[str, Any],
-                       strict: bool, problems: list[str]) -> dict[str, Any]:
-    """The part of the optimizer state dict to read: state of the parameters the checkpoint has,
-    and the param groups' hyperparameters (their "params" lists name this model's parameters)."""
-    saved_state, state = saved["state"], {}
-    no_state, other_names = [], []
-    for fqn, entry in current["state"].items():
-        if fqn not in saved_state:
-            if fqn in saved_model:  # a parameter missing altogether is reported as a missing key
-                no_state.append(fqn)
-        elif sorted(entry) != sorted(saved_state[fqn]):
-            other_names.append(f"{fqn!r} has {sorted(entry)}, the checkpoint {sorted(saved_state[fqn])}")
-        else:
-            state[fqn] = entry
-    if no_state and strict:
-        problems.append(f"the checkpoint has no optimizer state for {_listed(no_state)} (frozen when saved?)")
-    if other_names:
-        problems.append(f"optimizer state differs for {len(other_names)} parameters ({other_names[0]}): "
-                        "was it saved with another optimizer?")
-    groups, saved_groups = current["param_groups"], saved["param_groups"]
-    if len(groups) != len(saved_groups):
-        problems.append(f"the optimizer has {len(groups)} param groups, the checkpoint {len(saved_groups)}")
-        return {"state": state}
-    request_groups = []
-    for i, (group, names) in enumerate(zip(groups, saved_groups)):
-        absent = sorted(set(group) - set(names))
-        if absent and strict:
-            problems.append(f"param group {i} has {absent}, which the checkpoint lacks (another optimizer?)")
-        keep = set(names) if strict else set(names) - {"params"}
-        request_groups.append({k: v for k, v in group.items() if k in keep})
-    return {"state": state, "param_groups": request_groups}
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,

@@ -21,6 +21,8 @@ import os
 import torch
 
 from .capture import module_fqn_of, source_line
+from .ir import meta
+from .layout import format_placements
 
 c10d = torch.ops._c10d_functional
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> list
                 shape=tuple(val.shape),
                 nbytes=val.numel() * val.element_size(),
                 node=node.name,
-                source=node.meta.get("hp_source", ""),
+                source=node.meta.get(meta.SOURCE, ""),
             )
         )
     return out
@@ -100,7 +102,7 @@ def _fmt_spec(spec) -> str:
         return "-"
     if isinstance(spec, (tuple, list)):
         return "(" + ", ".join(_fmt_spec(s) for s in spec) + ")"
-    return "[" + ", ".join(str(p) for p in spec.placements) + "]"
+    return format_placements(spec.placements)
 
 
 def layout_table(gm: torch.fx.GraphModule) -> str:
@@ -109,11 +111,11 @@ def layout_table(gm: torch.fx.GraphModule) -> str:
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
-        layout = node.meta.get("hp_layout")
+        layout = node.meta.get(meta.LAYOUT)
         val = node.meta.get("val")
         shape = list(val.shape) if isinstance(val, torch.Tensor) else "-"
-        if node.meta.get("hp_role") == "redistribute":
-            inputs, output = node.meta.get("hp_redistribute", ""), "-"
+        if meta.is_redistribute(node):
+            inputs, output = node.meta.get(meta.REDISTRIBUTE, ""), "-"
         else:
             inputs = _fmt_spec(layout.inputs) if layout and node.op != "placeholder" else "-"
             output = _fmt_spec(layout.output) if layout else "-"
@@ -131,6 +133,7 @@ class Dumper:
         self.dir = os.path.join(dump_dir, f"rank{rank}") if dump_dir else None
         self.rank = rank
         self.step = 0
+        self._rewrites = 0  # rewrites dumped after the current step's graph
         self.stages: list[tuple[str, str, list]] = []  # (stage, file, graph_nodes) for passes.json
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
@@ -147,6 +150,15 @@ class Dumper:
             self._write(file, code)
             self.stages.append((stage, file, graph_nodes(gm)))
             self.step += 1
+            self._rewrites = 0
+
+    def rewrite(self, stage: str, gm: torch.fx.GraphModule) -> None:
+        """A rewrite of the graph last dumped, as ``NNa_<stage>.py``, ``NNb_…`` after ``NN_<stage>.py``
+        (rewrites before propagation, after ``00_captured.py``); not a stage of ``passes.json``."""
+        if self.dir:
+            code = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+            self._write(f"{self.step - 1:02d}{chr(ord('a') + self._rewrites)}_{stage}.py", code)
+            self._rewrites += 1
 
     def _remove(self, name: str) -> None:
         if self.dir and os.path.exists(os.path.join(self.dir, name)):

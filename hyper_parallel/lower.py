@@ -26,19 +26,16 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial
 
+from .ir.kinds import InputKind, OutputKind
 from .compat import pytree
 from . import compat
 from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from .capture import CapturedGraph, module_fqn_of
 from .errors import internal_error
-from .propagation.engine import _fmt
+from .ir import meta
+from .layout import format_placements
 
 log = logging.getLogger(__name__)
-
-_COPIED_META = (
-    "stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr",
-    "hp_fsdp_param", "hp_fsdp_unit", "hp_fsdp_phase", "hp_loss_mean",
-)
 
 
 def local_shape(spec) -> tuple[int, ...]:
@@ -57,10 +54,10 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
         return dt
     local = compat.local_of(dt)
     placements = list(current.placements)
-    annotation = {"hp_source": source_node_name, "hp_role": "redistribute",
-                  "hp_redistribute": f"{_fmt(current.placements)} -> {_fmt(target.placements)}"}
+    annotation = {meta.SOURCE: source_node_name, meta.ROLE: meta.ROLE_REDISTRIBUTE,
+                  meta.REDISTRIBUTE: f"{format_placements(current.placements)} -> {format_placements(target.placements)}"}
     if grad_of is not None:
-        annotation["hp_grad_of"] = grad_of
+        annotation[meta.GRAD_OF] = grad_of
     with fx_traceback.annotate(annotation):
         # Partial(avg) is reduced as a sum of pre-divided shards: backends without an average
         # reduction (gloo) need it, and dividing by a power of two first is exact.
@@ -105,13 +102,13 @@ def _is_masked(placement) -> bool:
 def _check_agrees(node, got, want) -> None:
     if isinstance(want, compat.DTensorSpec):
         # Compared by their text: a masked partial's equality also compares its mask buffer.
-        if not isinstance(got, DTensor) or _fmt(compat.spec_of(got).placements) != _fmt(want.placements):
-            have = _fmt(compat.spec_of(got).placements) if isinstance(got, DTensor) else type(got).__name__
+        if not isinstance(got, DTensor) or format_placements(compat.spec_of(got).placements) != format_placements(want.placements):
+            have = format_placements(compat.spec_of(got).placements) if isinstance(got, DTensor) else type(got).__name__
             # The program would not compute what propagation planned (and the dumps show).
             module = module_fqn_of(node)
             raise internal_error(
                 "lowering", f"DTensor's dispatch computed the layout {have} but propagation chose "
-                f"{_fmt(want.placements)}: the two sharding decisions disagree", node=node,
+                f"{format_placements(want.placements)}: the two sharding decisions disagree", node=node,
                 workaround="give this op's inputs other layouts in the plan, e.g. change or drop the plan "
                 f"entry of module {module or '<root>'!r} (or of the module feeding it)",
             )
@@ -122,7 +119,7 @@ def _check_agrees(node, got, want) -> None:
 
 
 def _wrap_replicated(value, mesh, node):
-    spec = node.meta["hp_layout"].output
+    spec = node.meta[meta.LAYOUT].output
     if isinstance(value, torch.Tensor):
         return compat.dtensor_from_spec(value, spec)
     if isinstance(value, (tuple, list)):
@@ -143,12 +140,12 @@ class _LocalInterpreter:
         env: dict[torch.fx.Node, object] = {}
         flat_inputs = list(primals) + list(tangents)
         for node, local in zip(graph.find_nodes(op="placeholder"), flat_inputs):
-            env[node] = compat.dtensor_from_spec(local, node.meta["hp_layout"].output)
+            env[node] = compat.dtensor_from_spec(local, node.meta[meta.LAYOUT].output)
         result = None
         for node in graph.nodes:
             if node.op == "placeholder":
                 continue
-            layout = node.meta["hp_layout"]
+            layout = node.meta[meta.LAYOUT]
             if node.op == "output":
                 result = self.outputs(node, env)
                 continue
@@ -180,7 +177,7 @@ class _LocalInterpreter:
                 values.append(v)
             else:
                 values.append(a)
-        with fx_traceback.annotate({"hp_source": node.name, "hp_role": "compute"}):
+        with fx_traceback.annotate({meta.SOURCE: node.name, meta.ROLE: meta.ROLE_COMPUTE}):
             if layout.how in ("fallback", "factory"):
                 locals_ = [compat.local_of(v) if isinstance(v, DTensor) else v for v in values]
                 args, kwargs = pytree.tree_unflatten(locals_, tree)
@@ -192,14 +189,14 @@ class _LocalInterpreter:
 
     def outputs(self, node, env):
         results = []
-        slots = zip(node.args[0], node.meta["hp_layout"].inputs, self.captured.outputs)
+        slots = zip(node.args[0], node.meta[meta.LAYOUT].inputs, self.captured.outputs)
         for i, (slot, want, info) in enumerate(slots):
             if slot is None or want is None:
                 results.append(None)
                 continue
             # A gradient goes to its parameter's layout, a buffer's new value to the buffer's (a
             # Partial batch statistic is all-reduced here), a user output to the user-facing one.
-            grad_of = info.name if info.kind == "grad" else None
+            grad_of = info.name if info.kind == OutputKind.GRAD else None
             value = env[slot]
             pending = self.captured.pending_inputs.get(i)
             if pending is not None:
@@ -213,7 +210,7 @@ def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of
     way to its final layout passes through ``pending``'s layout (propagation/accumulation.py)."""
     spec = compat.spec_of(pending)
     grad = _redistribute(grad, spec, source_node_name, grad_of)
-    with fx_traceback.annotate({"hp_source": source_node_name, "hp_role": "accumulate"}):
+    with fx_traceback.annotate({meta.SOURCE: source_node_name, meta.ROLE: meta.ROLE_ACCUMULATE}):
         total = compat.local_of(grad) + compat.local_of(pending)
     return compat.dtensor_from_spec(total, spec)
 
@@ -222,11 +219,11 @@ def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, 
     """Fake local tensors for every placeholder (primals, tangents), from its layout."""
     primals, tangents = [], []
     for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs):
-        spec = node.meta["hp_layout"].output
+        spec = node.meta[meta.LAYOUT].output
         shape = local_shape(spec)  # outside the fake mode: it reads the rank's mesh coordinate
         with fake_mode:
             val = torch.empty(shape, dtype=spec.tensor_meta.dtype, device=node.meta["val"].device)
-        (tangents if info.kind == "tangent" else primals).append(val)
+        (tangents if info.kind == InputKind.TANGENT else primals).append(val)
     return primals, tangents
 
 
@@ -240,20 +237,20 @@ def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
     sources = {n.name: n for n in captured.gm.graph.nodes}
     for node in local_gm.graph.nodes:
         custom = node.meta.get("custom") or {}
-        src = sources.get(custom.get("hp_source"))
+        src = sources.get(custom.get(meta.SOURCE))
         if src is None:
             continue
-        node.meta["hp_source"] = src.name
-        node.meta["hp_role"] = custom["hp_role"]
-        for key in ("hp_redistribute", "hp_grad_of"):
+        node.meta[meta.SOURCE] = src.name
+        node.meta[meta.ROLE] = custom[meta.ROLE]
+        for key in (meta.REDISTRIBUTE, meta.GRAD_OF):
             if key in custom:
                 node.meta[key] = custom[key]
-        region = (src.meta.get("custom") or {}).get("hp_region")
+        region = (src.meta.get("custom") or {}).get(meta.REGION)
         if region is not None:  # hp.checkpoint / hp.swap call the node was computed in
-            node.meta["hp_region"] = region
-        if custom["hp_role"] == "compute":
-            node.meta["hp_layout"] = src.meta["hp_layout"]
-        for key in _COPIED_META:
+            node.meta[meta.REGION] = region
+        if custom[meta.ROLE] == meta.ROLE_COMPUTE:
+            node.meta[meta.LAYOUT] = src.meta[meta.LAYOUT]
+        for key in meta.COPIED_BY_LOWERING:
             if key in src.meta:
                 node.meta[key] = src.meta[key]
     local_gm.graph.eliminate_dead_code(is_impure_node=_kept_when_unused)

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from .ir.kinds import InputKind
+from .ir.ops import aliases_input
 from .compat import pytree
 from . import compat
 
@@ -60,7 +62,6 @@ _COMM_TARGETS = frozenset(
 # Returns its argument at run time (the collective's buffer), although the schema says it allocates.
 _RETURNS_ARG0 = frozenset({torch.ops._c10d_functional.wait_tensor.default})
 # Schema says it allocates, but the kernel returns a view of the input.
-_VIEWS_WITHOUT_ANNOTATION = frozenset({torch.ops.aten._unsafe_view.default})
 
 # Categories of live memory, in report order. A storage held by several values gets the first of
 # their categories in this order (a saved view of a gathered buffer counts as saved).
@@ -213,13 +214,6 @@ def _real_state_bytes(optimizer, device: str) -> int | None:
 # --- replay on meta tensors: exact strides and storage identity ----------------------------------
 
 
-def _aliases_input(target) -> bool:
-    schema = getattr(target, "_schema", None)
-    if schema is None:
-        return False
-    return target in _VIEWS_WITHOUT_ANNOTATION or any(r.alias_info is not None for r in schema.returns)
-
-
 def _tensors(value) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
@@ -252,7 +246,7 @@ class _MetaRunner:
             return args[0][args[1]]
         if node.target in _RETURNS_ARG0:
             return args[0]
-        if _aliases_input(node.target):
+        if aliases_input(node.target):
             try:
                 return node.target(*args, **kwargs)
             except Exception:  # no meta kernel: alias the first tensor argument, as recorded
@@ -432,7 +426,7 @@ def estimate_program(program, captured, optimizer: Any = None, keep_outputs: boo
     """:func:`estimate` for a compiled program, its forward inputs' kinds read from the capture
     (``captured.inputs``: parameters, buffers, user inputs, tangents). ``series``: as for
     :func:`estimate`, a list that receives the live bytes of every moment (for plots)."""
-    kinds = [info.kind for info in captured.inputs if info.kind != "tangent"]
+    kinds = [info.kind for info in captured.inputs if info.kind != InputKind.TANGENT]
     return estimate(program, kinds, optimizer=optimizer, keep_outputs=keep_outputs, series=series)
 
 

@@ -35,6 +35,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from .plan import fqn_matches
+from .ir import meta
 
 
 class CheckpointPolicy(enum.Enum):
@@ -134,7 +135,7 @@ class ActivationPlan:
     def region_of(self, node: torch.fx.Node, module_fqn: str) -> Region | None:
         """The region a forward node belongs to: an annotated call wins over a module region."""
         custom = node.meta.get("custom") or {}
-        key = custom.get("hp_region") or node.meta.get("hp_region")
+        key = custom.get(meta.REGION) or node.meta.get(meta.REGION)
         if key is not None and key in self.annotated:
             return self.annotated[key]
         for region in self.modules:
@@ -300,7 +301,7 @@ def checkpoint(function, *args, swap_inputs: bool = False, policy_fn: Callable |
         name, fn = ("full", None) if policy_fn is None else _policy(policy_fn, "checkpoint(policy_fn=...)")
         key = f"checkpoint:{next(_COUNTER)}"
         _ANNOTATED[key] = Region(key, "recompute", name, fn, swap_inputs=swap_inputs, group_swap=group_swap)
-        with fx_traceback.annotate({"hp_region": key}):
+        with fx_traceback.annotate({meta.REGION: key}):
             return function(*args, **kwargs)
     from torch.utils.checkpoint import checkpoint as torch_checkpoint, create_selective_checkpoint_contexts
 
@@ -324,7 +325,7 @@ def swap(function, *args, policy_fn: Callable | None = None, group_swap: bool = 
         key = f"swap:{next(_COUNTER)}"
         name = "all" if policy_fn is None else getattr(policy_fn, "__name__", repr(policy_fn))
         _ANNOTATED[key] = Region(key, "swap", name, policy_fn, group_swap=group_swap)
-        with fx_traceback.annotate({"hp_region": key}):
+        with fx_traceback.annotate({meta.REGION: key}):
             return function(*args, **kwargs)
     with torch.autograd.graph.save_on_cpu():
         return function(*args, **kwargs)

@@ -22,19 +22,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard
 
+from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
 from ..capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from ..lower import lower
 from ..memory import estimate_program
-from ..passes import PassContext, run_passes
+from ..passes import PassContext, run_passes, run_rewrites
 from ..plan import ResolvedPlan
 from ..propagation.engine import PropagationReport, propagate
 from ..recompute import annotated_regions, auto_candidates, capturing, resolve_activation_plan
 from ..runtime.input_check import index_inputs
 from ..runtime.program import CompiledProgram, flatten_placeholders
 from ..spmd import check_spmd_on_mesh
+from ..ir import meta
 
 if TYPE_CHECKING:  # the runtime module calls the driver, not the other way round
     from ..runtime.module import ParallelModule, ParallelState
@@ -117,6 +119,7 @@ class Lowered:
     local: torch.fx.GraphModule
     input_placements: dict
     annotated: dict  # hp.checkpoint / hp.swap calls seen while capturing
+    rewrite_seconds: dict  # seconds per pre-propagation rewrite
 
 
 def capture_and_lower(
@@ -163,10 +166,13 @@ def capture_and_lower(
     dumper.graph("captured", captured.gm)
 
     storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
-    report = propagate(captured, resolved, mesh, storage_dtypes)
+    timings: dict = {}
+    run_rewrites(captured, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
+                                       fsdp=resolved.fsdp, on_pass=dumper.rewrite, timings=timings))
+    report = propagate(captured, resolved, mesh)
     local = lower(captured, mesh)
     dumper.graph("lowered", local)
-    return Lowered(captured, resolved, report, local, input_placements, annotated)
+    return Lowered(captured, resolved, report, local, input_placements, annotated, timings)
 
 
 def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
@@ -177,10 +183,10 @@ def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
     for fqn, p in module.named_parameters(remove_duplicate=False):
         aliases[fqn] = canonical.setdefault(id(p), fqn)
     captured.inputs[:] = [
-        dataclasses.replace(i, name=aliases.get(i.name, i.name)) if i.kind == "param" else i for i in captured.inputs
+        dataclasses.replace(i, name=aliases.get(i.name, i.name)) if i.kind == InputKind.PARAM else i for i in captured.inputs
     ]
     captured.outputs[:] = [
-        dataclasses.replace(o, name=aliases.get(o.name, o.name)) if o.kind == "grad" else o for o in captured.outputs
+        dataclasses.replace(o, name=aliases.get(o.name, o.name)) if o.kind == OutputKind.GRAD else o for o in captured.outputs
     ]
 
 
@@ -194,16 +200,17 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, explicit_prefetch: dict,
-                      activation, annotated: dict, on_pass) -> torch.fx.GraphModule:
-    """The ordered passes over one lowered (or stage) joint graph with this module's options."""
+                      activation, annotated: dict, on_pass, timings: dict | None = None) -> torch.fx.GraphModule:
+    """The ordered passes over one lowered (or stage) joint graph with this module's options;
+    ``timings`` (if given) receives each pass's seconds."""
     return run_passes(
         local, PassContext(
-            mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch,
+            mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch or {},
             prefetch_depth=state.prefetch_depth,
             activation=dataclasses.replace(activation or state.activation, annotated=annotated),
             gradient_bucket_bytes=state.gradient_bucket_bytes,
             disable_passes=state.disable_passes,
-            on_pass=on_pass,
+            on_pass=on_pass, timings={} if timings is None else timings,
         )
     )
 
@@ -230,8 +237,9 @@ def finish(
     lowered graph to run the passes on (default: ``lowered.local`` itself)."""
     mesh = state.mesh
     captured = lowered.captured
+    pass_seconds = dict(lowered.rewrite_seconds)
     local = run_pass_pipeline(state, resolved_plan, lowered.local if local is None else local, explicit_prefetch,
-                              activation, lowered.annotated, dumper.graph)
+                              activation, lowered.annotated, dumper.graph, pass_seconds)
     dumper.text("layouts.tsv", layout_table(local))
     flatten_placeholders(local, captured)
     program = CompiledProgram.from_joint(local, captured)
@@ -259,6 +267,9 @@ def finish(
     }
     dumper.json("summary.json", summary)
     dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series)  # for `hyper-parallel report`
+    # Seconds differ between runs: in the in-memory summary and timings.json, never in summary.json.
+    summary["pass_seconds"] = pass_seconds
+    dumper.json("timings.json", {"pass_seconds": pass_seconds})
     if current_rank() == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
     return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured))
@@ -316,14 +327,14 @@ def compile_within_budget(
         "memory_budget_bytes": budget, "estimated_peak": tried[lo], "chosen": candidates[lo],
         "candidates_compiled": len(tried),
     }
-    dumper.json("summary.json", entry.summary)
+    dumper.json("summary.json", {k: v for k, v in entry.summary.items() if k != "pass_seconds"})
     log.info("[recompute auto] %s", entry.summary["recompute_auto"])
     return entry
 
 
 def _saved_summary(program: CompiledProgram) -> dict:
     """Bytes kept from forward to backward, and how many of them are gathered FSDP parameters."""
-    from ..passes.recompute import is_view_of_input
+    from ..ir.ops import is_view_of_input
     from ..passes.reshard_after_forward import gathered_param_region
 
     region = gathered_param_region(program.forward_gm.graph)
@@ -339,7 +350,7 @@ def _saved_summary(program: CompiledProgram) -> dict:
         if node in region:
             gathered += nbytes
             continue
-        if node.meta.get("hp_swap_copy") == "to_host":
+        if node.meta.get(meta.SWAP_COPY) == meta.SWAP_TO_HOST:
             swapped["count"] += 1
             swapped["bytes"] += nbytes
         entry = by_module.setdefault(module_fqn_of(node), {"count": 0, "bytes": 0})

@@ -22,6 +22,7 @@ from torch.utils import flop_counter
 
 from .. import compat
 from ..compat import pytree
+from ..ir.ops import VIEWS_WITHOUT_ANNOTATION
 from .hardware import HardwareProfile
 
 __all__ = ["NodeWork", "node_work", "roofline_time", "tensor_bytes", "COLLECTIVE_KIND", "WAIT_TARGET"]
@@ -44,7 +45,6 @@ COLLECTIVE_KIND = {
 }
 WAIT_TARGET = c10d.wait_tensor.default
 # Schema says it allocates, but the kernel returns a view (as in memory.py).
-_VIEWS_WITHOUT_ANNOTATION = frozenset({aten._unsafe_view.default})
 
 
 def _cpu_flash_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -93,7 +93,7 @@ def _arg_vals(node: torch.fx.Node):
 
 
 def _is_view(target) -> bool:
-    if target is operator.getitem or target in _VIEWS_WITHOUT_ANNOTATION:
+    if target is operator.getitem or target in VIEWS_WITHOUT_ANNOTATION:
         return True
     if isinstance(target, compat.OpOverload):
         # A view aliases its input and writes nothing; in-place ops also alias but do move memory.

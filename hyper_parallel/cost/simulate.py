@@ -33,6 +33,7 @@ from ..compat import op_overload_name
 from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
 from .compute import COLLECTIVE_KIND, node_work, roofline_time, tensor_bytes
 from .hardware import HardwareProfile, get_profile
+from ..ir import meta
 
 __all__ = ["Event", "Timeline", "StepEstimate", "simulate", "optimizer_traffic", "mfu"]
 
@@ -182,7 +183,7 @@ class _Simulator:
                                work.flops, work.bytes)
                 self.compute_t += duration
                 self.flops += work.flops
-                if node.meta.get("hp_recompute") is not None:
+                if node.meta.get(meta.RECOMPUTE) is not None:
                     self.recompute_flops += work.flops
         # A program returns only once every collective it issued is done (the runtime waits on
         # them all): a collective never waited on is exposed here.

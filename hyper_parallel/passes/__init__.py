@@ -1,47 +1,73 @@
-"""The ordered pass pipeline over the lowered local joint graph.
+"""The ordered graph rewrites and passes, run by one runner (runner.py) with one context (context.py).
 
-Each pass is ``pass(gm, ctx) -> gm``: a pure graph-to-graph function whose module docstring says
-what it reads and writes in ``node.meta``. ``run_passes`` runs them in order, skipping the names in
-``ctx.disable_passes``, and hands each intermediate graph to ``ctx.on_pass`` (dumps). Turning an
-optimisation pass off never changes numerics. A pass whose own invariant breaks (an ``assert``)
-raises :class:`~hyper_parallel.errors.InternalError` naming the pass and that workaround.
+*Rewrites* run on the captured joint graph before propagation (compile/driver.capture_and_lower);
+single-device numerics depend on them, so they cannot be disabled:
+
+1. ``loss_reduction`` (propagation/loss_reduction.py): mean token losses become ``sum / count``,
+   so a sharded batch gives the global token mean;
+2. ``merge_boundaries`` (propagation/boundaries.py): plan boundaries that change nothing go, and
+   one value's gradient boundaries are merged so its gradients are summed before they are reduced;
+3. ``fsdp_unshard`` (propagation/unshard.py): FSDP parameters read through an unshard node, their
+   gradients cast to the reduce dtype and scaled;
+4. ``gradient_accumulation`` (propagation/accumulation.py): pending-gradient inputs for
+   ``set_requires_gradient_sync(False)`` micro-steps.
+
+*Passes* run on the lowered local joint graph (compile/driver.run_pass_pipeline), each
+``pass(gm, ctx) -> gm``, a pure graph-to-graph function whose module docstring says what it reads
+and writes in ``node.meta``; ``parallelize(disable_passes=...)`` skips any of them and that never
+changes numerics. Every step is timed into the compile summary's ``pass_seconds`` and dumped.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from typing import Callable
-
 import torch
 
-from ..errors import internal_error
-from .bucketing import DEFAULT_GRADIENT_BUCKET_BYTES, bucketing_pass
+from ..propagation.accumulation import insert_gradient_accumulation
+from ..propagation.boundaries import merge_boundaries
+from ..propagation.loss_reduction import make_token_means_global
+from ..propagation.unshard import insert_unshard_nodes
+from .bucketing import bucketing_pass
 from .cleanup import cleanup_pass
+from .context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH, PassContext
 from .cse import cse_pass
 from .prefetch import prefetch_pass
 from .recompute import recompute_pass
 from .reshard_after_forward import reshard_after_forward_pass
+from .runner import Step, check_disabled, run_steps
 from .swap import swap_pass
 
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_GRADIENT_BUCKET_BYTES", "DEFAULT_PREFETCH_DEPTH", "PASSES", "REWRITES", "PassContext",
+           "pass_names", "rewrite_names", "run_passes", "run_rewrites"]
 
 
-@dataclasses.dataclass
-class PassContext:
-    """What passes may read: the mesh, options, and a callback to observe each pass's output."""
-
-    mesh: object
-    fsdp: object = None  # ResolvedPlan.fsdp (FsdpPlan) when the plan has fully_shard units
-    prefetch_depth: int = 1  # how many FSDP units ahead all-gathers are issued
-    explicit_prefetch: dict | None = None  # {"forward"/"backward": {unit: (units to prefetch,)}}
-    activation: object = None  # recompute.ActivationPlan: recompute and swap regions
-    gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
-    disable_passes: frozenset[str] = frozenset()
-    on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
+def _loss_reduction(captured, ctx):
+    make_token_means_global(captured.gm)
+    return captured
 
 
-PASSES: list[tuple[str, Callable]] = [
+def _merge_boundaries(captured, ctx):
+    merge_boundaries(captured.gm, ctx.resolved)
+    return captured
+
+
+def _fsdp_unshard(captured, ctx):
+    insert_unshard_nodes(captured, ctx.resolved, ctx.storage_dtypes, ctx.mesh.device_type)
+    return captured
+
+
+def _gradient_accumulation(captured, ctx):
+    insert_gradient_accumulation(captured, ctx.resolved.fsdp)
+    return captured
+
+
+REWRITES: list[Step] = [
+    Step("loss_reduction", _loss_reduction, required=True),
+    Step("merge_boundaries", _merge_boundaries, required=True),
+    Step("fsdp_unshard", _fsdp_unshard, required=True),
+    Step("gradient_accumulation", _gradient_accumulation, required=True),
+]
+
+PASSES: list[tuple[str, object]] = [
     ("cleanup", cleanup_pass),
     ("cse", cse_pass),
     ("recompute", recompute_pass),
@@ -53,24 +79,20 @@ PASSES: list[tuple[str, Callable]] = [
 
 
 def pass_names() -> list[str]:
+    """The passes ``disable_passes`` may name, in order."""
     return [name for name, _ in PASSES]
 
 
+def rewrite_names() -> list[str]:
+    return [step.name for step in REWRITES]
+
+
+def run_rewrites(captured, ctx: PassContext):
+    """The rewrites on the captured joint graph (in place); returns ``captured``."""
+    return run_steps(REWRITES, captured, ctx, graph_of=lambda c: c.gm)
+
+
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    unknown = set(ctx.disable_passes) - set(pass_names())
-    if unknown:
-        raise ValueError(
-            f"disable_passes names unknown passes {sorted(unknown)}; the passes are {pass_names()}"
-        )
-    for name, fn in PASSES:
-        if name in ctx.disable_passes:
-            continue
-        before = len(gm.graph.nodes)
-        try:
-            gm = fn(gm, ctx)
-        except AssertionError as exc:  # a pass's invariant broke: name the pass and the workaround
-            raise internal_error(name, str(exc) or type(exc).__name__, pass_name=name) from exc
-        log.info("[%s] %d nodes -> %d", name, before, len(gm.graph.nodes))
-        if ctx.on_pass is not None:
-            ctx.on_pass(name, gm)
-    return gm
+    steps = [Step(name, fn) for name, fn in PASSES]
+    check_disabled(ctx.disable_passes, steps, REWRITES)
+    return run_steps(steps, gm, ctx)

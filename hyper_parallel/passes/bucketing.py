@@ -39,14 +39,11 @@ from collections import defaultdict
 import torch
 
 from .. import compat
+from ..ir import meta
+from ..ir.phase import BACKWARD, PARTITIONER_TAG, gather_phase, tag_value
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-# Gradient all-reduce buckets of parameters FSDP does not own: at most this many bytes each
-# (DDP's default bucket_cap_mb=25).
-DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024
-
 
 def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     mode = getattr(like, "fake_mode", None)
@@ -61,13 +58,13 @@ def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
 class _Builder:
     """Emit nodes before an anchor, giving each a fake ``val`` and the bucket's meta."""
 
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, meta: dict):
-        self.graph, self.anchor, self.meta = graph, anchor, meta
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, annotations: dict):
+        self.graph, self.anchor, self.annotations = graph, anchor, annotations
 
     def __call__(self, target, args, val) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(target, args)
-        node.meta.update(self.meta)
+        node.meta.update(self.annotations)
         node.meta["val"] = val
         return node
 
@@ -80,19 +77,19 @@ def _single_wait(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _unit_of_grad(node, fsdp) -> str | None:
-    param = node.meta.get("hp_grad_of")
+    param = node.meta.get(meta.GRAD_OF)
     return fsdp.unit_of.get(param) if param else None
 
 
 def _buckets(graph, fsdp):
     all_gathers, reduce_scatters, all_reduces = defaultdict(list), defaultdict(list), defaultdict(list)
     for node in graph.nodes:
-        if node.op != "call_function" or "hp_bucket" in node.meta or _single_wait(node) is None:
+        if node.op != "call_function" or meta.BUCKET in node.meta or _single_wait(node) is None:
             continue
-        if node.target is c10d.all_gather_into_tensor.default and node.meta.get("hp_fsdp_param"):
-            phase = node.meta.get("hp_fsdp_phase", "forward")
+        if node.target is c10d.all_gather_into_tensor.default and node.meta.get(meta.FSDP_PARAM):
+            phase = gather_phase(node)
             _, size, group = node.args
-            key = (node.meta["hp_fsdp_unit"], phase, size, group, node.meta["val"].dtype)
+            key = (node.meta[meta.FSDP_UNIT], phase, size, group, node.meta["val"].dtype)
             all_gathers[key].append(node)
         elif node.target is c10d.reduce_scatter_tensor.default and _unit_of_grad(node, fsdp) is not None:
             _, op, size, group = node.args
@@ -154,11 +151,11 @@ def _fuse_all_gather(graph, members, label):
     inputs = [_hoist(graph, m.args[0], first_use, order, memo) for m in members]
     _, size, group = members[0].args
     sample = members[0].meta["val"]
-    emit = _Builder(graph, first_use, {"hp_bucket": label, "hp_role": "redistribute",
-                                       "hp_fsdp_unit": members[0].meta["hp_fsdp_unit"],
-                                       **({"hp_fsdp_phase": "backward"} if "backward" in label else {})})
+    emit = _Builder(graph, first_use, {meta.BUCKET: label, meta.ROLE: meta.ROLE_REDISTRIBUTE,
+                                       meta.FSDP_UNIT: members[0].meta[meta.FSDP_UNIT],
+                                       **({meta.FSDP_PHASE: BACKWARD} if "backward" in label else {})})
     if "backward" in label:
-        emit.meta["partitioner_tag"] = "is_backward"
+        emit.annotations[PARTITIONER_TAG] = tag_value(BACKWARD)
     numels = [m.args[0].meta["val"].numel() for m in members]
     total = sum(numels)
     flats = [emit(aten.reshape.default, (x, [-1]), _fake(sample, [n])) for x, n in zip(inputs, numels)]
@@ -171,8 +168,8 @@ def _fuse_all_gather(graph, members, label):
         part = emit(operator.getitem, (parts, i), _fake(sample, [size, numels[i]]))
         shape = list(wait.meta["val"].shape)
         out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
-        out.meta["hp_fsdp_param"] = member.meta["hp_fsdp_param"]
-        out.meta["hp_fsdp_unit"] = member.meta["hp_fsdp_unit"]
+        out.meta[meta.FSDP_PARAM] = member.meta[meta.FSDP_PARAM]
+        out.meta[meta.FSDP_UNIT] = member.meta[meta.FSDP_UNIT]
         wait.replace_all_uses_with(out)
     _erase(graph, members, waits)
 
@@ -186,7 +183,8 @@ def _fuse_reduction(graph, members, label):
     op, *rest = members[0].args[1:]
     size = rest[0] if scatter else 1
     sample = members[0].meta["val"]
-    emit = _Builder(graph, anchor, {"hp_bucket": label, "hp_role": "redistribute", "partitioner_tag": "is_backward"})
+    emit = _Builder(graph, anchor, {meta.BUCKET: label, meta.ROLE: meta.ROLE_REDISTRIBUTE,
+                                   PARTITIONER_TAG: tag_value(BACKWARD)})
     # Reduce-scatter: each gradient as [world, numel/world] rows, concatenated along dim 1, so rank
     # r's slice of the flat buffer is every gradient's r-th shard. All-reduce: just concatenated.
     cols = [m.args[0].meta["val"].numel() // size for m in members]
@@ -201,7 +199,7 @@ def _fuse_reduction(graph, members, label):
         part = emit(operator.getitem, (parts, i), _fake(sample, [cols[i]]))
         shape = list(wait.meta["val"].shape)
         out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
-        out.meta["hp_grad_of"] = member.meta["hp_grad_of"]
+        out.meta[meta.GRAD_OF] = member.meta[meta.GRAD_OF]
         wait.replace_all_uses_with(out)
     _erase(graph, members, waits)
 
@@ -254,8 +252,8 @@ def _cycle_error(unplaced: list[torch.fx.Node], placed: set) -> ValueError:
     position = {n: i for i, n in enumerate(unplaced)}
     start = min(range(len(cycle)), key=lambda i: position[cycle[i]])
     cycle = cycle[start:] + cycle[:start]
-    buckets = sorted({n.meta["hp_bucket"] for n in cycle if "hp_bucket" in n.meta})
-    params = sorted({p for n in cycle for p in (n.meta.get("hp_fsdp_param"), n.meta.get("hp_grad_of")) if p})
+    buckets = sorted({n.meta[meta.BUCKET] for n in cycle if meta.BUCKET in n.meta})
+    params = sorted({p for n in cycle for p in (n.meta.get(meta.FSDP_PARAM), n.meta.get(meta.GRAD_OF)) if p})
     shown = " -> ".join(n.name for n in cycle[:16]) + (f" -> ... ({len(cycle)} nodes)" if len(cycle) > 16 else "")
     return ValueError(
         f"bucketing produced a cycle (a bug in hyper_parallel's bucketing pass): the fused collectives "
@@ -361,9 +359,9 @@ def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int) -> list[list[torch
     buckets: list[list[torch.fx.Node]] = []
     current: dict[tuple, tuple[list, int]] = {}
     for node in graph.nodes:
-        if node.op != "call_function" or node.target is not c10d.all_reduce.default or "hp_bucket" in node.meta:
+        if node.op != "call_function" or node.target is not c10d.all_reduce.default or meta.BUCKET in node.meta:
             continue
-        param = node.meta.get("hp_grad_of")
+        param = node.meta.get(meta.GRAD_OF)
         if not param or (fsdp is not None and param in fsdp.unit_of) or _single_wait(node) is None:
             continue
         _, op, group = node.args
@@ -379,7 +377,7 @@ def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int) -> list[list[torch
 
 
 def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    fsdp = getattr(ctx, "fsdp", None)
+    fsdp = ctx.fsdp
     graph = gm.graph
     if fsdp is not None and fsdp.comm_fusion:
         all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
@@ -390,7 +388,7 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
         _fuse_buckets(graph, [(f"{unit or '<root>'} all_reduce", members)
                               for (unit, *_), members in _buckets(graph, fsdp)[2].items()], _fuse_reduction)
-    cap = getattr(ctx, "gradient_bucket_bytes", DEFAULT_GRADIENT_BUCKET_BYTES)
+    cap = ctx.gradient_bucket_bytes
     # As DDP, a gradient alone in its bucket keeps its own all-reduce (also a part cut to one).
     _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members)
                           for i, members in enumerate(_gradient_all_reduce_buckets(graph, fsdp, cap))],

@@ -33,16 +33,17 @@ import dataclasses
 
 import torch
 
+from ..ir.kinds import InputKind, OutputKind
 from .. import compat
 from ..capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
-from ..runtime.partition import BACKWARD, FORWARD, _phase_of
+from ..ir.phase import BACKWARD, FORWARD, phases_of
 
-RECV_FWD, RECV_BWD = "recv_fwd", "recv_bwd"  # InputInfo kinds of received values
-SEND_FWD, SEND_BWD = "send_fwd", "send_bwd"  # OutputInfo kinds of sent values
+RECV_FWD, RECV_BWD = InputKind.RECV_FWD, InputKind.RECV_BWD
+SEND_FWD, SEND_BWD = OutputKind.SEND_FWD, OutputKind.SEND_BWD
 # OutputInfo kind: the token count a micro-batch's mean loss divides by (pipeline/loss.py); a
 # forward output of the last stage, like the loss.
-LOSS_COUNT = "loss_count"
-_FORWARD_OUTPUTS = ("output", LOSS_COUNT)
+LOSS_COUNT = OutputKind.LOSS_COUNT
+_FORWARD_OUTPUTS = (OutputKind.OUTPUT, LOSS_COUNT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +91,7 @@ def _describe(node: torch.fx.Node) -> str:
 def assign_stages(gm: torch.fx.GraphModule, split_points: tuple[str, ...]) -> tuple[dict, dict]:
     """(node -> stage for computing nodes, node -> phase). Placeholders and get_attr get no stage."""
     nodes = list(gm.graph.nodes)
-    phases: dict = {}
-    for node in nodes:
-        if node.op != "output":
-            phases[node] = _phase_of(node, phases)
+    phases = phases_of(gm.graph)
     stage: dict = {}
     computing = [n for n in nodes if n.op == "call_function"]
 
@@ -171,7 +169,7 @@ def split_stages(
     # parameter's gradient in the stage that holds the parameter).
     param_stage: dict[str, int] = {}
     for node, info in info_of.items():
-        if info.kind == "param":
+        if info.kind == InputKind.PARAM:
             readers = {stage[u] for u in node.users if u in stage}
             if len(readers) > 1:
                 raise ValueError(
@@ -182,7 +180,7 @@ def split_stages(
             param_stage[info.name] = readers.pop() if readers else 0
     slot_stage = []
     for value, info in zip(slots, captured.outputs):
-        if info.kind == "grad":
+        if info.kind == OutputKind.GRAD:
             slot_stage.append(param_stage[info.name])
         elif info.kind in _FORWARD_OUTPUTS:
             slot_stage.append(last)
@@ -230,7 +228,7 @@ def _replicable(gm: torch.fx.GraphModule, phases: dict, info_of: dict) -> set:
     collective, no parameter (its gradient would be split) and no input feeds them."""
     replicable: set = set()
     for node in gm.graph.nodes:
-        if node.op == "get_attr" or (node.op == "placeholder" and info_of[node].kind == "buffer"):
+        if node.op == "get_attr" or (node.op == "placeholder" and info_of[node].kind == InputKind.BUFFER):
             replicable.add(node)
         elif (
             node.op == "call_function" and phases[node] == FORWARD and not node.is_impure()
@@ -277,13 +275,13 @@ def _build_stage(gm, s, stage, replicable, info_of, slots, out_infos, slot_stage
 
     originals = [n for n in info_of if n in used]
     for node in originals:  # primals first: parameters, buffers, inputs
-        if info_of[node].kind != "tangent":
+        if info_of[node].kind != InputKind.TANGENT:
             placeholder(info_of[node].kind, node, info_of[node], tangent=False)
     for t in recvs:
         if t.phase == FORWARD:
             placeholder(RECV_FWD, names[t.name], InputInfo(RECV_FWD, t.name, t.src), tangent=False)
     for node in originals:
-        if info_of[node].kind == "tangent":
+        if info_of[node].kind == InputKind.TANGENT:
             placeholder("tangent", node, info_of[node], tangent=True)
     for t in recvs:
         if t.phase == BACKWARD:
@@ -307,14 +305,14 @@ def _build_stage(gm, s, stage, replicable, info_of, slots, out_infos, slot_stage
             forward_out.append(env[names[t.name]])
             outputs.append(OutputInfo(SEND_FWD, t.name, t.dst))
     # One gradient slot per primal, as the partition and runtime expect.
-    grad_of = {info.name: value for value, info in zip(slots, out_infos) if info.kind == "grad"}
+    grad_of = {info.name: value for value, info in zip(slots, out_infos) if info.kind == OutputKind.GRAD}
     backward_out = []
     for info in inputs:
-        if info.kind == "tangent" or info.kind == RECV_BWD:
+        if info.kind == InputKind.TANGENT or info.kind == RECV_BWD:
             continue
-        value = grad_of.get(info.name) if info.kind == "param" else None
+        value = grad_of.get(info.name) if info.kind == InputKind.PARAM else None
         backward_out.append(env[value] if isinstance(value, torch.fx.Node) else None)
-        outputs.append(OutputInfo("grad", info.name, -1) if value is not None else OutputInfo("none", "", -1))
+        outputs.append(OutputInfo(OutputKind.GRAD, info.name, -1) if value is not None else OutputInfo(OutputKind.NONE, "", -1))
     for t in sends:
         if t.phase == BACKWARD:
             backward_out.append(env[names[t.name]])

@@ -26,6 +26,8 @@ collective already issued early is not moved again.
 from __future__ import annotations
 
 import torch
+from ..ir import meta
+from ..ir.phase import BACKWARD, FORWARD, gather_phase
 
 c10d = torch.ops._c10d_functional
 
@@ -57,7 +59,7 @@ def _movable_chain(node: torch.fx.Node, before: torch.fx.Node, order) -> list[to
 def _fused(graph, kind, target):
     return [
         n for n in graph.nodes
-        if n.op == "call_function" and n.target is target and kind in n.meta.get("hp_bucket", "")
+        if n.op == "call_function" and n.target is target and kind in n.meta.get(meta.BUCKET, "")
     ]
 
 
@@ -66,14 +68,14 @@ def _wait_of(node):
 
 
 def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    depth = getattr(ctx, "prefetch_depth", 1)
+    depth = ctx.prefetch_depth
     graph = gm.graph
     gathers = _fused(graph, "all_gather", c10d.all_gather_into_tensor.default)
-    explicit = getattr(ctx, "explicit_prefetch", None) or {}
+    explicit = ctx.explicit_prefetch
     for phase, table in explicit.items():
         # set_modules_to_{forward,backward}_prefetch: when a unit waits for its gather, the listed
         # units' gathers are already in flight.
-        by_unit = {g.meta.get("hp_fsdp_unit"): g for g in gathers if g.meta.get("hp_fsdp_phase", "forward") == phase}
+        by_unit = {g.meta.get(meta.FSDP_UNIT): g for g in gathers if gather_phase(g) == phase}
         for unit, targets in table.items():
             if unit not in by_unit:
                 continue
@@ -86,8 +88,8 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 for node in _movable_chain(gather, anchor, order) or ():
                     anchor.prepend(node)
     if depth > 0:
-        for phase in ("forward", "backward"):
-            ordered = [g for g in gathers if g.meta.get("hp_fsdp_phase", "forward") == phase]
+        for phase in (FORWARD, BACKWARD):
+            ordered = [g for g in gathers if gather_phase(g) == phase]
             for k in range(depth, len(ordered)):
                 anchor = _wait_of(ordered[k - depth])
                 order = _position(graph)

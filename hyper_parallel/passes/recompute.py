@@ -31,7 +31,10 @@ from ..compat import pytree
 from .. import compat
 from ..capture import module_fqn_of
 from ..recompute import CheckpointPolicy
-from .reshard_after_forward import _is_backward, gathered_param_region
+from ..ir import meta
+from ..ir.ops import is_view_of_input
+from ..ir.phase import BACKWARD, is_tagged_backward, tag
+from .reshard_after_forward import gathered_param_region
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -39,23 +42,6 @@ def op_name(node: torch.fx.Node) -> str:
     if node.target is operator.getitem:
         return op_name(node.args[0])
     return compat.op_overload_name(node.target)
-
-
-# Ops whose result shares its first argument's storage.
-VIEW_OPS = frozenset({
-    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
-    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default,
-    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.alias.default,
-    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
-})
-
-
-def is_view_of_input(node: torch.fx.Node) -> bool:
-    """Whether ``node`` only re-views a graph input (e.g. ``t(weight)``): keeping it costs nothing,
-    the input's storage lives anyway, so it is neither swapped nor counted as an activation."""
-    while node.op == "call_function" and node.target in VIEW_OPS:
-        node = node.args[0]
-    return node.op == "placeholder"
 
 
 def _decision(region, node: torch.fx.Node, module_fqn: str) -> CheckpointPolicy:
@@ -67,7 +53,7 @@ def _decision(region, node: torch.fx.Node, module_fqn: str) -> CheckpointPolicy:
 
 
 def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    plan = getattr(ctx, "activation", None)
+    plan = ctx.activation
     if not plan:
         return gm
     graph = gm.graph
@@ -75,7 +61,7 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     recomputed: dict[torch.fx.Node, str] = {}  # forward node -> its region's key
     swapped: dict[torch.fx.Node, object] = {}  # forward node -> its region
     for node in graph.nodes:
-        if node.op != "call_function" or _is_backward(node) or node in sources:
+        if node.op != "call_function" or is_tagged_backward(node) or node in sources:
             continue
         fqn = module_fqn_of(node)
         region = plan.region_of(node, fqn)
@@ -101,13 +87,13 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 copy_before(arg, anchor, key)
             with graph.inserting_before(anchor):
                 new = graph.node_copy(node, lambda a: copies.get(a, a))
-            new.meta["partitioner_tag"] = "is_backward"
-            new.meta["hp_recompute"] = key
+            tag(new, BACKWARD)
+            new.meta[meta.RECOMPUTE] = key
             copies[node] = new
         return copies[node]
 
     for user in list(graph.nodes):
-        if not _is_backward(user) or user in copies.values():
+        if not is_tagged_backward(user) or user in copies.values():
             continue
         for arg in list(user.all_input_nodes):
             if arg in recomputed:
@@ -117,8 +103,8 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if region is not None and region.swap_inputs and node.op == "call_function" and node not in sources:
             swapped.setdefault(node, region)
     for node, region in swapped.items():
-        node.meta["hp_swap"] = region.key
-        node.meta["hp_swap_group"] = region.group_swap
+        node.meta[meta.SWAP] = region.key
+        node.meta[meta.SWAP_GROUP] = region.group_swap
     graph.lint()
     gm.recompile()
     return gm

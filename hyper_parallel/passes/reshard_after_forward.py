@@ -35,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..ir import meta
+from ..ir.phase import BACKWARD, FORWARD, PARTITIONER_TAG, is_tagged_backward, tag, tag_value
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-POST_FORWARD = "hp_fsdp_post_forward"  # meta key of a kept 1/k piece: k
+POST_FORWARD = meta.FSDP_POST_FORWARD
 
 # Ops that only re-view or re-type a gathered parameter: recomputing them in backward is free next
 # to keeping their unsharded result alive.
@@ -52,19 +54,15 @@ _CHEAP = {
 }
 
 
-def _is_backward(node: torch.fx.Node) -> bool:
-    return node.meta.get("partitioner_tag") == "is_backward" or node.meta.get("hp_fsdp_phase") == "backward"
-
-
 def gathered_param_region(graph: torch.fx.Graph, params=None) -> set[torch.fx.Node]:
     """Forward nodes holding an all-gathered FSDP parameter (of ``params``, default all) or a cheap
     view of one: what keeping a parameter unsharded between forward and backward costs."""
     region: set[torch.fx.Node] = set()
     for node in graph.nodes:
-        if _is_backward(node) or node.op != "call_function":
+        if is_tagged_backward(node) or node.op != "call_function":
             continue
-        param = node.meta.get("hp_fsdp_param")
-        if param is not None and (params is None or param in params) and node.meta.get("hp_role") == "redistribute":
+        param = node.meta.get(meta.FSDP_PARAM)
+        if param is not None and (params is None or param in params) and meta.is_redistribute(node):
             region.add(node)
         elif node.target in _CHEAP and any(a in region for a in node.all_input_nodes):
             if all(a in region or a.op == "placeholder" for a in node.all_input_nodes):
@@ -151,8 +149,8 @@ def _regather_kept_piece(graph, gather: torch.fx.Node, anchor: torch.fx.Node, to
             node = graph.call_function(target, args or (after,))
         node.meta.update(wait.meta)
         node.meta.update({
-            "val": _fake(full, [rows, *full.shape[1:]]), POST_FORWARD: to.k, "partitioner_tag": "is_forward",
-            "hp_redistribute": f"keep rows {lo}:{lo + rows} of {full.shape[0]} (reshard to {to.k} ranks)",
+            "val": _fake(full, [rows, *full.shape[1:]]), POST_FORWARD: to.k, PARTITIONER_TAG: tag_value(FORWARD),
+            meta.REDISTRIBUTE: f"keep rows {lo}:{lo + rows} of {full.shape[0]} (reshard to {to.k} ranks)",
         })
         kept.append(node)
         after = node
@@ -160,14 +158,14 @@ def _regather_kept_piece(graph, gather: torch.fx.Node, anchor: torch.fx.Node, to
         regather = graph.call_function(c10d.all_gather_into_tensor.default, (kept[-1], to.k, to.group))
     regather.meta.update(gather.meta)  # same value (and fake val) as the forward all-gather
     regather.meta.update({
-        "hp_fsdp_phase": "backward", "partitioner_tag": "is_backward",
-        "hp_redistribute": f"{gather.meta.get('hp_redistribute', '')} (over {to.k} ranks)".lstrip(),
+        meta.FSDP_PHASE: BACKWARD, PARTITIONER_TAG: tag_value(BACKWARD),
+        meta.REDISTRIBUTE: f"{gather.meta.get(meta.REDISTRIBUTE, '')} (over {to.k} ranks)".lstrip(),
     })
     return regather
 
 
 def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    fsdp = getattr(ctx, "fsdp", None)
+    fsdp = ctx.fsdp
     if fsdp is None:
         return gm
     resharding = {p for u in fsdp.units if u.reshard_after_forward for p in u.params}
@@ -184,7 +182,7 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
         if node not in region:
             return node
         if node not in copies:
-            to = smaller.get(node.meta.get("hp_fsdp_unit"))
+            to = smaller.get(node.meta.get(meta.FSDP_UNIT))
             if (
                 to is not None and node.target is c10d.all_gather_into_tensor.default
                 and tuple(node.args[1:]) == (to.shard_size, to.shard_group)
@@ -195,15 +193,15 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
                 copy_before(arg, anchor)
             with graph.inserting_before(anchor):
                 new = graph.node_copy(node, lambda a: copies.get(a, a))
-            new.meta["hp_fsdp_phase"] = "backward"
-            new.meta["partitioner_tag"] = "is_backward"
+            new.meta[meta.FSDP_PHASE] = BACKWARD
+            tag(new, BACKWARD)
             copies[node] = new
         return copies[node]
 
     for user in list(graph.nodes):
         # The output node counts as a backward use: a gathered parameter it returns is one kept
         # after backward (set_reshard_after_backward(False)), which must not be kept from forward.
-        if not (_is_backward(user) or user.op == "output") or user in copies.values():
+        if not (is_tagged_backward(user) or user.op == "output") or user in copies.values():
             continue
         for arg in list(user.all_input_nodes):
             if arg in region:

@@ -27,7 +27,8 @@ from collections import defaultdict
 import torch
 
 from ..runtime.host_copies import SWAP_IN, SWAP_OUT, SWAP_WAIT
-from .reshard_after_forward import _is_backward
+from ..ir import meta
+from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
 
 aten = torch.ops.aten
 HOST = torch.device("cpu")
@@ -43,9 +44,9 @@ def _emit(graph, where, target, args, kwargs, val, phase, copy=None):
     with where():
         node = graph.call_function(target, args, kwargs or {})
     node.meta["val"] = val
-    node.meta["partitioner_tag"] = phase
+    tag(node, phase)
     if copy is not None:
-        node.meta["hp_swap_copy"] = copy
+        node.meta[meta.SWAP_COPY] = copy
     return node
 
 
@@ -54,29 +55,29 @@ def swap_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     order = {n: i for i, n in enumerate(graph.nodes)}
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
-        region = node.meta.get("hp_swap")
+        region = node.meta.get(meta.SWAP)
         val = node.meta.get("val")
-        if region is None or _is_backward(node) or not isinstance(val, torch.Tensor):
+        if region is None or is_tagged_backward(node) or not isinstance(val, torch.Tensor):
             continue
-        if not any(_is_backward(u) for u in node.users):
+        if not any(is_tagged_backward(u) for u in node.users):
             continue  # not saved for backward: nothing to swap
         if any(u.op == "output" for u in node.users):
             continue  # returned to the caller, who holds it anyway: swapping it frees nothing
-        key = (region, val.dtype) if node.meta.get("hp_swap_group") else (region, node.name)
+        key = (region, val.dtype) if node.meta.get(meta.SWAP_GROUP) else (region, node.name)
         groups[key].append(node)
     if not groups:
         return gm
 
     def first_backward_use(members):
-        return min((u for m in members for u in m.users if _is_backward(u)), key=order.__getitem__)
+        return min((u for m in members for u in m.users if is_tagged_backward(u)), key=order.__getitem__)
 
     # Backward order of the groups: each group's copy back is issued when the previous one is used.
     ordered = sorted(groups.values(), key=lambda ms: order[first_backward_use(ms)])
     anchors = [first_backward_use(ordered[max(i - 1, 0)]) for i in range(len(ordered))]
     for members, anchor in zip(ordered, anchors):
-        backward_users = {m: [u for u in m.users if _is_backward(u)] for m in members}
+        backward_users = {m: [u for u in m.users if is_tagged_backward(u)] for m in members}
         last_forward = max(
-            (u for m in members for u in m.users if not _is_backward(u)), key=order.__getitem__, default=None
+            (u for m in members for u in m.users if not is_tagged_backward(u)), key=order.__getitem__, default=None
         )
         after = max([*members, *([last_forward] if last_forward is not None else [])], key=order.__getitem__)
         sample = members[0].meta["val"]
@@ -87,36 +88,38 @@ def swap_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         at_use = lambda: graph.inserting_before(first_use)  # noqa: E731
         if len(members) == 1:
             host = _emit(graph, to_host, SWAP_OUT, (members[0],), None,
-                         _fake(sample, sample.shape, HOST), "is_forward", "to_host")
+                         _fake(sample, sample.shape, HOST), FORWARD, meta.SWAP_TO_HOST)
             back = _emit(graph, to_device, SWAP_IN, (host, device), None,
-                         _fake(sample, sample.shape, device), "is_backward", "to_device")
-            ready = _emit(graph, at_use, SWAP_WAIT, (back,), None, _fake(sample, sample.shape, device), "is_backward")
+                         _fake(sample, sample.shape, device), BACKWARD, meta.SWAP_TO_DEVICE)
+            ready = _emit(graph, at_use, SWAP_WAIT, (back,), None, _fake(sample, sample.shape, device), BACKWARD)
             restored = {members[0]: ready}
         else:
             numels = [m.meta["val"].numel() for m in members]
             total = sum(numels)
             # Built bottom-up: each node is inserted after ``after``, so emit in reverse order.
             host = _emit(graph, to_host, SWAP_OUT, (None,), None,
-                         _fake(sample, [total], HOST), "is_forward", "to_host")
+                         _fake(sample, [total], HOST), FORWARD, meta.SWAP_TO_HOST)
             with graph.inserting_before(host):
                 flats = [graph.call_function(aten.reshape.default, (m, [-1])) for m in members]
                 flat = graph.call_function(aten.cat.default, (flats,))
             for f, m, n in zip(flats, members, numels):
-                f.meta.update(val=_fake(m.meta["val"], [n], device), partitioner_tag="is_forward")
-            flat.meta.update(val=_fake(sample, [total], device), partitioner_tag="is_forward")
+                f.meta["val"] = _fake(m.meta["val"], [n], device)
+                tag(f, FORWARD)
+            flat.meta["val"] = _fake(sample, [total], device)
+            tag(flat, FORWARD)
             host.args = (flat,)
             back = _emit(graph, to_device, SWAP_IN, (host, device), None,
-                         _fake(sample, [total], device), "is_backward", "to_device")
-            ready = _emit(graph, at_use, SWAP_WAIT, (back,), None, _fake(sample, [total], device), "is_backward")
+                         _fake(sample, [total], device), BACKWARD, meta.SWAP_TO_DEVICE)
+            ready = _emit(graph, at_use, SWAP_WAIT, (back,), None, _fake(sample, [total], device), BACKWARD)
             parts = _emit(graph, at_use, aten.split_with_sizes.default, (ready, numels), None,
-                          [_fake(sample, [n], device) for n in numels], "is_backward")
+                          [_fake(sample, [n], device) for n in numels], BACKWARD)
             restored = {}
             for i, m in enumerate(members):
                 piece = _emit(graph, at_use, operator.getitem, (parts, i), None,
-                              _fake(sample, [numels[i]], device), "is_backward")
+                              _fake(sample, [numels[i]], device), BACKWARD)
                 shape = list(m.meta["val"].shape)
                 restored[m] = _emit(graph, at_use, aten.reshape.default, (piece, shape), None,
-                                    _fake(m.meta["val"], shape, device), "is_backward")
+                                    _fake(m.meta["val"], shape, device), BACKWARD)
         for key in ("nn_module_stack", "stack_trace"):  # dumps attribute copies to the region
             if key in members[0].meta:
                 host.meta[key] = back.meta[key] = ready.meta[key] = members[0].meta[key]

@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
 from ..capture import flat_paths
@@ -35,7 +36,7 @@ from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..passes.pipeline_split import StageGraph, split_stages
 from ..runtime.partition import partition_by_phase
 from ..runtime.input_check import empty_problem
-from ..spmd import agree, digest_of, sequence_hash
+from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count
 from .plan import AUTO, ResolvedPipeline
 from .runtime import PipelineExecutor, StageProgram
@@ -189,13 +190,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
 def _check_no_fsdp_flags(state) -> None:
     """The FSDP methods that change the compiled program are not wired into stage programs yet:
     refuse them rather than ignore them."""
-    changed = [name for name, value, default in (
-        ("set_requires_gradient_sync", state.gradient_sync, True),
-        ("set_requires_all_reduce", state.all_reduce, True),
-        ("set_reshard_after_forward", state.reshard_after_forward, None),
-        ("set_reshard_after_backward", state.reshard_after_backward, True),
-        ("set_reduce_op_type", state.reduce_op, "avg"),
-    ) if value != default]
+    changed = state.fsdp_flags.changed()
     if state.gathered.units:
         changed.append("unshard")
     if changed:
@@ -283,12 +278,15 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
 
     programs: dict[int, StageProgram] = {}
     colls = {}
+    pass_seconds: dict = {"rewrites": lowered.rewrite_seconds}
     axis_of_group = group_axis_names(state.mesh, state.resolved.fsdp)
     for s in resolved.local_stages:
         graph = stages[s]
         stage_dumper = Dumper(os.path.join(state.dump_dir, f"stage{s}") if state.dump_dir else None, rank)
         stage_dumper.graph("split", graph.gm)
-        gm = run_pass_pipeline(state, state.resolved, graph.gm, {}, None, lowered.annotated, stage_dumper.graph)
+        pass_seconds[f"stage{s}"] = {}
+        gm = run_pass_pipeline(state, state.resolved, graph.gm, {}, None, lowered.annotated, stage_dumper.graph,
+                               pass_seconds[f"stage{s}"])
         forward_gm, backward_gm, _ = partition_by_phase(gm, graph.num_forward_outputs)
         compat.use_boxed_calling_convention(backward_gm)
         stage_dumper.graph("forward", forward_gm)
@@ -296,7 +294,8 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         programs[s] = StageProgram(s, forward_gm, backward_gm, graph)
         colls[f"stage{s} forward"] = collectives(forward_gm, axis_of_group)
         colls[f"stage{s} backward"] = collectives(backward_gm, axis_of_group)
-    _check_stage_spmd(colls, resolved)
+    # The ranks of this stage mesh run the same stages: the plain path's check among them.
+    check_spmd_on_mesh(colls, state.mesh)
 
     schedule = build_schedule(plan.schedule, resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank,
                               plan.overlap_p2p)
@@ -304,7 +303,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     device = _device_of(module, flat)
     loss_dtype = next(
         v.meta["val"].dtype for v, i in zip(lowered.local.graph.output_node().args[0], lowered.captured.outputs)
-        if i.kind == "output"
+        if i.kind == OutputKind.OUTPUT
     )
     executor = PipelineExecutor(programs, schedule[resolved.rank], transfers, resolved.num_ranks,
                                 plan.num_microbatches, pipe.pp_group, device, loss_dtype, token_mean)
@@ -322,6 +321,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         summary["auto_split"] = auto_report
     dumper.text("schedule.txt", format_schedule(schedule) + "\n")
     dumper.json("pipeline.json", summary)
+    summary["pass_seconds"] = pass_seconds  # after the dump: seconds differ between runs
     _release_other_stages(module, state, programs)
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule)
@@ -335,26 +335,10 @@ def _device_of(module: nn.Module, flat: list) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_stage_spmd(colls: dict, resolved: ResolvedPipeline) -> None:
-    """Ranks running the same stages must run the same collectives (docs/architecture.md §4.3): hashes are
-    exchanged over the world and compared among ranks with this rank's pp coordinate."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    mine = (resolved.rank, sequence_hash(colls))
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    peers = {d for r, d in everyone if r == resolved.rank}
-    if len(peers) > 1:
-        raise ValueError(
-            f"SPMD check failed: the ranks running pipeline stages {list(resolved.local_stages)} compiled "
-            "different collectives; pass inputs with the same shapes and dtypes on every rank"
-        )
-
-
 def _release_other_stages(module: nn.Module, state, programs: dict[int, StageProgram]) -> None:
     """Drop the parameters no local stage reads: their memory is freed (state_dict and optimizers
     see only this rank's stages), their shapes are kept for later captures."""
-    owned = {info.name for p in programs.values() for info in p.graph.inputs if info.kind == "param"}
+    owned = {info.name for p in programs.values() for info in p.graph.inputs if info.kind == InputKind.PARAM}
     released = []
     for fqn, param in list(module.named_parameters()):
         if fqn in owned:

@@ -22,13 +22,14 @@ import networkx as nx
 import torch
 import torch.distributed as dist
 
+from ..ir.kinds import InputKind
 from ..cost import get_profile
 from ..cost.compute import node_work, roofline_time, tensor_bytes
 from ..debug import DEVICE_PROFILES
 from ..errors import internal_error
 from ..passes.pipeline_split import assign_stages
 from ..recompute import repeated_blocks
-from ..runtime.partition import BACKWARD, FORWARD
+from ..ir.phase import BACKWARD, FORWARD
 from .plan import ResolvedPipeline
 
 
@@ -44,7 +45,7 @@ def segment_costs(gm: torch.fx.GraphModule, captured, blocks: tuple[str, ...], p
             saved_bytes[k] += tensor_bytes(node.meta.get("val"))
     for node, info in zip(gm.graph.find_nodes(op="placeholder"), captured.inputs):
         readers = [segment[u] for u in node.users if u in segment]
-        if info.kind == "param" and readers:
+        if info.kind == InputKind.PARAM and readers:
             param_bytes[min(readers)] += 2 * tensor_bytes(node.meta.get("val"))
     return seconds, param_bytes, saved_bytes
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ..ir.kinds import OutputKind
 from ..capture import CapturedGraph, OutputInfo
 from ..passes.pipeline_split import LOSS_COUNT
+from ..ir import meta
 
 _c10d = torch.ops._c10d_functional
 _THROUGH = (_c10d.wait_tensor.default, _c10d.all_reduce.default)
@@ -33,13 +35,13 @@ def expose_loss_count(local: torch.fx.GraphModule, captured: CapturedGraph) -> b
     whether it did; ``captured.outputs`` gets the matching slot description."""
     out = local.graph.output_node()
     slots = list(out.args[0])
-    position = next((i for i, o in enumerate(captured.outputs) if o.kind == "output"), None)
+    position = next((i for i, o in enumerate(captured.outputs) if o.kind == OutputKind.OUTPUT), None)
     if position is None or not isinstance(slots[position], torch.fx.Node):
         return False
     node = slots[position]
     while node.op == "call_function" and node.target in _THROUGH:
         node = node.args[0]
-    if not node.meta.get("hp_loss_mean"):
+    if not node.meta.get(meta.LOSS_MEAN):
         return False
     count = node.args[1]
     slots.insert(position + 1, count)

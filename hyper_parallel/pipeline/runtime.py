@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..ir.kinds import InputKind, OutputKind
 from ..errors import internal_error
 from ..passes.pipeline_split import LOSS_COUNT, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
-from ..runtime.partition import BACKWARD, FORWARD
+from ..ir.phase import BACKWARD, FORWARD
 from .loss import summed_loss
 from .schedules import MetaStep, MetaStepType
 
@@ -55,7 +56,7 @@ class StageProgram:
         self.num_forward_outputs = graph.num_forward_outputs
         # What backward returns one gradient slot for (then its sends), and the transfers each
         # program's trailing outputs are, in order.
-        self.primal_infos = [i for i in graph.inputs if i.kind not in ("tangent", RECV_BWD)]
+        self.primal_infos = [i for i in graph.inputs if i.kind not in (InputKind.TANGENT, RECV_BWD)]
         by_key = {(t.name, t.dst): t for t in graph.sends}
         self.sends = {
             phase: [by_key[(i.name, i.index)] for i in graph.outputs if i.kind == kind]
@@ -155,11 +156,11 @@ class PipelineExecutor:
             elif kind is T.FORWARD:
                 primals = []
                 for info in program.graph.inputs:
-                    if info.kind == "param":
+                    if info.kind == InputKind.PARAM:
                         primals.append(_local(params[info.name]))
-                    elif info.kind == "buffer":
+                    elif info.kind == InputKind.BUFFER:
                         primals.append(_local(buffers[info.name]))
-                    elif info.kind == "input":
+                    elif info.kind == InputKind.INPUT:
                         primals.append(micro_batches[mb][info.index])
                     elif info.kind == RECV_FWD:
                         primals.append(self._take(received, pending_recv, (info.name, s, mb)))
@@ -171,7 +172,7 @@ class PipelineExecutor:
                 self._route(program.sends[FORWARD], outs[n - len(program.sends[FORWARD]):n], s, mb, FORWARD,
                             outgoing, received)
                 results = {info.kind: value.detach() for value, info in zip(outs[:n], program.graph.outputs)
-                           if info.kind in ("output", LOSS_COUNT)}
+                           if info.kind in (OutputKind.OUTPUT, LOSS_COUNT)}
                 if LOSS_COUNT in results:  # a token mean: weigh each micro-batch by its tokens
                     count = results[LOSS_COUNT].to(self.loss_dtype)
                     contrib = summed_loss(results["output"], count)
@@ -185,7 +186,7 @@ class PipelineExecutor:
             elif kind is T.BACKWARD:
                 tangents = []
                 for info in program.graph.inputs:
-                    if info.kind == "tangent":
+                    if info.kind == InputKind.TANGENT:
                         seed = seeds.pop(mb, None)
                         tangents.append(seed if seed is not None else
                                         torch.full((), scale, dtype=self.loss_dtype, device=self.device))
@@ -196,7 +197,7 @@ class PipelineExecutor:
                 with torch.no_grad():
                     outs = program.backward_gm(args)
                 for info, g in zip(program.primal_infos, outs):
-                    if info.kind == "param" and g is not None:
+                    if info.kind == InputKind.PARAM and g is not None:
                         if info.name in grads:
                             grads[info.name].add_(g)  # the first one is this step's own buffer
                         else:

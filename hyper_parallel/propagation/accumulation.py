@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
+from ..ir.kinds import InputKind, OutputKind
 from ..capture import CapturedGraph
 
-GRAD_ACCUM = "grad_accum"
+GRAD_ACCUM = InputKind.GRAD_ACCUM
 
 
 def insert_gradient_accumulation(captured: CapturedGraph, fsdp) -> int:
@@ -35,7 +36,7 @@ def insert_gradient_accumulation(captured: CapturedGraph, fsdp) -> int:
     slots = list(captured.gm.graph.output_node().args[0])
     added = 0
     for i, (slot, info) in enumerate(zip(slots, list(captured.outputs))):
-        if info.kind != "grad" or info.name not in fsdp.unit_of or slot is None:
+        if info.kind != OutputKind.GRAD or info.name not in fsdp.unit_of or slot is None:
             continue
         val = slot.meta["val"]
         with val.fake_mode:

@@ -32,17 +32,18 @@ from typing import Any
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..compat import pytree
 from .. import compat
+from ..compat import pytree
 from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
 from ..capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
 from ..capture import describe_node as _describe
 from ..errors import internal_error
-from .accumulation import GRAD_ACCUM, insert_gradient_accumulation
-from .boundaries import merge_boundaries
-from .loss_reduction import make_token_means_global
+from ..ir import meta
+from ..ir.kinds import InputKind, OutputKind
+from ..layout import format_placements
+from .accumulation import GRAD_ACCUM
 from .rules import NoShardingRule, propagate_op
-from .unshard import GATHERED, PREGATHERED, insert_unshard_nodes
+from .unshard import GATHERED, PREGATHERED
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class _Propagator:
 
     # --- helpers ---------------------------------------------------------------------------------
     def spec_of(self, node: torch.fx.Node):
-        return node.meta["hp_layout"].output
+        return node.meta[meta.LAYOUT].output
 
     def with_constraint(self, base_placements, constraint: dict, ndim: int) -> tuple:
         placements = list(base_placements)
@@ -151,7 +152,7 @@ class _Propagator:
     # --- visitors --------------------------------------------------------------------------------
     def placeholder(self, node, info) -> NodeLayout:
         val = node.meta["val"]
-        if info.kind in ("param", "buffer"):
+        if info.kind in (InputKind.PARAM, InputKind.BUFFER):
             placements = self.resolved.param_placements[info.name]
         elif info.kind == PREGATHERED:  # gathered ahead by unshard(): the computing layout
             spec = make_spec(self.mesh, self.resolved.fsdp.compute_placements[info.name], val)
@@ -162,7 +163,7 @@ class _Propagator:
                 info.name, fsdp.accumulated, self.axis_names, self.resolved.param_placements[info.name]
             )
             return NodeLayout(make_spec(self.mesh, placements, val), (), "placeholder")
-        elif info.kind == "input":
+        elif info.kind == InputKind.INPUT:
             override = self.resolved.inputs.get(info.name)
             placements = (
                 tuple(normalize_placement(p, val.dim()) for p in override)
@@ -173,7 +174,7 @@ class _Propagator:
             out_val = self._user_output_val(info.index)
             return NodeLayout(self.user_output_spec(info.index, out_val), (), "placeholder")
         spec = make_spec(self.mesh, placements, val)
-        if not (info.kind == "param" and self.resolved.fsdp is not None and info.name in self.resolved.fsdp.unit_of):
+        if not (info.kind == InputKind.PARAM and self.resolved.fsdp is not None and info.name in self.resolved.fsdp.unit_of):
             # FSDP storage may be uneven on dim 0 (padded inside its all-gather/reduce-scatter, as
             # FSDP2); everything else must divide (the plan layer checked parameters already).
             check_divisible(node, spec, self.mesh, f"{info.kind} '{info.name}'")
@@ -182,7 +183,7 @@ class _Propagator:
     def _user_output_val(self, index: int):
         out_node = self.captured.gm.graph.output_node()
         slots = list(out_node.args[0])
-        pos = [i for i, o in enumerate(self.captured.outputs) if o.kind == "output" and o.index == index][0]
+        pos = [i for i, o in enumerate(self.captured.outputs) if o.kind == OutputKind.OUTPUT and o.index == index][0]
         return slots[pos].meta["val"]
 
     def boundary(self, node) -> NodeLayout:
@@ -202,7 +203,7 @@ class _Propagator:
         self.forward_boundary_source[key] = (src.placements, tuple(constraint.placements))
         if src.placements != target:
             self.report.boundaries.append(
-                f"{key}: {_fmt(src.placements)} -> {_fmt(target)}  ({constraint.source})"
+                f"{key}: {format_placements(src.placements)} -> {format_placements(target)}  ({constraint.source})"
             )
         return NodeLayout(spec, (src,), "boundary")
 
@@ -252,7 +253,7 @@ class _Propagator:
             return self.fallback(node, tensor_nodes, str(exc))
         except (RuntimeError, AssertionError, ValueError) as exc:
             layouts = ", ".join(
-                f"{a.name}: {_fmt(spec.placements) if (spec := self.spec_of(a)) is not None else '?'}"
+                f"{a.name}: {format_placements(spec.placements) if (spec := self.spec_of(a)) is not None else '?'}"
                 for a in tensor_nodes
             )
             raise ValueError(
@@ -299,9 +300,9 @@ class _Propagator:
     def output(self, node) -> NodeLayout:
         wanted = []
         for slot, info in zip(node.args[0], self.captured.outputs):
-            if slot is None or info.kind == "none":
+            if slot is None or info.kind == OutputKind.NONE:
                 wanted.append(None)
-            elif info.kind == "output":
+            elif info.kind == OutputKind.OUTPUT:
                 wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
             elif info.kind == BUFFER_UPDATE:  # written back into the buffer: its storage layout
                 wanted.append(make_spec(self.mesh, self.resolved.param_placements[info.name], slot.meta["val"]))
@@ -329,15 +330,15 @@ class _Propagator:
         for node in graph.nodes:
             if node.op == "placeholder":
                 info = next(placeholders)
-                node.meta["hp_layout"] = self.placeholder(node, info)
-                if info.kind == "input":
-                    self.input_specs[info.index] = node.meta["hp_layout"].output
+                node.meta[meta.LAYOUT] = self.placeholder(node, info)
+                if info.kind == InputKind.INPUT:
+                    self.input_specs[info.index] = node.meta[meta.LAYOUT].output
             elif node.op == "call_function":
-                node.meta["hp_layout"] = self.call(node)
+                node.meta[meta.LAYOUT] = self.call(node)
             elif node.op == "get_attr":
-                node.meta["hp_layout"] = NodeLayout(self._replicated_output(node), (), "factory")
+                node.meta[meta.LAYOUT] = NodeLayout(self._replicated_output(node), (), "factory")
             elif node.op == "output":
-                node.meta["hp_layout"] = self.output(node)
+                node.meta[meta.LAYOUT] = self.output(node)
             else:
                 raise internal_error(
                     "layout propagation", f"a {node.op!r} node in the captured joint graph (capture emits "
@@ -369,19 +370,9 @@ def _with_meta(spec, node, mesh):
     return spec
 
 
-def _fmt(placements) -> str:
-    return "[" + ", ".join(str(p) for p in placements) + "]"
-
-
-def propagate(captured: CapturedGraph, resolved, mesh, storage_dtypes=None) -> PropagationReport:
-    """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``).
-
-    ``storage_dtypes``: parameter FQN -> stored dtype, where FSDP mixed precision captured the
-    parameter in another (compute) dtype."""
-    make_token_means_global(captured.gm)
-    merge_boundaries(captured.gm, resolved)
-    insert_unshard_nodes(captured, resolved, storage_dtypes or {}, mesh.device_type)
-    insert_gradient_accumulation(captured, resolved.fsdp)
+def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:
+    """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``), after the
+    pre-propagation rewrites (passes/__init__.py: ``run_rewrites``) have run on it."""
     report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)

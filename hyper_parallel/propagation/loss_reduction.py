@@ -28,6 +28,7 @@ import operator
 import torch
 
 from ..errors import internal_error
+from ..ir import meta
 
 aten = torch.ops.aten
 
@@ -66,7 +67,7 @@ def make_token_means_global(gm: torch.fx.GraphModule) -> int:
         with graph.inserting_after(_later(loss, total_weight)):
             mean = graph.call_function(aten.div.Tensor, (loss, total_weight))
         # The mean keeps the loss's module, source line and phase, so dumps and plans read the same.
-        mean.meta = {**loss.meta, "hp_loss_mean": True}
+        mean.meta = {**loss.meta, meta.LOSS_MEAN: True}
         loss.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not mean)
         rewritten += 1
     if rewritten:

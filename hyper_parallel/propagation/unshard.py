@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import torch
 
+from ..ir.kinds import InputKind, OutputKind
 from ..annotations import UNSHARD
 from ..capture import CapturedGraph, OutputInfo
+from ..ir import meta
+from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
 
-PREGATHERED = "pregathered"  # InputInfo kind of a parameter the user gathered ahead (unshard())
-GATHERED = "gathered"  # OutputInfo kind of a gathered parameter kept after backward
+PREGATHERED = InputKind.PREGATHERED
+GATHERED = OutputKind.GATHERED
 
 
 def _retyped(val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -53,16 +56,16 @@ def insert_unshard_nodes(
     policy = fsdp.mixed_precision
     kept: dict[str, torch.fx.Node] = {}  # parameter FQN -> its gathered value at the end of backward
     for node, info in zip(list(graph.find_nodes(op="placeholder")), list(captured.inputs)):
-        if info.kind != "param" or info.name not in fsdp.unit_of or not node.users:
+        if info.kind != InputKind.PARAM or info.name not in fsdp.unit_of or not node.users:
             continue
         compute_val = node.meta["val"]
         users = list(node.users)
-        phase = "is_forward"
+        phase = FORWARD
         if fsdp.unit_of[info.name] in fsdp.pregathered:
             users, kept[info.name] = _route_to_pregathered(captured, node, info.name, fsdp)
             if not users:
                 continue
-            phase = "is_backward"
+            phase = BACKWARD
         first_user = min(users, key=order.__getitem__)
         source = node
         storage_dtype = storage_dtypes[info.name]
@@ -73,7 +76,7 @@ def insert_unshard_nodes(
                     torch.ops.aten._to_copy.default, (node,), {"dtype": compute_val.dtype}
                 )
             source.meta["val"] = compute_val
-            source.meta["partitioner_tag"] = phase
+            tag(source, phase)
         if _offloaded(fsdp) and compute_val.device.type != compute_device:
             # CPU offload: the shard lives on the host; copy it to the compute device first.
             with graph.inserting_before(first_user):
@@ -82,15 +85,15 @@ def insert_unshard_nodes(
                 )
             with compute_val.fake_mode:
                 source.meta["val"] = torch.empty_like(compute_val, device=compute_device)
-            source.meta["partitioner_tag"] = phase
+            tag(source, phase)
         with graph.inserting_before(first_user):
             gathered = graph.call_function(UNSHARD, (source, info.name))
         gathered.meta["val"] = source.meta["val"]
-        gathered.meta["hp_fsdp_param"] = info.name
-        gathered.meta["hp_fsdp_unit"] = fsdp.unit_of[info.name]
-        if phase == "is_backward":  # gathered again for backward only (the unit reshards)
-            gathered.meta["partitioner_tag"] = phase
-            gathered.meta["hp_fsdp_phase"] = "backward"
+        gathered.meta[meta.FSDP_PARAM] = info.name
+        gathered.meta[meta.FSDP_UNIT] = fsdp.unit_of[info.name]
+        if phase == BACKWARD:  # gathered again for backward only (the unit reshards)
+            tag(gathered, BACKWARD)
+            gathered.meta[meta.FSDP_PHASE] = BACKWARD
         for key in ("nn_module_stack", "stack_trace"):
             if key in first_user.meta:
                 gathered.meta[key] = first_user.meta[key]
@@ -113,7 +116,7 @@ def _route_to_pregathered(captured: CapturedGraph, node: torch.fx.Node, fqn: str
     with val.fake_mode:
         gathered = captured.add_input(PREGATHERED, fqn, torch.empty_like(val))
     reshards = fsdp.unit(fsdp.unit_of[fqn]).reshard_after_forward
-    regather = [u for u in node.users if u.meta.get("partitioner_tag") == "is_backward"] if reshards else []
+    regather = [u for u in node.users if is_tagged_backward(u)] if reshards else []
     node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user not in regather)
     return regather, gathered
 
@@ -148,19 +151,19 @@ def _prepare_gradients(captured: CapturedGraph, fsdp, policy, resolved) -> None:
     output = graph.output_node()
     slots = list(output.args[0])
     for i, (slot, info) in enumerate(zip(slots, captured.outputs)):
-        if info.kind != "grad" or info.name not in fsdp.unit_of or slot is None:
+        if info.kind != OutputKind.GRAD or info.name not in fsdp.unit_of or slot is None:
             continue
         grad = slot
         if scale != 1:
             with graph.inserting_before(output):
                 grad = graph.call_function(torch.ops.aten.mul.Tensor, (grad, scale))
             grad.meta["val"] = slot.meta["val"]
-            grad.meta["partitioner_tag"] = "is_backward"
+            tag(grad, BACKWARD)
         if reduce_dtype is not None and grad.meta["val"].dtype != reduce_dtype:
             with graph.inserting_before(output):
                 cast = graph.call_function(torch.ops.aten._to_copy.default, (grad,), {"dtype": reduce_dtype})
             cast.meta["val"] = _retyped(grad.meta["val"], reduce_dtype)
-            cast.meta["partitioner_tag"] = "is_backward"
+            tag(cast, BACKWARD)
             grad = cast
         slots[i] = grad
     output.args = (type(output.args[0])(slots),)

@@ -15,6 +15,7 @@ import types
 import torch
 
 from ..capture import source_line
+from ..ir import meta
 
 _c10d = torch.ops._c10d_functional
 _ASSIGNED = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)(?:\s*:\s*[^=]+)?\s*=")
@@ -51,7 +52,7 @@ def describe_collective(node: torch.fx.Node, axis_of_group: dict[str, str]) -> s
     group = collective.args[-1] if collective.args else None
     axis = axis_of_group.get(group, group)
     text = f"the {kind} over mesh axis '{axis}' (node '{collective.name}'"
-    source = collective.meta.get("hp_source")
+    source = collective.meta.get(meta.SOURCE)
     if source:
         text += f", for joint-graph node '{source}'"
     where = source_line(collective)

@@ -9,6 +9,8 @@ reshard after forward / backward, the reduce op, and which units ``unshard()`` g
 
 from __future__ import annotations
 
+import dataclasses
+
 from .unshard import UnshardHandle, gather_unit
 
 
@@ -20,21 +22,21 @@ class FsdpMethods:
         """False: accumulate gradients locally without communication (micro-steps); True: the next
         backward reduces everything accumulated once. Numerics equal one large batch."""
         self._require_fsdp("set_requires_gradient_sync")
-        self._hp.gradient_sync = bool(requires_gradient_sync)
+        self._set_flag(gradient_sync=bool(requires_gradient_sync))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients over the shard axis but skips the all-reduce over
         the replicate axis (accumulation with reduce-scatter only); the next step with True
         all-reduces the accumulated sum once. No effect without a replicate axis."""
         self._require_fsdp("set_requires_all_reduce")
-        self._hp.all_reduce = bool(requires_all_reduce)
+        self._set_flag(all_reduce=bool(requires_all_reduce))
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
         """Override every unit's reshard_after_forward (recompiles once per setting)."""
         self._require_fsdp("set_reshard_after_forward")
         if not isinstance(reshard_after_forward, bool):
             raise ValueError("set_reshard_after_forward takes True or False")
-        self._hp.reshard_after_forward = reshard_after_forward
+        self._set_flag(reshard_after_forward=reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: backward keeps the gathered parameters, so the next forward (a gradient
@@ -44,7 +46,7 @@ class FsdpMethods:
         self._require_fsdp("set_reshard_after_backward")
         if not isinstance(reshard_after_backward, bool):
             raise ValueError(f"set_reshard_after_backward takes True or False, got {reshard_after_backward!r}")
-        self._hp.reshard_after_backward = reshard_after_backward
+        self._set_flag(reshard_after_backward=reshard_after_backward)
 
     def set_reduce_op_type(self, reduce_op_type: str) -> None:
         """"avg" (default): gradients of the global mean loss, equal to one device's. "sum": the
@@ -52,7 +54,7 @@ class FsdpMethods:
         self._require_fsdp("set_reduce_op_type")
         if reduce_op_type not in ("avg", "sum"):
             raise ValueError(f"set_reduce_op_type takes 'avg' or 'sum', got {reduce_op_type!r}")
-        self._hp.reduce_op = reduce_op_type
+        self._set_flag(reduce_op=reduce_op_type)
 
     def unshard(self, async_op: bool = False, *, recurse: bool = False) -> UnshardHandle | None:
         """All-gather the root unit's parameters now (every unit's with ``recurse=True``), for the
@@ -99,6 +101,10 @@ class FsdpMethods:
             return handle
         handle.wait()
         return None
+
+    def _set_flag(self, **change) -> None:
+        """The next call compiles (or reuses) the program variant for the changed flags."""
+        self._hp.fsdp_flags = dataclasses.replace(self._hp.fsdp_flags, **change)
 
     def _require_fsdp(self, method: str) -> None:
         if self._hp.resolved.fsdp is None:

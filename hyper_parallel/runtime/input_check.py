@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from ..ir.kinds import InputKind
 from ..annotations import BOUNDARY
 from ..capture import CapturedGraph, module_fqn_of
 
@@ -59,7 +60,7 @@ def index_inputs(captured: CapturedGraph) -> tuple[IndexInput, ...]:
         while node.op == "call_function" and node.target in _PASS_THROUGH:
             node = node.args[0]
         info = infos.get(node)
-        return info if info is not None and info.kind == "input" else None
+        return info if info is not None and info.kind == InputKind.INPUT else None
 
     for node in captured.gm.graph.find_nodes(op="call_function", target=aten.embedding.default):
         info = source(node.args[1])

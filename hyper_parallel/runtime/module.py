@@ -18,12 +18,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from ..ir.kinds import InputKind
 from ..compat import pytree
 from ..capture import flat_paths
 from ..compile.driver import (
     CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,
 )
 from ..debug import group_axis_names
+from ..fsdp.flags import FsdpFlags, program_key
 from ..fully_shard import recorded_prefetch
 from ..memory import estimate_program
 from ..pipeline.api import call_arguments, loss_of, pipeline_report, pipeline_step
@@ -63,12 +65,8 @@ class ParallelState:
         self.calls = 0  # calls so far, named in errors ("call 3")
         self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
-        self.gradient_sync = True
-        self.all_reduce = True
-        self.reshard_after_forward: bool | None = None  # None: as the plan says
-        self.reduce_op = "avg"
+        self.fsdp_flags = FsdpFlags()
         self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
-        self.reshard_after_backward = True
         self.gathered = GatheredParams(parameters)  # by unshard(), or kept by backward for the next forward
         watch_optimizers(self.gathered)
         self.last: CompiledEntry | None = None  # the program the last call ran
@@ -89,17 +87,10 @@ class ParallelState:
         fsdp = self.resolved.fsdp
         if fsdp is None:
             return self.resolved
-        units = fsdp.units
-        if self.reshard_after_forward is not None:
-            units = tuple(dataclasses.replace(u, reshard_after_forward=self.reshard_after_forward) for u in units)
         # Gradients pending from earlier micro-steps become inputs of this program, added to its
         # own gradients before they are reduced (propagation/accumulation.py).
-        fsdp = dataclasses.replace(
-            fsdp, units=units, gradient_sync=self.gradient_sync, all_reduce=self.all_reduce,
-            accumulated=self.accumulator.pending, reduce_op=self.reduce_op,
-            pregathered=tuple(sorted(self.gathered.units)),
-            reshard_after_backward=self.reshard_after_backward,
-        )
+        fsdp = self.fsdp_flags.apply(fsdp, accumulated=self.accumulator.pending,
+                                     pregathered=tuple(sorted(self.gathered.units)))
         return dataclasses.replace(self.resolved, fsdp=fsdp)
 
 
@@ -190,7 +181,7 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     # and updates nothing; dropout is off): the root's mode and the modules set otherwise are flags.
     mode = ("train" if module.training else "eval",
             tuple(fqn for fqn, m in module.named_modules() if m.training != module.training))
-    key = (in_spec, tuple(signature(x) for x in flat), _flags_key(resolved) + (mode,), repr(prefetch))
+    key = (in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch))
     entry = state.cache.get(key)
     state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
@@ -229,29 +220,19 @@ def _describe_call(key, flat, args, kwargs) -> str:
     return "\n".join([*lines, f"input structure: {in_spec}", f"FSDP flags: {flags}", f"prefetch: {prefetch}"])
 
 
-def _flags_key(resolved: ResolvedPlan) -> tuple:
-    fsdp = resolved.fsdp
-    if fsdp is None:
-        return ()
-    return (
-        fsdp.gradient_layout, fsdp.accumulated, fsdp.reduce_op, fsdp.pregathered, fsdp.reshard_after_backward,
-        tuple(u.reshard_after_forward for u in fsdp.units),
-    )
-
-
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     captured = entry.captured
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     primals = []
     for info in captured.inputs:
-        if info.kind == "param":
+        if info.kind == InputKind.PARAM:
             p = params[info.name]
             primals.append(p.to_local() if isinstance(p, DTensor) else p)
-        elif info.kind == "buffer":
+        elif info.kind == InputKind.BUFFER:
             b = buffers[info.name]
             primals.append(b.to_local() if isinstance(b, DTensor) else b)
-        elif info.kind == "input":
+        elif info.kind == InputKind.INPUT:
             primals.append(flat[info.index])
         elif info.kind == GRAD_ACCUM:
             primals.append(_pending_gradient(module._hp.accumulator, info.name, entry, len(primals)))
@@ -318,8 +299,8 @@ def _gradient_hook(module: ParallelModule, entry: CompiledEntry):
     layout = fsdp.gradient_layout
     if layout != "reduced":
         primal_params = [
-            info.name if info.kind == "param" and info.name in fsdp.unit_of else None
-            for info in entry.captured.inputs if info.kind != "tangent"
+            info.name if info.kind == InputKind.PARAM and info.name in fsdp.unit_of else None
+            for info in entry.captured.inputs if info.kind != InputKind.TANGENT
         ]
         return accumulator.keep_hook(primal_params, layout)
 

@@ -19,19 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import internal_error
-
-FORWARD, BACKWARD = "forward", "backward"
-
-
-def _phase_of(node: torch.fx.Node, phases: dict) -> str:
-    if node.op == "placeholder":
-        return BACKWARD if "tangents" in node.name else FORWARD
-    tag = node.meta.get("partitioner_tag")
-    if tag == "is_backward" or node.meta.get("hp_fsdp_phase") == BACKWARD:
-        return BACKWARD
-    if any(phases.get(a) == BACKWARD for a in node.all_input_nodes):
-        return BACKWARD
-    return FORWARD
+from ..ir.phase import BACKWARD, FORWARD, phases_of
 
 
 def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Node:
@@ -57,10 +45,7 @@ def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
 def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
     """(forward GraphModule, backward GraphModule, number of saved tensors). The joint graph's first
     ``num_fwd_outputs`` output slots are the forward's (user outputs and buffer updates)."""
-    phases: dict[torch.fx.Node, str] = {}
-    for node in joint.graph.nodes:
-        if node.op != "output":
-            phases[node] = _phase_of(node, phases)
+    phases = phases_of(joint.graph)
     outputs = list(joint.graph.output_node().args[0])
     fwd_outputs, grads = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
     for out in fwd_outputs:

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from ..ir.kinds import InputKind
 from .. import compat
 from ..capture import CapturedGraph
 from ..errors import internal_error
@@ -28,7 +29,7 @@ def flatten_placeholders(gm: torch.fx.GraphModule, captured: CapturedGraph) -> N
     forward inputs from tangents by name) and make it a flat positional callable."""
     primal_i = tangent_i = 0
     for node, info in zip(gm.graph.find_nodes(op="placeholder"), captured.inputs):
-        if info.kind == "tangent":
+        if info.kind == InputKind.TANGENT:
             tangent_i += 1
             name = f"tangents_{tangent_i}"
         else:
@@ -72,8 +73,8 @@ class CompiledProgram:
 
     @classmethod
     def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
-        primals = [i for i in captured.inputs if i.kind != "tangent"]
-        tangents = tuple(i.index for i in captured.inputs if i.kind == "tangent")
+        primals = [i for i in captured.inputs if i.kind != InputKind.TANGENT]
+        tangents = tuple(i.index for i in captured.inputs if i.kind == InputKind.TANGENT)
         # The buffer updates are forward outputs without a tangent, like non-differentiable user outputs.
         num_outputs = captured.num_forward_outputs
         fw, bw, _ = partition_by_phase(joint_gm, num_outputs)

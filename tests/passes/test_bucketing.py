@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hyper_parallel.passes import PassContext
 from hyper_parallel.passes.bucketing import _restore_topological_order, bucketing_pass
 from hyper_parallel.testing.graph_builder import GraphBuilder
 
@@ -39,7 +40,7 @@ def _gpt2_like_gradients():
 
 
 def _ctx(units):
-    return SimpleNamespace(fsdp=SimpleNamespace(unit_of=units, comm_fusion=True), gradient_bucket_bytes=1 << 20)
+    return PassContext(fsdp=SimpleNamespace(unit_of=units, comm_fusion=True), gradient_bucket_bytes=1 << 20)
 
 
 def _fused(gm):

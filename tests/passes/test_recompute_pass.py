@@ -22,9 +22,10 @@ import torch
 import torch.nn as nn
 
 import hyper_parallel as hp
+from hyper_parallel.ir.phase import is_tagged_backward
 from hyper_parallel.capture import module_fqn_of
 from hyper_parallel.passes.recompute import recompute_pass
-from hyper_parallel.passes.reshard_after_forward import _is_backward, gathered_param_region, reshard_after_forward_pass
+from hyper_parallel.passes.reshard_after_forward import gathered_param_region, reshard_after_forward_pass
 from hyper_parallel.recompute import CheckpointPolicy
 from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
 
@@ -150,7 +151,7 @@ def _origins(gm, new):
     """``{copy: the forward node it copies}``: the same op on the same inputs, once copies are
     mapped back to their originals."""
     origin = {}
-    forward = [n for n in gm.graph.nodes if n not in new and n.op == "call_function" and not _is_backward(n)]
+    forward = [n for n in gm.graph.nodes if n not in new and n.op == "call_function" and not is_tagged_backward(n)]
     for node in gm.graph.nodes:
         if node not in new:
             continue
@@ -163,8 +164,8 @@ def _origins(gm, new):
 
 def _crossing(gm):
     """Forward values (not graph inputs) that backward nodes read: what is saved between the two."""
-    return {a for n in gm.graph.nodes if _is_backward(n) for a in n.all_input_nodes
-            if a.op == "call_function" and not _is_backward(a)}
+    return {a for n in gm.graph.nodes if is_tagged_backward(n) for a in n.all_input_nodes
+            if a.op == "call_function" and not is_tagged_backward(a)}
 
 
 def _assert_right_before_first_use(gm, new):
@@ -188,7 +189,7 @@ def _assert_right_before_first_use(gm, new):
 
 def _layer_output(gm, layer):
     """The value ``layer`` returns: the forward ``mul`` the next module's matmul reads."""
-    return next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor and not _is_backward(n)
+    return next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor and not is_tagged_backward(n)
                 and module_fqn_of(n) == layer)
 
 
@@ -204,7 +205,7 @@ def test_full_recompute_saves_only_region_inputs_and_random_outputs():
         assert _region(original) is not None and dup.meta["hp_recompute"] == _region(original)
         assert not _is_random(original)
         for arg in dup.all_input_nodes:  # reads copies of its region or saved values
-            assert (arg in new and arg.meta["hp_recompute"] == dup.meta["hp_recompute"]) or not _is_backward(arg)
+            assert (arg in new and arg.meta["hp_recompute"] == dup.meta["hp_recompute"]) or not is_tagged_backward(arg)
     assert {o.target for o in origin.values()} >= {aten.relu.default, aten.sigmoid.default, aten.addmm.default,
                                                    aten.mul.Tensor, aten.t.default}
     # What still crosses from inside the regions: dropout's outputs and masks (random ops are kept)
@@ -213,7 +214,7 @@ def test_full_recompute_saves_only_region_inputs_and_random_outputs():
     assert {n for n in saved if not _is_random(n)} == {_layer_output(gm, "layers.0")}
     assert len([n for n in saved if _op(n) is aten.native_dropout.default]) == 4
     for node in saved:
-        readers = [u for u in node.users if _is_backward(u)]
+        readers = [u for u in node.users if is_tagged_backward(u)]
         assert all(u not in new or u.meta["hp_recompute"] != _region(node) or _is_random(node)
                    for u in readers)
     _assert_right_before_first_use(gm, new)
@@ -243,7 +244,7 @@ def test_random_ops_are_never_recomputed():
     # Dropout's backward reads the forward mask.
     for node in gm.graph.find_nodes(op="call_function", target=aten.native_dropout_backward.default):
         mask = node.args[1]
-        assert not _is_backward(mask) and _op(mask) is aten.native_dropout.default
+        assert not is_tagged_backward(mask) and _op(mask) is aten.native_dropout.default
     # Run twice with different seeds: the pass still matches (the random draws are not repeated).
     gm0, _ = _fresh("full")
     _assert_same_numbers(_execute(gm0, seed=7), _execute(gm, seed=7))
@@ -299,7 +300,7 @@ def test_checkpoint_call_region_recomputes_and_marks_its_inputs_for_swap():
     # value of the region the recompute reads, dropout's output (as eagerly, where save_on_cpu
     # sends everything the checkpoint saves to host); dropout's mask, read by dropout's backward
     # itself, is not.
-    (tanh,) = [n for n in gm.graph.nodes if n.target is aten.tanh.default and not _is_backward(n)]
+    (tanh,) = [n for n in gm.graph.nodes if n.target is aten.tanh.default and not is_tagged_backward(n)]
     (dropped,) = [n for n in gm.graph.nodes if _op(n) is aten.native_dropout.default and n.args[1] == 0]
     marked = {n for n in gm.graph.nodes if "hp_swap" in n.meta}
     assert marked == {tanh, dropped} and {n.meta["hp_swap"] for n in marked} == {key}

@@ -19,9 +19,10 @@ import torch
 import torch.nn as nn
 
 import hyper_parallel as hp
+from hyper_parallel.ir.phase import is_tagged_backward
 from hyper_parallel.explain import fake_world
 from hyper_parallel.passes.reshard_after_forward import (
-    POST_FORWARD, _is_backward, gathered_param_region, reshard_after_forward_pass,
+    POST_FORWARD, gathered_param_region, reshard_after_forward_pass,
 )
 from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
 
@@ -76,7 +77,7 @@ def _run(gm, ctx):
 
 
 def _backward_readers(node):
-    return [u for u in node.users if _is_backward(u) or u.op == "output"]
+    return [u for u in node.users if is_tagged_backward(u) or u.op == "output"]
 
 
 def _params(ctx, resharding=True):
@@ -87,7 +88,7 @@ def _origins(gm, old: set[str]):
     """``{copy: the forward node it copies}`` for the nodes the pass added (names not in ``old``):
     the same op on the same inputs, once copies are mapped back to their originals."""
     origin = {}
-    forward = [n for n in gm.graph.nodes if n.name in old and n.op == "call_function" and not _is_backward(n)]
+    forward = [n for n in gm.graph.nodes if n.name in old and n.op == "call_function" and not is_tagged_backward(n)]
     for node in gm.graph.nodes:
         if node.name in old:
             continue
@@ -157,7 +158,7 @@ def test_backward_reads_regathered_copies_and_no_gathered_parameter_is_saved(mix
     assert [n.name for n in gm.graph.nodes if n.name in old] == old_order
     # What crosses from forward to backward now: no gathered value, only graph inputs (the shards)
     # and activations.
-    crossing = {a for n in gm.graph.nodes if _is_backward(n) for a in n.all_input_nodes if not _is_backward(a)}
+    crossing = {a for n in gm.graph.nodes if is_tagged_backward(n) for a in n.all_input_nodes if not is_tagged_backward(a)}
     assert not any(a.target in (AG, WAIT) for a in crossing)
 
 
@@ -171,7 +172,7 @@ def test_only_the_shard_crosses_to_backward_under_mixed_precision():
     gm = _run(gm, ctx)
     for g in (n for n in gm.graph.nodes if n.name not in old and n.target is AG):
         source = g.args[0]
-        assert source.op == "placeholder" or _is_backward(source), \
+        assert source.op == "placeholder" or is_tagged_backward(source), \
             f"{g.meta['hp_fsdp_param']}: backward gathers {source.name} ({source.target}), computed in forward"
 
 
@@ -243,6 +244,6 @@ def test_reshard_to_k_ranks_keeps_this_ranks_rows_and_regathers_over_k():
     for node in gm.graph.nodes:
         if node.name in region_names:
             assert [u for u in _backward_readers(node)] == [], node.name
-    crossing = {a for n in gm.graph.nodes if _is_backward(n) for a in n.all_input_nodes if not _is_backward(a)}
+    crossing = {a for n in gm.graph.nodes if is_tagged_backward(n) for a in n.all_input_nodes if not is_tagged_backward(a)}
     assert {a for a in crossing if a.target in (AG, WAIT, aten.slice.Tensor)} == set()
     assert {a for a in crossing if POST_FORWARD in a.meta} == {g.args[0] for g in regathers}

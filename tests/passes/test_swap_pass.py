@@ -16,8 +16,8 @@ import functools
 import torch
 import torch.nn as nn
 
+from hyper_parallel.ir.phase import is_tagged_backward
 from hyper_parallel.capture import module_fqn_of
-from hyper_parallel.passes.reshard_after_forward import _is_backward
 from hyper_parallel.passes.swap import swap_pass
 from hyper_parallel.recompute import CheckpointPolicy
 from hyper_parallel.runtime.host_copies import SWAP_IN, SWAP_OUT, SWAP_WAIT
@@ -87,8 +87,8 @@ def _execute(gm):
 def _run(gm, ctx):
     """The pass, checked: a valid graph, the same results on real tensors, idempotent. Returns the
     graph and ``{swapped value: its backward users before the pass}``."""
-    swapped = {n: [u for u in n.users if _is_backward(u)] for n in gm.graph.nodes
-               if "hp_swap" in n.meta and not _is_backward(n) and any(_is_backward(u) for u in n.users)}
+    swapped = {n: [u for u in n.users if is_tagged_backward(u)] for n in gm.graph.nodes
+               if "hp_swap" in n.meta and not is_tagged_backward(n) and any(is_tagged_backward(u) for u in n.users)}
     order = [n.name for n in gm.graph.nodes]
     before = _execute(gm)
     gm = swap_pass(gm, ctx)
@@ -133,7 +133,7 @@ def test_each_value_goes_to_host_after_its_last_forward_use_and_comes_back_one_g
         assert ready.meta["partitioner_tag"] == "is_backward"
         assert out.meta["val"].device == torch.device("cpu") and back.args[1] == value.meta["val"].device
         # Backward reads the copy back, never the value itself: only the host copy crosses.
-        assert not [u for u in value.users if _is_backward(u)]
+        assert not [u for u in value.users if is_tagged_backward(u)]
         assert set(ready.users) == set(users)
         # To host right after the last forward use (other copies to host may sit in between).
         last = max([value, *(u for u in value.users if u is not out)], key=order.__getitem__)
@@ -180,7 +180,7 @@ def test_group_swap_moves_each_region_as_one_buffer():
             (shaped,) = piece.users
             assert shaped.target is aten.reshape.default and shaped.args[1] == list(member.meta["val"].shape)
             assert set(shaped.users) == set(swapped[member])
-            assert not [u for u in member.users if _is_backward(u)]
+            assert not [u for u in member.users if is_tagged_backward(u)]
 
 
 def test_must_swap_values_of_a_recompute_region_feed_the_recompute_from_host():

@@ -88,3 +88,23 @@ def test_private_torch_names_only_in_compat():
                 if text.startswith(PRIVATE_TORCH) and not text.startswith("torch.ops."):
                     offenders.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} uses {text}")
     assert not offenders, "private torch names outside compat.py:\n" + "\n".join(offenders)
+
+
+def test_graph_meta_keys_only_through_ir():
+    """The graph contract has one home: every ``hp_*`` node-meta key and autograd's phase tag are
+    spelled only in hyper_parallel/ir/ (docstrings and comments aside); code elsewhere uses its
+    constants (``ir.meta.LAYOUT``, ``ir.phase.tag``), so a key cannot drift between writer and reader."""
+    import io
+    import re
+    import tokenize
+
+    spelled = re.compile(r"[\"'](hp_[a-z_]+|partitioner_tag|is_forward|is_backward)[\"']")
+    found = []
+    for name, path in MODULES.items():
+        if name.startswith("hyper_parallel.ir"):
+            continue
+        source = path.read_text()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.STRING and spelled.fullmatch(tok.string):
+                found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.string}")
+    assert not found, "spell these through hyper_parallel.ir:\n" + "\n".join(found)

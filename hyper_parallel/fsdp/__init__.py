@@ -1,0 +1,1 @@
+"""Fully sharded data parallelism: the program-changing runtime flags (flags.py)."""

@@ -1,0 +1,34 @@
+"""What every rewrite and pass may read: :class:`PassContext`, the one home of their defaults.
+
+A compile builds one context (compile/driver.py:run_pass_pipeline and capture_and_lower); tests
+build their own with only the fields a pass needs, the rest keeping the defaults below, which are
+the same ones ``parallelize`` uses. Passes read fields directly, never with a fallback of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb=25
+DEFAULT_PREFETCH_DEPTH = 1  # FSDP units whose all-gather is issued ahead (parallelize picks 0 on gloo)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """The mesh, the resolved plan's parts the passes use, the options, and observers."""
+
+    mesh: object = None
+    resolved: object = None  # plan.ResolvedPlan (pre-propagation rewrites: boundaries, FSDP unshard)
+    storage_dtypes: dict = dataclasses.field(default_factory=dict)  # FSDP parameter FQN -> stored dtype
+    fsdp: object = None  # ResolvedPlan.fsdp when the plan has fully_shard units
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    explicit_prefetch: dict = dataclasses.field(default_factory=dict)  # {"forward"/"backward": {unit: (units,)}}
+    activation: object = None  # recompute.ActivationPlan: recompute and swap regions
+    gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
+    disable_passes: frozenset[str] = frozenset()
+    # Observers: each pass's output graph (dumps) and seconds (the compile summary's pass_seconds).
+    on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
+    timings: dict = dataclasses.field(default_factory=dict)

@@ -1,0 +1,106 @@
+"""The one plan-resolution entry point: :func:`resolve` turns the user's plan into a :class:`Resolution`.
+
+``parallelize`` calls it once. In order, it merges the entries recorded on the model
+(shard_module / parallelize_module) with the explicit plan; resolves the pipeline plan and the stage
+mesh the rest of the plan applies on (pipeline/plan.py); the tensor-parallel and explicit layouts
+(:func:`~hyper_parallel.plan.resolver.resolve_plan`); the activation plan of ``recompute`` / ``swap``
+(recompute.py); and the FSDP units (fully_shard.py) with the process groups of
+``reshard_after_forward=<k>`` (passes/reshard_after_forward.py).
+
+It sits above those stages, which themselves import this package, so ``hyper_parallel.plan`` does
+not import this module: use ``from hyper_parallel.plan.resolution import resolve``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from torch import nn
+
+from ..fully_shard import collect_recorded_fully_shard, resolve_fully_shard
+from ..passes.reshard_after_forward import attach_post_forward_groups
+from ..pipeline.api import PipelineState, stage_mesh
+from ..pipeline.plan import resolve_pipeline
+from ..recompute import ActivationPlan, resolve_activation_plan
+from .recorded import collect_recorded_plan, merge_plans
+from .resolved import ResolvedPlan
+from .resolver import resolve_plan
+from .values import ParallelPlan
+
+__all__ = ["Resolution", "resolve"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """A plan resolved against a model and a mesh: everything ``parallelize`` builds the module from.
+
+    * ``plan``: the full plan, the explicit one merged with the entries recorded on the model.
+    * ``resolved``: parameter and buffer layouts, module-boundary constraints, input overrides and
+      the FSDP units (``resolved.fsdp``), on ``mesh``.
+    * ``activation``: the recompute and swap regions (``recompute="auto"``: the blocks to choose for).
+    * ``pipeline``: the pipeline state (resolved pipeline plan, full mesh, ``loss_fn``), or None
+      without a pipeline plan.
+    * ``mesh``: the mesh the rest of the plan applies on: a pipeline stage's mesh (without the pp
+      axis) with a pipeline plan, else the mesh given.
+    """
+
+    plan: ParallelPlan
+    resolved: ResolvedPlan
+    activation: ActivationPlan
+    pipeline: PipelineState | None
+    mesh: Any
+
+    @property
+    def full_mesh(self) -> Any:
+        """The mesh given to :func:`resolve`, pp axis included (the ranks that must agree)."""
+        return self.pipeline.mesh if self.pipeline is not None else self.mesh
+
+
+def resolve(
+    plan: Any,
+    model: nn.Module,
+    mesh: Any,
+    *,
+    loss_fn: Callable | None = None,
+    memory_budget_bytes: int | None = None,
+) -> Resolution:
+    """Resolve ``plan`` (ParallelPlan, dict, or None for only the recorded entries) for ``model`` on
+    ``mesh``; see the module docstring for the stages, run in that order.
+
+    ``loss_fn`` is the pipeline's loss (only with a pipeline plan); ``memory_budget_bytes`` (already
+    validated) is required by, and only allowed with, ``recompute="auto"``. Every rank calls it:
+    ``reshard_after_forward=<k>`` creates process groups. Raises the stages' ValueError / TypeError.
+    """
+    recorded = collect_recorded_plan(model)
+    full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
+    pipeline = None
+    if full_plan.pipeline is not None:
+        # The rest of the plan applies within a stage: on the mesh without the pp axis.
+        pipeline = PipelineState(resolve_pipeline(full_plan.pipeline, model, mesh), mesh, loss_fn)
+        mesh = stage_mesh(mesh, pipeline.resolved.plan.axis)
+    elif loss_fn is not None:
+        raise ValueError(
+            "parallelize(loss_fn=...) is for pipeline plans (ParallelPlan.pipeline), whose stages need "
+            "the loss inside the compiled program; without a pipeline, compute the loss on the output"
+        )
+    resolved = resolve_plan(full_plan, model, mesh)
+    activation = resolve_activation_plan(full_plan.recompute, full_plan.swap, model)
+    if pipeline is not None and activation.auto_blocks:
+        raise ValueError(
+            "recompute='auto' is not supported with a pipeline plan yet; give each stage's modules an "
+            "explicit recompute entry ('full' / 'selective')"
+        )
+    if bool(activation.auto_blocks) != (memory_budget_bytes is not None):
+        raise ValueError(
+            "recompute='auto' needs parallelize(..., memory_budget_bytes=<per-rank bytes>)"
+            if activation.auto_blocks else
+            "memory_budget_bytes applies to recompute='auto'; set ParallelPlan(recompute='auto') or "
+            "drop memory_budget_bytes"
+        )
+    fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
+    if fully_shard_spec is not None:
+        resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
+        # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).
+        resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
+    return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh)

@@ -1,0 +1,104 @@
+"""The result of resolving a plan: :class:`ResolvedPlan` and the boundary constraints it holds.
+
+A :class:`ResolvedPlan` is a plan matched against a concrete model and mesh (resolver.py builds it):
+the full-mesh placement of every parameter and buffer, the layouts activations must have at module
+boundaries (:class:`ModuleConstraints` of :class:`ActivationConstraint`), input-layout overrides,
+and, once fully_shard.py has resolved the FSDP units, ``fsdp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterable
+
+from hyper_parallel.layout import Placement, Replicate, Shard, format_placements, normalize_placements
+from hyper_parallel.mesh import is_data_parallel_axis
+
+if TYPE_CHECKING:  # fully_shard.py imports this module
+    from hyper_parallel.fully_shard import FsdpPlan
+
+
+@dataclass(frozen=True)
+class ActivationConstraint:
+    """Layout an activation must have at a module boundary: mesh axis -> placement.
+
+    Axes not named are left as propagated. Shard dims may be negative (count from the last dim of
+    the activation). ``source`` says which plan entry asked for it, for messages and dumps.
+    """
+
+    placements: dict[str, Placement] = field(hash=False)
+    source: str = ""
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{axis}={p}" for axis, p in self.placements.items())
+        return f"ActivationConstraint({inner})"
+
+
+@dataclass(frozen=True)
+class ModuleConstraints:
+    """Boundary layouts of one module: per positional input, per keyword input, per output (None = free)."""
+
+    module_fqn: str
+    inputs: tuple[ActivationConstraint | None, ...] = ()
+    kwarg_inputs: dict[str, ActivationConstraint] = field(default_factory=dict, hash=False)
+    outputs: tuple[ActivationConstraint | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan matched against a model and a mesh; what the compiler consumes.
+
+    * ``param_placements``: every parameter and buffer FQN (tied aliases included) -> one placement
+      per mesh axis in mesh order, non-negative Shard dims, never Partial; Replicate by default.
+    * ``param_sources``: FQN -> the plan entry that set it (only FQNs a plan entry set).
+    * ``modules``: module FQN -> :class:`ModuleConstraints` (only modules with a constraint).
+    * ``inputs``: forward argument name -> full-mesh placements overriding the default input layout
+      (see :meth:`input_placements`).
+    * ``data_parallel_axes``: mesh axes along which inputs are batch-sharded by default.
+    * ``tp_axis``: the axis tensor-parallel styles applied on (None if the plan has none and the
+      mesh has no such axis).
+    """
+
+    param_placements: dict[str, tuple[Placement, ...]] = field(hash=False)
+    param_sources: dict[str, str] = field(hash=False)
+    modules: dict[str, ModuleConstraints] = field(hash=False)
+    inputs: dict[str, tuple[Placement, ...]] = field(hash=False)
+    data_parallel_axes: tuple[str, ...]
+    tp_axis: str | None
+    mesh_dim_names: tuple[str, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    fsdp: FsdpPlan | None = None  # set when the plan shards parameters over data-parallel axes
+
+    def input_placements(self, name: str, ndim: int) -> tuple[Placement, ...]:
+        """Placements of forward input ``name`` with ``ndim`` dims: the plan's override or the default."""
+        override = self.inputs.get(name)
+        if override is None:
+            return default_input_placements(self.mesh_dim_names, ndim)
+        return normalize_placements(override, ndim, f"inputs[{name!r}]")
+
+    def describe(self) -> str:
+        """A readable table of the resolved plan (for dumps and debugging)."""
+        lines = [f"mesh {dict(zip(self.mesh_dim_names, self.mesh_shape))}, tp_axis={self.tp_axis!r}, "
+                 f"data_parallel_axes={list(self.data_parallel_axes)}"]
+        lines.append("parameters:")
+        for fqn, placements in self.param_placements.items():
+            source = self.param_sources.get(fqn, "default")
+            lines.append(f"  {fqn}: {format_placements(placements)}  <- {source}")
+        if self.modules:
+            lines.append("module boundaries:")
+            for fqn, mc in self.modules.items():
+                lines.append(f"  {fqn or '<root>'}: inputs={list(mc.inputs)} "
+                             f"kwarg_inputs={mc.kwarg_inputs} outputs={list(mc.outputs)}")
+        if self.inputs:
+            lines.append("inputs:")
+            for name, placements in self.inputs.items():
+                lines.append(f"  {name}: {format_placements(placements)}")
+        return "\n".join(lines)
+
+
+def default_input_placements(mesh_dim_names: Iterable[str], ndim: int) -> tuple[Placement, ...]:
+    """Default layout of a forward input: Shard(0) on data-parallel axes, Replicate elsewhere; 0-d replicated."""
+    return tuple(
+        Shard(0) if ndim > 0 and is_data_parallel_axis(axis) else Replicate()
+        for axis in mesh_dim_names
+    )
