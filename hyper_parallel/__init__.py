@@ -10,7 +10,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from . import models  # example models (hp.models.LlamaForCausalLM); transformers is imported lazily
 
 from .api import ParallelModule, parallelize
-from .fully_shard import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh

@@ -21,10 +21,13 @@ from torch.distributed.tensor import DTensor
 
 from . import compat, options
 from .compile.driver import current_rank
-from .fully_shard import link_units_to_root
+from .compile.options import CompileOptions
+from .fsdp.fully_shard import link_units_to_root
 from .init import distribute_parameters
+from .passes import check_disabled_passes
 from .plan import ResolvedPlan
 from .plan.resolution import resolve
+from .pipeline.module import PipelinedModule
 from .runtime.module import ParallelModule, ParallelState, entry_for
 from .spmd import agree, digest_of
 
@@ -87,6 +90,7 @@ def parallelize(
     memory_budget_bytes = options.check_memory_budget(memory_budget_bytes)
     check_inputs = options.check_check_inputs(check_inputs)
     timeout = options.check_timeout(timeout)
+    check_disabled_passes(disable_passes)
     if mesh is None:
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
     if isinstance(model, ParallelModule):
@@ -108,15 +112,15 @@ def parallelize(
     distribute_parameters(model, resolved.param_placements, mesh, materialize=materialize)
     _offload_shards(model, resolved)
     original_cls = type(model)
-    model.__class__ = type(f"Parallel{original_cls.__name__}", (ParallelModule, original_cls), {})
-    model._hp = ParallelState(
-        resolved, mesh, original_cls, list(model.parameters()), dump_dir=dump_dir,
-        disable_passes=disable_passes,
-        prefetch_depth=prefetch_depth,
-        gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), activation=activation,
-        plan_swap=resolution.plan.swap, memory_budget_bytes=memory_budget_bytes,
+    module_cls = PipelinedModule if resolution.pipeline is not None else ParallelModule
+    model.__class__ = type(f"Parallel{original_cls.__name__}", (module_cls, original_cls), {})
+    compile_options = CompileOptions(
+        dump_dir=dump_dir, disable_passes=frozenset(disable_passes), prefetch_depth=prefetch_depth,
+        gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), memory_budget_bytes=memory_budget_bytes,
         check_inputs=check_inputs, timeout=timeout,
     )
+    model._hp = ParallelState(resolved, mesh, original_cls, list(model.parameters()), compile_options,
+                              activation=activation, plan_swap=resolution.plan.swap)
     model._hp.pipeline = resolution.pipeline
     link_units_to_root(model)
     return model
@@ -165,7 +169,7 @@ def _default_prefetch_depth(mesh) -> int:
 
 def _offload_shards(model: nn.Module, resolved: ResolvedPlan) -> None:
     """CPU offload: FSDP shards (hence their gradients and optimizer state) live on the host."""
-    from .fully_shard import CPUOffloadPolicy
+    from .fsdp.plan import CPUOffloadPolicy
 
     fsdp = resolved.fsdp
     if fsdp is None or not isinstance(fsdp.offload_policy, CPUOffloadPolicy):

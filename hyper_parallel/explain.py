@@ -145,7 +145,7 @@ def _uses_fp32_masters(plan: Any) -> bool:
     fs = plan.get("fully_shard") if isinstance(plan, dict) else getattr(plan, "fully_shard", None)
     if fs is None:
         return False
-    from .fully_shard import FullyShard
+    from .fsdp.plan import FullyShard
 
     policy = FullyShard.from_value(fs).mixed_precision
     return policy is not None and policy.param_dtype is not None

@@ -181,7 +181,7 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
             )
         import torch
 
-        from .fully_shard import FullyShard, MixedPrecisionPolicy
+        from .fsdp.plan import FullyShard, MixedPrecisionPolicy
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
         plan["fully_shard"] = FullyShard(units=("model.layers.*", ""), reshard_after_forward=True,
@@ -192,7 +192,7 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
 
 
 def _drop_uneven_vocab_tp(plan: dict, axes: dict[str, int], config: dict[str, Any]) -> list[str]:
-    """FSDP cannot yet shard unevenly inside a tensor-parallel dim-0 shard (fully_shard.py). When
+    """FSDP cannot yet shard unevenly inside a tensor-parallel dim-0 shard (fsdp/resolve.py). When
     the vocabulary rows of one TP shard do not divide over dp_shard, the embedding and lm_head
     leave tensor parallelism and are FSDP-sharded over dp_shard only (replicated over tp)."""
     vocab, tp, shard = config.get("vocab_size"), axes["tp"], axes["dp_shard"]

@@ -206,10 +206,10 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
     return run_passes(
         local, PassContext(
             mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch or {},
-            prefetch_depth=state.prefetch_depth,
+            prefetch_depth=state.options.prefetch_depth,
             activation=dataclasses.replace(activation or state.activation, annotated=annotated),
-            gradient_bucket_bytes=state.gradient_bucket_bytes,
-            disable_passes=state.disable_passes,
+            gradient_bucket_bytes=state.options.gradient_bucket_bytes,
+            disable_passes=state.options.disable_passes,
             on_pass=on_pass, timings={} if timings is None else timings,
         )
     )
@@ -220,7 +220,7 @@ def compile_program(
     explicit_prefetch: dict, activation=None,
 ) -> CompiledEntry:
     """``activation``: the recompute/swap plan to compile with (default: the module's)."""
-    dumper = Dumper(state.dump_dir, current_rank())
+    dumper = Dumper(state.options.dump_dir, current_rank())
     lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
     return finish(state, resolved_plan, lowered, explicit_prefetch, activation, dumper)
 
@@ -287,7 +287,7 @@ def compile_within_budget(
     Capture, propagation and lowering run once; each tried candidate runs only the passes (on a
     copy of the lowered graph) and the estimate. The dumps show the chosen candidate: its passes
     are re-run with the dumper at the end."""
-    dumper = Dumper(state.dump_dir, current_rank())
+    dumper = Dumper(state.options.dump_dir, current_rank())
     lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
     silent = Dumper(None, current_rank())
     candidates = auto_candidates(state.activation.auto_blocks)
@@ -306,7 +306,7 @@ def compile_within_budget(
             tried[i] = int(value.item())
         return tried[i]
 
-    budget = state.memory_budget_bytes
+    budget = state.options.memory_budget_bytes
     last = len(candidates) - 1
     if peak(last) > budget:
         raise ValueError(

@@ -37,7 +37,7 @@ from .runner import Step, check_disabled, run_steps
 from .swap import swap_pass
 
 __all__ = ["DEFAULT_GRADIENT_BUCKET_BYTES", "DEFAULT_PREFETCH_DEPTH", "PASSES", "REWRITES", "PassContext",
-           "pass_names", "rewrite_names", "run_passes", "run_rewrites"]
+           "check_disabled_passes", "pass_names", "rewrite_names", "run_passes", "run_rewrites"]
 
 
 def _loss_reduction(captured, ctx):
@@ -92,7 +92,11 @@ def run_rewrites(captured, ctx: PassContext):
     return run_steps(REWRITES, captured, ctx, graph_of=lambda c: c.gm)
 
 
+def check_disabled_passes(names) -> None:
+    """``parallelize(disable_passes=...)`` names only passes that exist and may be disabled."""
+    check_disabled(names, [Step(name, fn) for name, fn in PASSES], REWRITES)
+
+
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    steps = [Step(name, fn) for name, fn in PASSES]
-    check_disabled(ctx.disable_passes, steps, REWRITES)
-    return run_steps(steps, gm, ctx)
+    check_disabled_passes(ctx.disable_passes)
+    return run_steps([Step(name, fn) for name, fn in PASSES], gm, ctx)

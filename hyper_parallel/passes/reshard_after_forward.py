@@ -14,8 +14,8 @@ forward all-gather's wait, the rank at position p of its k-group keeps rows [p, 
 the gathered result w (a clone, so w itself can die); the backward copy of the all-gather gathers
 those pieces over the k-group. ``all_gather_into_tensor`` concatenates on dim 0 and every rank
 holds the same w, so the k pieces concatenate to w exactly: numerics are bit-identical to
-``reshard_after_forward=True``. :func:`attach_post_forward_groups` creates the k-groups (at
-``parallelize`` time, since creating a process group is collective).
+``reshard_after_forward=True``. ``attach_post_forward_groups`` (fsdp/resolve.py) creates the k-groups
+(at ``parallelize`` time, since creating a process group is collective).
 
 Reads: ``hp_fsdp_param``/``hp_fsdp_unit``/``hp_role`` (lowering) and ``partitioner_tag`` on nodes,
 ``ctx.fsdp`` (units, their reshard flags and ``post_forward_group``/``post_forward_rank``),
@@ -32,10 +32,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
-from .. import compat
 from ..ir import meta
+from ..fsdp.plan import post_forward_size
 from ..ir.phase import BACKWARD, FORWARD, PARTITIONER_TAG, is_tagged_backward, tag, tag_value
 
 aten = torch.ops.aten
@@ -68,38 +67,6 @@ def gathered_param_region(graph: torch.fx.Graph, params=None) -> set[torch.fx.No
             if all(a in region or a.op == "placeholder" for a in node.all_input_nodes):
                 region.add(node)
     return region
-
-
-def post_forward_size(unit) -> int | None:
-    """k of a unit with ``reshard_after_forward=<k>``, else None."""
-    k = unit.reshard_after_forward
-    return k if isinstance(k, int) and not isinstance(k, bool) else None
-
-
-def attach_post_forward_groups(fsdp, mesh):
-    """``fsdp`` (an FsdpPlan) with ``post_forward_group``/``post_forward_rank`` set on every unit
-    with ``reshard_after_forward=<k>``: the shard axis of N ranks is split into N/k contiguous
-    groups of k, one split per distinct k. Creates process groups, so every rank calls it."""
-    if fsdp is None:
-        return fsdp
-    sizes = sorted({k for u in fsdp.units if (k := post_forward_size(u))})
-    if not sizes:
-        return fsdp
-    axis = fsdp.shard_axis
-    n = mesh.size(mesh.mesh_dim_names.index(axis))
-    groups = {}
-    for k in sizes:
-        inner = f"{axis}_k{k}"
-        split = compat.unflatten_mesh_axis(mesh, axis, (n // k, k), (f"{axis}_outer{k}", inner))
-        group = split.get_group(inner)
-        # The rank's index in the group is where its piece goes in the group's all-gather.
-        groups[k] = (group.group_name, dist.get_rank(group))
-    units = tuple(
-        dataclasses.replace(u, post_forward_group=groups[k][0], post_forward_rank=groups[k][1])
-        if (k := post_forward_size(u)) else u
-        for u in fsdp.units
-    )
-    return dataclasses.replace(fsdp, units=units)
 
 
 @dataclasses.dataclass(frozen=True)

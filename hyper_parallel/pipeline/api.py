@@ -167,7 +167,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     state.calls += 1
     text = "\n".join(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat))
     agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
-          empty_problem(flat, lambda: paths), timeout=state.timeout)
+          empty_problem(flat, lambda: paths), timeout=state.options.timeout)
     mbs = micro_batches(flat, plan.num_microbatches, paths)
 
     key = (in_spec, tuple(signature(x) for x in mbs[0]))
@@ -182,7 +182,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
         for g in grads.values():
             g.div_(count)
     _accumulate_gradients(module, grads)
-    if state.dump_dir:
+    if state.options.dump_dir:
         _dump_timeline(state, entry)
     return loss
 
@@ -211,7 +211,7 @@ def _dump_timeline(state, entry: PipelineEntry) -> None:
         for name, stage, start, end in timing.events
     ]
     events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
-    Dumper(state.dump_dir, rank).json("pipeline_trace.json", {
+    Dumper(state.options.dump_dir, rank).json("pipeline_trace.json", {
         "traceEvents": events,
         "otherData": {"schedule": entry.summary["schedule"], "measured_bubble": timing.bubble_fraction(),
                       "analytic_bubble": entry.summary["analytic_bubble"], "step_s": timing.step_s},
@@ -254,7 +254,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     resolved = pipe.resolved
     plan = resolved.plan
     rank = current_rank()
-    dumper = Dumper(state.dump_dir, rank)
+    dumper = Dumper(state.options.dump_dir, rank)
     original_forward = state.original_cls.forward.__get__(module)
     lowered = capture_and_lower(
         module, state, state.resolved, args, kwargs, flat, dumper,
@@ -282,7 +282,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     axis_of_group = group_axis_names(state.mesh, state.resolved.fsdp)
     for s in resolved.local_stages:
         graph = stages[s]
-        stage_dumper = Dumper(os.path.join(state.dump_dir, f"stage{s}") if state.dump_dir else None, rank)
+        stage_dumper = Dumper(os.path.join(state.options.dump_dir, f"stage{s}") if state.options.dump_dir else None, rank)
         stage_dumper.graph("split", graph.gm)
         pass_seconds[f"stage{s}"] = {}
         gm = run_pass_pipeline(state, state.resolved, graph.gm, {}, None, lowered.annotated, stage_dumper.graph,

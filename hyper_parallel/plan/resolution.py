@@ -4,8 +4,8 @@
 (shard_module / parallelize_module) with the explicit plan; resolves the pipeline plan and the stage
 mesh the rest of the plan applies on (pipeline/plan.py); the tensor-parallel and explicit layouts
 (:func:`~hyper_parallel.plan.resolver.resolve_plan`); the activation plan of ``recompute`` / ``swap``
-(recompute.py); and the FSDP units (fully_shard.py) with the process groups of
-``reshard_after_forward=<k>`` (passes/reshard_after_forward.py).
+(recompute.py); and the FSDP units with the process groups of ``reshard_after_forward=<k>``
+(fsdp/resolve.py).
 
 It sits above those stages, which themselves import this package, so ``hyper_parallel.plan`` does
 not import this module: use ``from hyper_parallel.plan.resolution import resolve``.
@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..fully_shard import collect_recorded_fully_shard, resolve_fully_shard
-from ..passes.reshard_after_forward import attach_post_forward_groups
+from ..fsdp.fully_shard import collect_recorded_fully_shard
+from ..fsdp.resolve import attach_post_forward_groups, resolve_fully_shard
 from ..pipeline.api import PipelineState, stage_mesh
 from ..pipeline.plan import resolve_pipeline
 from ..recompute import ActivationPlan, resolve_activation_plan

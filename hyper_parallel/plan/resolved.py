@@ -3,7 +3,7 @@
 A :class:`ResolvedPlan` is a plan matched against a concrete model and mesh (resolver.py builds it):
 the full-mesh placement of every parameter and buffer, the layouts activations must have at module
 boundaries (:class:`ModuleConstraints` of :class:`ActivationConstraint`), input-layout overrides,
-and, once fully_shard.py has resolved the FSDP units, ``fsdp``.
+and, once fsdp/resolve.py has resolved the FSDP units, ``fsdp``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Iterable
 from hyper_parallel.layout import Placement, Replicate, Shard, format_placements, normalize_placements
 from hyper_parallel.mesh import is_data_parallel_axis
 
-if TYPE_CHECKING:  # fully_shard.py imports this module
-    from hyper_parallel.fully_shard import FsdpPlan
+if TYPE_CHECKING:  # fsdp/ imports this package
+    from hyper_parallel.fsdp.plan import FsdpPlan
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ graph, bucketed and overlapped with the rest of backward like any other step's. 
 one large batch: the reductions are linear.
 
 Reads: ``resolved.fsdp.accumulated`` (the layout of the pending gradients, a name from
-``fully_shard.GRADIENT_LAYOUTS``; None: nothing pending) and the joint graph's outputs. Writes: one
+``fsdp.plan.GRADIENT_LAYOUTS``; None: nothing pending) and the joint graph's outputs. Writes: one
 placeholder per FSDP gradient output (``InputInfo("grad_accum", <param FQN>)``, placed after the
 last primal so the joint graph keeps primals before tangents), a ``None`` gradient slot for each,
 and ``captured.pending_inputs`` (gradient output slot -> its placeholder). Lowering adds the pending

@@ -320,7 +320,7 @@ class _Propagator:
         fsdp = self.resolved.fsdp
         if fsdp is None or param not in fsdp.unit_of:
             return storage
-        # Accumulating: unreduced, or reduced over the shard axis only (fully_shard.GRADIENT_LAYOUTS).
+        # Accumulating: unreduced, or reduced over the shard axis only (fsdp.plan.GRADIENT_LAYOUTS).
         return fsdp.gradient_placements(param, fsdp.gradient_layout, self.axis_names, storage)
 
     def run(self) -> PropagationReport:

@@ -132,7 +132,7 @@ def _keep_gathered(captured: CapturedGraph, kept: dict[str, torch.fx.Node]) -> N
 
 
 def _offloaded(fsdp) -> bool:
-    from ..fully_shard import CPUOffloadPolicy
+    from ..fsdp.plan import CPUOffloadPolicy
 
     return isinstance(fsdp.offload_policy, CPUOffloadPolicy)
 

@@ -21,47 +21,42 @@ from torch.distributed.tensor import DTensor
 from ..ir.kinds import InputKind
 from ..compat import pytree
 from ..capture import flat_paths
+from ..compile.options import CompileOptions
 from ..compile.driver import (
     CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,
 )
 from ..debug import group_axis_names
 from ..fsdp.flags import FsdpFlags, program_key
-from ..fully_shard import recorded_prefetch
+from ..fsdp.fully_shard import recorded_prefetch
+from ..fsdp.grad_accumulation import GradientAccumulator
+from ..fsdp.methods import FsdpMethods
+from ..fsdp.unshard import GatheredParams, watch_optimizers
 from ..memory import estimate_program
-from ..pipeline.api import call_arguments, loss_of, pipeline_report, pipeline_step
+from ..pipeline.api import call_arguments, loss_of
 from ..plan import ResolvedPlan
 from ..propagation.accumulation import GRAD_ACCUM
 from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
 from .collective_errors import reworded
-from .fsdp_methods import FsdpMethods
-from .grad_accumulation import GradientAccumulator
 from .input_check import empty_problem, index_problem
-from .unshard import GatheredParams, watch_optimizers
 
 log = logging.getLogger(__name__)
 
 
 class ParallelState:
-    def __init__(
-        self, resolved: ResolvedPlan, mesh, original_cls, parameters, *, dump_dir, disable_passes,
-        prefetch_depth: int, gradient_bucket_bytes: int, activation, plan_swap, memory_budget_bytes,
-        check_inputs: bool | None = None, timeout=None,
-    ):
+    """What a parallelized module carries (``module._hp``): the resolved plan, its options, the
+    program cache, and the state that changes between calls (FSDP flags, pending gradients,
+    gathered parameters, the pipeline's)."""
+
+    def __init__(self, resolved: ResolvedPlan, mesh, original_cls, parameters, options: CompileOptions, *,
+                 activation, plan_swap):
         self.resolved = resolved
         self.mesh = mesh
         self.original_cls = original_cls
-        self.dump_dir = dump_dir
-        self.disable_passes = frozenset(disable_passes)
+        self.options = options
         self.cache: dict[Any, CompiledEntry] = {}
-        # Compile options.
-        self.prefetch_depth = prefetch_depth
-        self.gradient_bucket_bytes = gradient_bucket_bytes
         self.activation = activation  # recompute.ActivationPlan
         self.plan_swap = plan_swap  # the plan's swap entry (recompute="auto" re-resolves with it)
-        self.memory_budget_bytes = memory_budget_bytes
-        self.check_inputs = check_inputs  # None: ids and labels checked on the CPU only (input_check.py)
-        self.timeout = timeout  # datetime.timedelta for this module's collectives, or None
         self.calls = 0  # calls so far, named in errors ("call 3")
         self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
@@ -100,11 +95,6 @@ class ParallelModule(FsdpMethods, nn.Module):
     _hp: ParallelState
 
     def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
-        if self._hp.pipeline is not None:
-            raise RuntimeError(
-                "a pipelined model trains through pmodel.step(inputs, targets) (forward and backward "
-                "over all micro-batches); calling it directly is not supported"
-            )
         entry, flat = entry_for(self, args, kwargs)
         if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
             return _meta_outputs(entry)
@@ -114,19 +104,16 @@ class ParallelModule(FsdpMethods, nn.Module):
         """Forward and backward of one training step; returns the (global, detached) loss and
         leaves the gradients in ``.grad`` (added to what is there, as ``backward`` does).
         ``inputs``: a tensor, a tuple of positional or a dict of keyword arguments of the model;
-        ``targets``: the second argument of ``parallelize(loss_fn=...)`` (pipelines only). With a
-        pipeline plan the local batch is split into its micro-batches and run on the schedule."""
-        if self._hp.pipeline is not None:
-            return pipeline_step(self, inputs, targets)
+        ``targets``: the second argument of ``parallelize(loss_fn=...)`` (pipelines only; see
+        pipeline/module.py: there the local batch is split into micro-batches run on the schedule)."""
         args, kwargs = call_arguments(inputs, targets, None)
         loss = loss_of(self(*args, **kwargs))
         loss.backward()
         return loss.detach()
 
     def pipeline_report(self) -> dict:
-        """The last pipeline step: schedule, split points, and the bubble fraction measured on
-        every pp rank next to the schedule's analytic one. Collective over the pp axis."""
-        return pipeline_report(self)
+        """See ``PipelinedModule.pipeline_report`` (pipeline/module.py)."""
+        raise RuntimeError("pipeline_report(): this model has no pipeline plan")
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load full tensors, DTensors or local shards into the sharded parameters (in place)."""
@@ -139,13 +126,7 @@ class ParallelModule(FsdpMethods, nn.Module):
 
     # --- what users and tests read -----------------------------------------------------------
     def compile_summary(self) -> dict:
-        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...);
-        for a pipelined model, of the last step's stages (split points, transfers, collectives)."""
-        pipe = self._hp.pipeline
-        if pipe is not None:
-            if pipe.last is None:
-                raise RuntimeError("the module has not been compiled yet: run pmodel.step(...) once")
-            return pipe.last.summary
+        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...)."""
         return self._last_entry().summary
 
     def compiled_programs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -163,8 +144,6 @@ class ParallelModule(FsdpMethods, nn.Module):
         return estimate_program(entry.program, entry.captured, optimizer).as_dict()
 
     def _last_entry(self) -> CompiledEntry:
-        if self._hp.pipeline is not None:
-            raise RuntimeError("a pipelined model has one program per stage: see pipeline_report() and its dumps")
         if self._hp.last is None:
             raise RuntimeError("the module has not been compiled yet: call it once with real inputs")
         return self._hp.last
@@ -194,23 +173,23 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
         problem = _index_problem(state, entry, flat)
     what = f"call {state.calls} of {state.original_cls.__name__}"
     describe = lambda: _describe_call(key, flat, args, kwargs)  # noqa: E731
-    agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.timeout)
+    agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.options.timeout)
     if entry is None:
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
         entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
         state.cache[key] = entry
         # Ids and labels could not be checked before the program existed: once more after compiling.
-        if entry.index_inputs and state.check_inputs is not False:
+        if entry.index_inputs and state.options.check_inputs is not False:
             problem = _index_problem(state, entry, flat)
-            agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.timeout)
+            agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.options.timeout)
     state.last = entry
     return entry, flat
 
 
 def _index_problem(state: ParallelState, entry: CompiledEntry, flat) -> str | None:
-    if state.check_inputs is False:
+    if state.options.check_inputs is False:
         return None
-    return index_problem(entry.index_inputs, flat, force=bool(state.check_inputs))
+    return index_problem(entry.index_inputs, flat, force=bool(state.options.check_inputs))
 
 
 def _describe_call(key, flat, args, kwargs) -> str:

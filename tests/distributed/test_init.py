@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel as hp
-from hyper_parallel.fully_shard import resolve_fully_shard
+from hyper_parallel.fsdp.resolve import resolve_fully_shard
 from hyper_parallel.init import InitStats, distribute_parameters, init_empty_weights, manual_seed
 from hyper_parallel.models import MLP, LlamaConfig, LlamaForCausalLM, llama_tp_plan, mlp_tp_plan
 from hyper_parallel.plan import resolve_plan

@@ -7,7 +7,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import hyper_parallel as hp
-from hyper_parallel.fully_shard import resolve_fully_shard
+from hyper_parallel.fsdp.resolve import resolve_fully_shard
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, llama_tp_plan
 from hyper_parallel.plan import resolve_plan
 
@@ -146,7 +146,7 @@ def test_int_reshard_after_forward_normalised_like_fsdp2():
 
 
 def test_per_unit_int_reshard_after_forward_from_fully_shard_calls():
-    from hyper_parallel.fully_shard import collect_recorded_fully_shard
+    from hyper_parallel.fsdp.fully_shard import collect_recorded_fully_shard
 
     def recorded(layer_value, root_value=True):
         model = _llama()

@@ -296,7 +296,7 @@ def test_unreachable_propagation_and_loss_checks_still_name_the_node():
 
 def test_usage_errors_name_the_parameter_or_method():
     """Runtime state errors a user's call order reaches: they stay RuntimeErrors (as torch's)."""
-    from hyper_parallel.runtime.grad_accumulation import GradientAccumulator
+    from hyper_parallel.fsdp.grad_accumulation import GradientAccumulator
 
     acc = GradientAccumulator()
     acc.keep_hook(["w"], "unreduced")([torch.ones(2)])
@@ -323,7 +323,7 @@ def test_internal_error_message_format():
 
 COMPILER = [
     "hyper_parallel/passes/*.py", "hyper_parallel/lower.py", "hyper_parallel/propagation/*.py",
-    "hyper_parallel/runtime/*.py", "hyper_parallel/capture.py", "hyper_parallel/fully_shard.py",
+    "hyper_parallel/runtime/*.py", "hyper_parallel/capture.py",
     "hyper_parallel/recompute.py", "hyper_parallel/pipeline/*.py", "hyper_parallel/memory.py",
     "hyper_parallel/plan/*.py", "hyper_parallel/init/*.py", "hyper_parallel/errors.py",
     "hyper_parallel/ir/*.py", "hyper_parallel/fsdp/*.py", "hyper_parallel/compile/*.py",

@@ -4,7 +4,7 @@ Most of them change what the next program does, so they set flags on the module'
 ``runtime.module.ParallelState.resolved_for_flags`` turns into a program variant (compiled once per combination):
 gradient sync and the HSDP all-reduce (accumulation in the graph, propagation/accumulation.py),
 reshard after forward / backward, the reduce op, and which units ``unshard()`` gathered ahead
-(runtime/unshard.py).
+(fsdp/unshard.py).
 """
 
 from __future__ import annotations

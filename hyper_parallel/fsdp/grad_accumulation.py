@@ -20,7 +20,7 @@ import torch
 class GradientAccumulator:
     def __init__(self):
         self.buffers: dict[str, torch.Tensor] = {}  # parameter FQN -> pending local gradient
-        self.layout: str | None = None  # their fully_shard.GRADIENT_LAYOUTS name
+        self.layout: str | None = None  # their fsdp.plan.GRADIENT_LAYOUTS name
 
     @property
     def pending(self) -> str | None:
