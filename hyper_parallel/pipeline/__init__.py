@@ -1,6 +1,6 @@
 """Pipeline parallelism: stage split, schedules and the executor.
 
-``ParallelPlan.pipeline = hp.PipelinePlan(...)`` (plan.py) cuts the captured program into stages
+``ParallelPlan.pipeline = hp.PipelinePlan(...)`` (pipeline/plan.py) cuts the captured program into stages
 (passes/pipeline_split.py), api.py compiles this rank's stages, runtime.py runs them on a schedule
 (schedules.py) and auto.py places the cuts with the cost model when ``split_points="auto"``.
 stages.py holds the seed's ``PipelineStage`` / ``Schedule*`` objects for hand-built stages.

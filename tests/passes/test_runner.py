@@ -57,9 +57,8 @@ def test_rewrites_are_dumped_between_capture_and_lowering(tmp_path):
     assert "None, 1, -100)" in captured and "aten.div.Tensor" not in captured
     assert "None, 2, -100)" in rewritten and "aten.div.Tensor" in rewritten
     assert "hyper_parallel.unshard" in (tmp_path / "rank0" / "00c_fsdp_unshard.py").read_text()
-    # Timings are not in summary.json, which stays byte-identical across compiles.
-    assert "pass_seconds" not in (tmp_path / "rank0" / "summary.json").read_text()
-    assert "pass_seconds" in (tmp_path / "rank0" / "timings.json").read_text()
+    # Timings are in no dump file: dumps stay byte-identical across compiles.
+    assert not any("pass_seconds" in p.read_text() for p in (tmp_path / "rank0").iterdir())
 
 
 def test_disabled_pass_is_not_run_nor_timed():

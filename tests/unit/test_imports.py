@@ -108,3 +108,22 @@ def test_graph_meta_keys_only_through_ir():
             if tok.type == tokenize.STRING and spelled.fullmatch(tok.string):
                 found.append(f"{path.relative_to(ROOT)}:{tok.start[0]}: {tok.string}")
     assert not found, "spell these through hyper_parallel.ir:\n" + "\n".join(found)
+
+
+def test_readme_layout_names_every_module():
+    """README's "Layout of the repository" block names every package and module of hyper_parallel
+    (models/ and testing/ as folders), so it cannot fall behind the tree."""
+    import re
+
+    readme = (ROOT.parent / "README.md").read_text()
+    start = readme.index("## Layout of the repository")
+    block = readme[start:readme.index("```\n", readme.index("```\n", start) + 4)]
+    missing = []
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("models", "testing") or path.name.startswith("__"):
+            names = [rel.parts[0]] if len(rel.parts) > 1 else []
+        else:
+            names = [path.stem] + list(rel.parts[:-1])
+        missing += [f"{rel} ({n})" for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}\b", block)]
+    assert not missing, "README's layout block does not name: " + ", ".join(sorted(set(missing)))
