@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from .capture import module_fqn_of, source_line
+from .compile.capture import module_fqn_of, source_line
 from .ir import meta
 from .layout import format_placements
 

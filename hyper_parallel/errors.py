@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import capture
+from .compile import capture
 
 __all__ = ["InternalError", "REPORT", "describe_node", "internal_error", "pass_workaround"]
 

@@ -25,9 +25,9 @@ from torch.distributed.tensor import Shard
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
-from ..capture import CapturedGraph, capture, flat_paths, module_fqn_of
+from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
-from ..lower import lower
+from .lower import lower
 from ..memory import estimate_program
 from ..passes import PassContext, run_passes, run_rewrites
 from ..plan import ResolvedPlan

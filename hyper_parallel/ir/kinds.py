@@ -1,7 +1,7 @@
 """What a placeholder or an output slot of a joint graph is: ``InputInfo.kind`` / ``OutputInfo.kind``.
 
 The kinds are string enums, so a kind compares equal to its value (``InputKind.PARAM == "param"``)
-and prints as it. Capture (capture.py) gives the first ones; later stages add their own: FSDP's
+and prints as it. Capture (compile/capture.py) gives the first ones; later stages add their own: FSDP's
 pre-gathered parameters and kept gathers (propagation/unshard.py), gradient accumulation
 (propagation/accumulation.py), the pipeline split's sends, receives and token counts
 (passes/pipeline_split.py).

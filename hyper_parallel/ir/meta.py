@@ -20,7 +20,7 @@ FSDP_UNIT = "hp_fsdp_unit"  # the FSDP unit (module FQN) the gathered parameter 
 FSDP_PHASE = "hp_fsdp_phase"  # "backward" on gathers backward re-issues; absent = forward
 FSDP_POST_FORWARD = "hp_fsdp_post_forward"  # k: the 1/k piece kept after forward (int reshard)
 
-# --- lowering (lower.py) ---------------------------------------------------------------------------
+# --- lowering (compile/lower.py) ---------------------------------------------------------------------------
 SOURCE = "hp_source"  # name of the joint-graph node a lowered node comes from
 ROLE = "hp_role"  # one of the ROLE_* values below
 REDISTRIBUTE = "hp_redistribute"  # text of a layout change, "S(0) -> R"

@@ -35,7 +35,7 @@ import torch
 
 from ..ir.kinds import InputKind, OutputKind
 from .. import compat
-from ..capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
+from ..compile.capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
 from ..ir.phase import BACKWARD, FORWARD, phases_of
 
 RECV_FWD, RECV_BWD = InputKind.RECV_FWD, InputKind.RECV_BWD

@@ -30,7 +30,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
-from ..capture import flat_paths
+from ..compile.capture import flat_paths
 from ..compile.driver import capture_and_lower, current_rank, format_signature, run_pass_pipeline, signature
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..passes.pipeline_split import StageGraph, split_stages

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.kinds import OutputKind
-from ..capture import CapturedGraph, OutputInfo
+from ..compile.capture import CapturedGraph, OutputInfo
 from ..passes.pipeline_split import LOSS_COUNT
 from ..ir import meta
 

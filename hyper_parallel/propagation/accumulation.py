@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.kinds import InputKind, OutputKind
-from ..capture import CapturedGraph
+from ..compile.capture import CapturedGraph
 
 GRAD_ACCUM = InputKind.GRAD_ACCUM
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..annotations import BOUNDARY, BOUNDARY_GRAD, parse_boundary_key
+from ..compile.annotations import BOUNDARY, BOUNDARY_GRAD, parse_boundary_key
 
 aten = torch.ops.aten
 

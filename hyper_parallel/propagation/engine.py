@@ -34,9 +34,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from .. import compat
 from ..compat import pytree
-from ..annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
-from ..capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
-from ..capture import describe_node as _describe
+from ..compile.annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
+from ..compile.capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
+from ..compile.capture import describe_node as _describe
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.kinds import InputKind, OutputKind

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from ..ir.kinds import InputKind, OutputKind
-from ..annotations import UNSHARD
-from ..capture import CapturedGraph, OutputInfo
+from ..compile.annotations import UNSHARD
+from ..compile.capture import CapturedGraph, OutputInfo
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
 

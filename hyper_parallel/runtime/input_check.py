@@ -25,8 +25,8 @@ import dataclasses
 import torch
 
 from ..ir.kinds import InputKind
-from ..annotations import BOUNDARY
-from ..capture import CapturedGraph, module_fqn_of
+from ..compile.annotations import BOUNDARY
+from ..compile.capture import CapturedGraph, module_fqn_of
 
 aten = torch.ops.aten
 

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..ir.kinds import InputKind
 from ..compat import pytree
-from ..capture import flat_paths
+from ..compile.capture import flat_paths
 from ..compile.options import CompileOptions
 from ..compile.driver import (
     CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,

@@ -19,7 +19,7 @@ import torch
 
 from ..ir.kinds import InputKind
 from .. import compat
-from ..capture import CapturedGraph
+from ..compile.capture import CapturedGraph
 from ..errors import internal_error
 from .partition import partition_by_phase
 

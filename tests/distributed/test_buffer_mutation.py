@@ -271,7 +271,7 @@ def test_pipeline_refuses_buffer_updates(dist2):
 def test_batch_norm_decompositions_match_the_kernels(shape):
     """Every batch-norm variant capture decomposes (CPU and cuDNN-path ops alike) equals torch's
     kernel on one device, forward (training, eval, no running statistics) and backward."""
-    from hyper_parallel.decompositions import batch_norm_decompositions
+    from hyper_parallel.compile.decompositions import batch_norm_decompositions
 
     aten = torch.ops.aten
     table = batch_norm_decompositions()

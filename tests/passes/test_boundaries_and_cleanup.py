@@ -4,8 +4,8 @@ captured example Llama; no process group is needed."""
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.annotations import BOUNDARY, BOUNDARY_GRAD
-from hyper_parallel.capture import capture
+from hyper_parallel.compile.annotations import BOUNDARY, BOUNDARY_GRAD
+from hyper_parallel.compile.capture import capture
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, llama_tp_plan
 from hyper_parallel.passes.cleanup import cleanup_pass
 from hyper_parallel.plan import resolve_plan

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hyper_parallel.capture import module_fqn_of
+from hyper_parallel.compile.capture import module_fqn_of
 from hyper_parallel.passes.prefetch import prefetch_pass
 from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
 

@@ -109,8 +109,8 @@ def test_uneven_dim_zero_is_padded_like_fsdp2_except_inside_tp_shards():
 
 
 def _captured_with_unshards(offload, compute_device):
-    from hyper_parallel.annotations import UNSHARD
-    from hyper_parallel.capture import capture
+    from hyper_parallel.compile.annotations import UNSHARD
+    from hyper_parallel.compile.capture import capture
     from hyper_parallel.propagation.unshard import insert_unshard_nodes
 
     model = _llama()

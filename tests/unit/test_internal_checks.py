@@ -26,7 +26,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import hyper_parallel as hp
 from hyper_parallel import compat
-from hyper_parallel.capture import capture
+from hyper_parallel.compile.capture import capture
 from hyper_parallel.errors import InternalError, internal_error
 from hyper_parallel.explain import compile_for_explain, fake_world
 from hyper_parallel.testing.graph_builder import GraphBuilder
@@ -322,8 +322,8 @@ def test_internal_error_message_format():
 # ----------------------------------------------------------------------- (b) the inventory is whole
 
 COMPILER = [
-    "hyper_parallel/passes/*.py", "hyper_parallel/lower.py", "hyper_parallel/propagation/*.py",
-    "hyper_parallel/runtime/*.py", "hyper_parallel/capture.py",
+    "hyper_parallel/passes/*.py", "hyper_parallel/propagation/*.py",
+    "hyper_parallel/runtime/*.py",
     "hyper_parallel/recompute.py", "hyper_parallel/pipeline/*.py", "hyper_parallel/memory.py",
     "hyper_parallel/plan/*.py", "hyper_parallel/init/*.py", "hyper_parallel/errors.py",
     "hyper_parallel/ir/*.py", "hyper_parallel/fsdp/*.py", "hyper_parallel/compile/*.py",

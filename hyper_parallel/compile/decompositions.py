@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from . import compat
+from .. import compat
 
 aten = torch.ops.aten
 

@@ -26,9 +26,9 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
-from .ir.kinds import InputKind, OutputKind
-from .compat import pytree
-from . import compat
+from ..ir.kinds import InputKind, OutputKind
+from ..compat import pytree
+from .. import compat
 from .annotations import boundary, boundary_key
 from .decompositions import capture_decompositions
 

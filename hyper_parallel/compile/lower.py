@@ -26,14 +26,14 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import DTensor, Partial
 
-from .ir.kinds import InputKind, OutputKind
-from .compat import pytree
-from . import compat
+from ..ir.kinds import InputKind, OutputKind
+from ..compat import pytree
+from .. import compat
 from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from .capture import CapturedGraph, module_fqn_of
-from .errors import internal_error
-from .ir import meta
-from .layout import format_placements
+from ..errors import internal_error
+from ..ir import meta
+from ..layout import format_placements
 
 log = logging.getLogger(__name__)
 
