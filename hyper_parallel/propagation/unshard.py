@@ -154,13 +154,17 @@ def _prepare_gradients(captured: CapturedGraph, fsdp, policy, resolved) -> None:
         if info.kind != OutputKind.GRAD or info.name not in fsdp.unit_of or slot is None:
             continue
         grad = slot
+        # Right after the gradient is computed, not at the end of backward: the unit's reduce-scatter
+        # follows its last input (passes/bucketing.py), so a cast placed late would hold every
+        # unit's reduction (and its unsharded gradient) until backward ends.
+        where = (lambda: graph.inserting_before(output)) if slot.op == "placeholder" else (lambda: graph.inserting_after(grad))
         if scale != 1:
-            with graph.inserting_before(output):
+            with where():
                 grad = graph.call_function(torch.ops.aten.mul.Tensor, (grad, scale))
             grad.meta["val"] = slot.meta["val"]
             tag(grad, BACKWARD)
         if reduce_dtype is not None and grad.meta["val"].dtype != reduce_dtype:
-            with graph.inserting_before(output):
+            with where():
                 cast = graph.call_function(torch.ops.aten._to_copy.default, (grad,), {"dtype": reduce_dtype})
             cast.meta["val"] = _retyped(grad.meta["val"], reduce_dtype)
             tag(cast, BACKWARD)
