@@ -12,13 +12,14 @@ import dataclasses
 from unittest import mock
 
 import torch
+import torch.nn as nn
 
 import hyper_parallel as hp
 from .. import passes
 from ..compile.driver import copy_graph_module
 from ..explain import compile_for_explain, fake_world
 
-__all__ = ["assert_valid_order", "copy_graph_module", "pass_input"]
+__all__ = ["LayerStack", "assert_right_before_first_use", "assert_valid_order", "copy_graph_module", "pass_input"]
 
 
 def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
@@ -51,3 +52,46 @@ def assert_valid_order(gm: torch.fx.GraphModule) -> None:
         assert all(a in seen for a in node.all_input_nodes), f"{node.name} runs before one of its inputs"
         seen.add(node)
     gm.graph.lint()
+
+
+def assert_right_before_first_use(gm: torch.fx.GraphModule, new: set) -> None:
+    """Each added node sits in a block of added nodes that ends at the first node reading it
+    (directly or through other added nodes)."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in new:
+        i = order[node]
+        while nodes[i] in new:
+            i += 1
+        readers, frontier = set(), [node]
+        while frontier:
+            for u in frontier.pop().users:
+                if u in new:
+                    frontier.append(u)
+                else:
+                    readers.add(u)
+        assert nodes[i] in readers and min(order[r] for r in readers) == i, (node.name, nodes[i].name)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+
+
+class LayerStack(nn.Module):
+    """``num_layers`` blocks ``layers.<i>`` (Linear(8, 8) + ReLU) and a ``head``; returns a scalar:
+    the smallest model with repeated FSDP units for the pass tests."""
+
+    def __init__(self, num_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block() for _ in range(num_layers)])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).sum()

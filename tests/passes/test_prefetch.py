@@ -14,11 +14,10 @@ import functools
 
 import pytest
 import torch
-import torch.nn as nn
 
 from hyper_parallel.compile.capture import module_fqn_of
 from hyper_parallel.passes.prefetch import prefetch_pass
-from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
+from hyper_parallel.testing.pass_inputs import LayerStack, assert_valid_order, copy_graph_module, pass_input
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -26,25 +25,7 @@ AG, RS, WAIT = c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.d
 LAYERS = 4
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.relu(self.proj(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range(LAYERS)])
-        self.head = nn.Linear(8, 8)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).sum()
+Net = functools.partial(LayerStack, LAYERS)
 
 
 @functools.lru_cache(maxsize=None)

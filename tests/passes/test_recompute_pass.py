@@ -27,7 +27,9 @@ from hyper_parallel.compile.capture import module_fqn_of
 from hyper_parallel.passes.recompute import recompute_pass
 from hyper_parallel.passes.reshard_after_forward import gathered_param_region, reshard_after_forward_pass
 from hyper_parallel.recompute import CheckpointPolicy
-from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
+from hyper_parallel.testing.pass_inputs import (
+    assert_right_before_first_use, assert_valid_order, copy_graph_module, pass_input,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -168,25 +170,6 @@ def _crossing(gm):
             if a.op == "call_function" and not is_tagged_backward(a)}
 
 
-def _assert_right_before_first_use(gm, new):
-    """Each added node sits in a block of added nodes that ends at the first node reading it
-    (directly or through other added nodes)."""
-    nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    for node in new:
-        i = order[node]
-        while nodes[i] in new:
-            i += 1
-        readers, frontier = set(), [node]
-        while frontier:
-            for u in frontier.pop().users:
-                if u in new:
-                    frontier.append(u)
-                else:
-                    readers.add(u)
-        assert nodes[i] in readers and min(order[r] for r in readers) == i, (node.name, nodes[i].name)
-
-
 def _layer_output(gm, layer):
     """The value ``layer`` returns: the forward ``mul`` the next module's matmul reads."""
     return next(n for n in gm.graph.nodes if n.target is aten.mul.Tensor and not is_tagged_backward(n)
@@ -217,7 +200,7 @@ def test_full_recompute_saves_only_region_inputs_and_random_outputs():
         readers = [u for u in node.users if is_tagged_backward(u)]
         assert all(u not in new or u.meta["hp_recompute"] != _region(node) or _is_random(node)
                    for u in readers)
-    _assert_right_before_first_use(gm, new)
+    assert_right_before_first_use(gm, new)
 
 
 def test_layers_input_is_saved_not_recomputed_through_the_previous_layer():

@@ -16,7 +16,6 @@ import functools
 
 import pytest
 import torch
-import torch.nn as nn
 
 import hyper_parallel as hp
 from hyper_parallel.ir.phase import is_tagged_backward
@@ -24,7 +23,9 @@ from hyper_parallel.explain import fake_world
 from hyper_parallel.passes.reshard_after_forward import (
     POST_FORWARD, gathered_param_region, reshard_after_forward_pass,
 )
-from hyper_parallel.testing.pass_inputs import assert_valid_order, copy_graph_module, pass_input
+from hyper_parallel.testing.pass_inputs import (
+    LayerStack, assert_right_before_first_use, assert_valid_order, copy_graph_module, pass_input,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -35,25 +36,7 @@ UNITS = ["layers.*", ""]
 BACKWARD_WEIGHTS = {"head.weight", "layers.2.proj.weight", "layers.1.proj.weight"}
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.relu(self.proj(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.ModuleList([Block() for _ in range(3)])
-        self.head = nn.Linear(8, 8)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x).sum()
+Net = functools.partial(LayerStack, 3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,26 +83,6 @@ def _origins(gm, old: set[str]):
     return origin
 
 
-def _assert_right_before_first_use(gm, new: set):
-    """Each added node sits in a block of added nodes that ends at the first node reading it
-    (directly or through other added nodes)."""
-    nodes = list(gm.graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    for node in new:
-        i = order[node]
-        while nodes[i] in new:
-            i += 1
-        anchor = nodes[i]
-        readers, frontier = set(), [node]
-        while frontier:
-            for u in frontier.pop().users:
-                if u in new:
-                    frontier.append(u)
-                else:
-                    readers.add(u)
-        assert anchor in readers and min(order[r] for r in readers) == i, (node.name, anchor.name)
-
-
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-params"])
 def test_backward_reads_regathered_copies_and_no_gathered_parameter_is_saved(mixed):
     gm, ctx = _fresh(mixed)
@@ -154,7 +117,7 @@ def test_backward_reads_regathered_copies_and_no_gathered_parameter_is_saved(mix
     if mixed:  # the gathered values are bf16 as in forward
         assert all(g.meta["val"].dtype == torch.bfloat16 for g in gathers.values())
     # Placed right before their first backward use; the original nodes keep their order.
-    _assert_right_before_first_use(gm, new)
+    assert_right_before_first_use(gm, new)
     assert [n.name for n in gm.graph.nodes if n.name in old] == old_order
     # What crosses from forward to backward now: no gathered value, only graph inputs (the shards)
     # and activations.
