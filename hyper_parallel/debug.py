@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 COLLECTIVE_KINDS = {
     c10d.all_reduce.default: "all_reduce",
+    c10d.all_reduce_.default: "all_reduce",  # in place: the bucketing pass's fused gradient buckets
     c10d.all_gather_into_tensor.default: "all_gather",
     c10d.reduce_scatter_tensor.default: "reduce_scatter",
     c10d.all_to_all_single.default: "all_to_all",

@@ -36,7 +36,7 @@ c10d = torch.ops._c10d_functional
 COLLECTIVE_KIND = {
     getattr(c10d, name).default: kind
     for name, kind in (
-        ("all_reduce", "all_reduce"), ("all_reduce_coalesced", "all_reduce"),
+        ("all_reduce", "all_reduce"), ("all_reduce_", "all_reduce"), ("all_reduce_coalesced", "all_reduce"),
         ("all_gather_into_tensor", "all_gather"), ("all_gather_into_tensor_coalesced", "all_gather"),
         ("reduce_scatter_tensor", "reduce_scatter"), ("reduce_scatter_tensor_coalesced", "reduce_scatter"),
         ("all_to_all_single", "all_to_all"), ("broadcast", "broadcast"),

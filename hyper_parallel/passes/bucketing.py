@@ -10,10 +10,13 @@ along dim 1), reduce-scattered once, and split back.
 
 Reads: ``hp_fsdp_param``/``hp_fsdp_phase``/``hp_role`` (all-gathers of unshard chains) and
 ``hp_grad_of`` (gradient redistributions) on nodes, ``ctx.fsdp`` (units, ``comm_fusion``).
-Data-parallel (and tensor-parallel replicated) gradients are all-reduced per parameter by lowering;
-here consecutive ones (in backward order, per reduce op, group and dtype) share one all-reduce of
-at most ``ctx.gradient_bucket_bytes`` (25 MB by default, as DDP), placed after the last gradient of
-the bucket is computed.
+Data-parallel (and tensor-parallel replicated) gradients are all-reduced per parameter by lowering,
+which may leave those all-reduces at the end of backward; here consecutive gradients (in the order
+backward computes them, per reduce op, group and dtype) share one all-reduce of at most
+``ctx.gradient_bucket_bytes`` (25 MB by default, as DDP; the first bucket at most
+``ctx.first_gradient_bucket_bytes``, 1 MiB, so the first reduction starts early), issued right
+after the last gradient of the bucket is computed and reduced in place on the packed buffer. A
+gradient alone in its bucket keeps its own all-reduce, moved right after the gradient.
 
 A fused collective reads every member's input and feeds every member's users, so fusing is only
 sound when no member's input depends (through any path, fused collectives of this pass included) on
@@ -23,7 +26,8 @@ over ``tp`` then ``dp``, so once the unit's ``dp`` bucket is fused its ``tp`` me
 cut into parts in graph order, each fused on its own; see :func:`_acyclic_parts`.
 
 Writes: fused collectives with ``meta["hp_bucket"] = "<unit> <phase> <kind> (<n> params)"`` (with
-``", part <k>/<parts>"`` inside the parentheses when a bucket had to be cut); each parameter's slice
+``", part <k>/<parts>"`` inside the parentheses when a bucket had to be cut; a lone data-parallel
+all-reduce gets the label too, so the prefetch pass schedules its wait); each parameter's slice
 of a fused all-gather keeps ``hp_fsdp_param``/``hp_fsdp_unit``; the per-parameter collectives are
 removed; the graph is left in a (stable) topological order. FSDP fusion is skipped when
 ``comm_fusion=False``. Idempotent (a fused collective is never a candidate again); numerics
@@ -175,7 +179,10 @@ def _fuse_all_gather(graph, members, label):
 
 
 def _fuse_reduction(graph, members, label):
-    """Fuse reduce-scatters (or all-reduces) of one unit: issued after the last gradient they read."""
+    """Fuse reduce-scatters (or all-reduces) of one unit or bucket: issued after the last gradient
+    they read. An all-reduce reduces its packed buffer in place (``all_reduce_``), so a bucket is
+    held once, not as a packed copy plus an out-of-place result, and each gradient is a view of it
+    (as DDP's ``gradient_as_bucket_view``)."""
     order = _position(graph)
     waits = [_single_wait(m) for m in members]
     anchor = max((m.args[0] for m in members), key=order.__getitem__).next
@@ -192,8 +199,11 @@ def _fuse_reduction(graph, members, label):
     blocks = [emit(aten.reshape.default, (m.args[0], [size, c]), _fake(sample, [size, c])) for m, c in zip(members, cols)]
     packed = emit(aten.cat.default, (blocks, 1), _fake(sample, [size, total]))
     flat = emit(aten.reshape.default, (packed, [-1]), _fake(sample, [size * total]))
-    reduced = emit(members[0].target, (flat, op, *rest), _fake(sample, [total if scatter else size * total]))
-    waited = emit(c10d.wait_tensor.default, (reduced,), _fake(sample, [total]))
+    if scatter:
+        reduced = emit(members[0].target, (flat, op, *rest), _fake(sample, [total]))
+    else:  # the packed buffer is this bucket's own: reduce it in place
+        reduced = emit(c10d.all_reduce_.default, (flat, op, *rest), flat.meta["val"])
+    waited = emit(c10d.wait_tensor.default, (reduced,), reduced.meta["val"])
     parts = emit(aten.split_with_sizes.default, (waited, cols), [_fake(sample, [c]) for c in cols])
     for i, (member, wait) in enumerate(zip(members, waits)):
         part = emit(operator.getitem, (parts, i), _fake(sample, [cols[i]]))
@@ -202,6 +212,20 @@ def _fuse_reduction(graph, members, label):
         out.meta[meta.GRAD_OF] = member.meta[meta.GRAD_OF]
         wait.replace_all_uses_with(out)
     _erase(graph, members, waits)
+
+
+def _issue_alone(graph, members, label):
+    """A bucket of one gradient keeps its own all-reduce (no copy into a buffer, as DDP), issued
+    right after the gradient it reads, where lowering may have left it at the end of backward; its
+    wait follows it (the prefetch pass sinks it)."""
+    (member,) = members
+    wait = _single_wait(member)
+    source = member.args[0]
+    if _position(graph)[source] < _position(graph)[member]:
+        source.append(member)
+        member.append(wait)
+    for node in (member, wait):
+        node.meta[meta.BUCKET] = label
 
 
 def _topological_order(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -339,41 +363,48 @@ def _acyclic_parts(graph: torch.fx.Graph, buckets: list[list[torch.fx.Node]]) ->
 
 
 def _fuse_buckets(graph: torch.fx.Graph, buckets: list[tuple[str, list[torch.fx.Node]]], fuse,
-                  min_members: int = 1) -> None:
+                  alone=None) -> None:
     """Fuse each ``(name, collectives)`` bucket with ``fuse``, in parts (:func:`_acyclic_parts`),
-    labelled ``"<name> (<n> params)"`` (``", part <k>/<parts>"`` added when cut). Parts with fewer
-    than ``min_members`` collectives are left as they are."""
+    labelled ``"<name> (<n> params)"`` (``", part <k>/<parts>"`` added when cut). With ``alone``,
+    parts of one collective go to it instead of ``fuse``."""
     if not buckets:
         return
     for (name, _), parts in zip(buckets, _acyclic_parts(graph, [members for _, members in buckets])):
         for k, part in enumerate(parts, 1):
-            if len(part) >= min_members:
-                where = f", part {k}/{len(parts)}" if len(parts) > 1 else ""
-                fuse(graph, part, f"{name} ({len(part)} params{where})")
+            where = f", part {k}/{len(parts)}" if len(parts) > 1 else ""
+            (alone if alone is not None and len(part) == 1 else fuse)(graph, part, f"{name} ({len(part)} params{where})")
 
 
-def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int) -> list[list[torch.fx.Node]]:
+def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int, first_cap_bytes: int) -> list[list[torch.fx.Node]]:
     """The all-reduces of gradients not owned by FSDP (data parallelism, and parameters replicated
-    under tensor parallelism), in the order backward produces them, cut into buckets of at most
-    ``cap_bytes`` per (reduce op, group, dtype): DDP's gradient buckets."""
-    buckets: list[list[torch.fx.Node]] = []
-    current: dict[tuple, tuple[list, int]] = {}
+    under tensor parallelism), in the order backward produces the gradients (lowering may have put
+    the all-reduces themselves at the end of backward), cut into DDP's gradient buckets per (reduce
+    op, group, dtype): the first at most ``first_cap_bytes`` (DDP's 1 MiB first bucket, so the first
+    reduction starts early in backward), the others at most ``cap_bytes``."""
+    order = _position(graph)
+    candidates = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not c10d.all_reduce.default or meta.BUCKET in node.meta:
             continue
         param = node.meta.get(meta.GRAD_OF)
-        if not param or (fsdp is not None and param in fsdp.unit_of) or _single_wait(node) is None:
-            continue
+        if param and (fsdp is None or param not in fsdp.unit_of) and _single_wait(node) is not None:
+            candidates.append(node)
+    candidates.sort(key=lambda n: order[n.args[0]])
+    buckets: list[list[torch.fx.Node]] = []
+    current: dict[tuple, tuple[list, int, int]] = {}  # key -> (open bucket, its bytes, its cap)
+    for node in candidates:
         _, op, group = node.args
         val = node.meta["val"]
         key, nbytes = (op, group, val.dtype), val.numel() * val.element_size()
-        members, size = current.get(key, (None, 0))
-        if members is None or size + nbytes > cap_bytes:
+        members, size, cap = current.get(key, (None, 0, min(first_cap_bytes, cap_bytes)))
+        if members is None or size + nbytes > cap:
+            if members is not None:
+                cap = cap_bytes
             members, size = [], 0
             buckets.append(members)
         members.append(node)
-        current[key] = (members, size + nbytes)
-    return [b for b in buckets if len(b) > 1]
+        current[key] = (members, size + nbytes, cap)
+    return buckets
 
 
 def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
@@ -388,11 +419,10 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
         _fuse_buckets(graph, [(f"{unit or '<root>'} all_reduce", members)
                               for (unit, *_), members in _buckets(graph, fsdp)[2].items()], _fuse_reduction)
-    cap = ctx.gradient_bucket_bytes
     # As DDP, a gradient alone in its bucket keeps its own all-reduce (also a part cut to one).
-    _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members)
-                          for i, members in enumerate(_gradient_all_reduce_buckets(graph, fsdp, cap))],
-                  _fuse_reduction, min_members=2)
+    buckets = _gradient_all_reduce_buckets(graph, fsdp, ctx.gradient_bucket_bytes, ctx.first_gradient_bucket_bytes)
+    _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members) for i, members in enumerate(buckets)],
+                  _fuse_reduction, alone=_issue_alone)
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()

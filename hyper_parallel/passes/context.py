@@ -13,6 +13,9 @@ from typing import Callable
 import torch
 
 DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb=25
+# DDP's first bucket (the last parameters, whose gradients backward computes first) is small, so
+# the first reduction starts early; 1 MiB as DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``.
+DEFAULT_FIRST_GRADIENT_BUCKET_BYTES = 1024 * 1024
 DEFAULT_PREFETCH_DEPTH = 1  # FSDP units whose all-gather is issued ahead (parallelize picks 0 on gloo)
 
 
@@ -28,6 +31,7 @@ class PassContext:
     explicit_prefetch: dict = dataclasses.field(default_factory=dict)  # {"forward"/"backward": {unit: (units,)}}
     activation: object = None  # recompute.ActivationPlan: recompute and swap regions
     gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
+    first_gradient_bucket_bytes: int = DEFAULT_FIRST_GRADIENT_BUCKET_BYTES  # capped by gradient_bucket_bytes
     disable_passes: frozenset[str] = frozenset()
     # Observers: each pass's output graph (dumps) and seconds (the compile summary's pass_seconds).
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None

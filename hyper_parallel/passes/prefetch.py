@@ -56,10 +56,10 @@ def _movable_chain(node: torch.fx.Node, before: torch.fx.Node, order) -> list[to
     return sorted(chain, key=order.__getitem__) if visit(node) else None
 
 
-def _fused(graph, kind, target):
+def _fused(graph, kind, *targets):
     return [
         n for n in graph.nodes
-        if n.op == "call_function" and n.target is target and kind in n.meta.get(meta.BUCKET, "")
+        if n.op == "call_function" and n.target in targets and kind in n.meta.get(meta.BUCKET, "")
     ]
 
 
@@ -102,8 +102,11 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         graph.lint()
         gm.recompile()
         return gm
-    for kind, target in (("reduce_scatter", c10d.reduce_scatter_tensor.default), ("all_reduce", c10d.all_reduce.default)):
-        reductions = _fused(graph, kind, target)
+    # Bucketing reduces a fused all-reduce bucket in place (all_reduce_); a gradient alone in its
+    # bucket keeps its own out-of-place all_reduce.
+    for kind, targets in (("reduce_scatter", (c10d.reduce_scatter_tensor.default,)),
+                          ("all_reduce", (c10d.all_reduce_.default, c10d.all_reduce.default))):
+        reductions = _fused(graph, kind, *targets)
         # One reduction in flight at a time (as FSDP2): unit k's is waited for just before unit
         # k+1's is issued, so the full-size gradients it reads are freed as backward proceeds.
         for k, reduction in enumerate(reductions):

@@ -14,6 +14,7 @@ from hyper_parallel.testing.graph_builder import GraphBuilder
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 RS, AR, WAIT = c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.wait_tensor.default
+AR_INPLACE = c10d.all_reduce_.default
 
 
 def _reduce(g, x, param, group, kind=RS):
@@ -48,7 +49,7 @@ def _fused(gm):
     out = {}
     for node in gm.graph.nodes:
         label = node.meta.get("hp_bucket")
-        if label and node.target in (RS, AR):
+        if label and node.target in (RS, AR, AR_INPLACE):
             out[label] = (node.target, node.args[-1], [])
     for node in gm.graph.nodes:
         if "hp_bucket" in node.meta and node.meta.get("hp_grad_of"):
@@ -105,8 +106,9 @@ def test_bucket_straddling_a_dependency_is_cut(kind):
     if kind == "fsdp":
         assert _fused(gm) == {"u reduce_scatter (1 params, part 1/2)": (RS, "dp", ["u.a"]),
                               "u reduce_scatter (1 params, part 2/2)": (RS, "dp", ["u.b"])}
-    else:
-        assert _fused(gm) == {}
+    else:  # each part is one gradient, which keeps its own all-reduce (no copy into a buffer)
+        assert _fused(gm) == {"gradient bucket 0 all_reduce (1 params, part 1/2)": (AR, "dp", ["u.a"]),
+                              "gradient bucket 0 all_reduce (1 params, part 2/2)": (AR, "dp", ["u.b"])}
         assert len(gm.graph.find_nodes(op="call_function", target=AR)) == 2
 
 
@@ -166,3 +168,29 @@ def test_a_cycle_is_a_readable_value_error():
     # The loop, in data-flow order from its earliest node.
     assert f"{first.name} -> {wait.name} -> {out.name} -> {back.name} -> {first.name}." in message
     assert "disable_passes=['bucketing']" in message
+
+
+def test_ddp_buckets_follow_backward_order_small_first_in_place():
+    """DDP's buckets: gradients bucketed in the order backward computes them (lowering left their
+    all-reduces at the end of backward, in parameter order), the first bucket small (one gradient
+    here, as DDP's 1 MiB first bucket) so its all-reduce is issued right after that gradient, and a
+    fused bucket reduced in place: one ``all_reduce_`` on the packed buffer, no second copy."""
+    g = GraphBuilder()
+    x = g.input("x", 4, 8)  # 128 bytes per gradient
+    g1 = g(aten.mul.Tensor, x, x)
+    g2 = g(aten.mul.Tensor, g1, x)
+    g3 = g(aten.mul.Tensor, g2, x)
+    outs = [_reduce(g, grad, f"w{i}", "dp", AR) for i, grad in ((3, g3), (1, g1), (2, g2))]
+    ctx = PassContext(gradient_bucket_bytes=256, first_gradient_bucket_bytes=128)
+    gm = _run_twice(g.module(*outs), ctx)
+    assert _fused(gm) == {"gradient bucket 0 all_reduce (1 params)": (AR, "dp", ["w1"]),
+                          "gradient bucket 1 all_reduce (2 params)": (AR_INPLACE, "dp", ["w2", "w3"])}
+    (alone,) = gm.graph.find_nodes(op="call_function", target=AR)
+    assert alone.prev is g1 and alone.next.target is WAIT  # issued right after its gradient
+    (fused,) = gm.graph.find_nodes(op="call_function", target=AR_INPLACE)
+    assert fused.args[0].target is aten.reshape.default and fused.args[0].args[0].target is aten.cat.default
+    nodes = list(gm.graph.nodes)
+    assert nodes.index(g3) < nodes.index(fused.args[0].args[0]) < nodes.index(fused)
+    # Every gradient is read back from the reduced buffer (a view of it), not from a second buffer.
+    waited = next(iter(fused.users))
+    assert waited.target is WAIT and next(iter(waited.users)).target is aten.split_with_sizes.default

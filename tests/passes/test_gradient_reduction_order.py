@@ -3,7 +3,9 @@ as possible). The example Llama and transformers' ``LlamaForCausalLM``, 8 layers
 layer plus the root, compiled on one simulated rank of 2 (torch's ``fake`` backend): each unit's fused reduce-scatter must follow that
 unit's backward, interleaved with the other layers' backward compute, also under mixed precision
 (bf16 parameters, fp32 reduction), where the gradient casts to the reduce dtype once all sat at the
-end of backward and held every reduce-scatter (and every layer's unsharded fp32 gradient) there."""
+end of backward and held every reduce-scatter (and every layer's unsharded fp32 gradient) there.
+Data parallelism's gradient buckets likewise: lowering left every all-reduce at the end of
+backward, and one 25 MB bucket was issued after the last gradient."""
 
 from __future__ import annotations
 
@@ -27,15 +29,29 @@ def _model(name):
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS))
 
 
-def _backward(name, mixed_precision):
-    plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": mixed_precision}}
+def _backward(name, mixed_precision, plan=None, **options):
+    if plan is None:
+        plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": mixed_precision}}
     with fake_world(2, 0):
         mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         with hp.init_empty_weights():
             model = _model(name)
         ids = torch.empty(2, 16, dtype=torch.long, device="meta")
-        pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids})
+        pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids}, **options)
     return list(pmodel.compiled_programs()[1].graph.nodes)
+
+
+def _most_in_flight(nodes, targets) -> int:
+    """The most reductions issued and not yet waited for at any point of the program."""
+    pending: set = set()
+    most = 0
+    for node in nodes:
+        if node.target in targets:
+            pending.add(node)
+            most = max(most, len(pending))
+        elif node.target is c10d.wait_tensor.default:
+            pending.discard(node.args[0])
+    return most
 
 
 @pytest.mark.parametrize("mixed_precision", [
@@ -56,3 +72,33 @@ def test_each_units_reduce_scatter_follows_its_backward(name, mixed_precision):
     # Under mixed precision the reduction reads fp32 gradients: the casts moved with it.
     if mixed_precision is not None:
         assert all(s.args[0].meta["val"].dtype == torch.float32 for s in scatters)
+    # One reduction in flight (prefetch depth 1 here, the fake world's default), as FSDP2.
+    assert _most_in_flight(nodes, {c10d.reduce_scatter_tensor.default}) == 1
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("name", ["example", "hf_llama"])
+def test_data_parallel_buckets_are_issued_during_backward(name, depth):
+    """DDP's buckets (a small bucket cap here, so there are several) are issued as soon as their
+    last gradient exists, in backward order, the first (small, as DDP's) right after the last
+    layer's backward; each is reduced in place; with prefetch depth 1 one is in flight while
+    backward goes on, with depth 0 each is waited for at once (never more than the depth)."""
+    nodes = _backward(name, None, plan={}, bucket_cap_mb=0.05, prefetch_depth=depth)
+    position = {n: i for i, n in enumerate(nodes)}
+    reductions = [n for n in nodes if n.target in (c10d.all_reduce_.default, c10d.all_reduce.default)
+                  and "gradient bucket" in n.meta.get("hp_bucket", "")]
+    labels = [n.meta["hp_bucket"] for n in reductions]
+    assert len(reductions) >= 4 and labels[0].startswith("gradient bucket 0 "), labels
+    assert [int(label.split()[2]) for label in labels] == sorted(int(label.split()[2]) for label in labels)
+    matmuls = [position[n] for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert position[reductions[0]] < len(nodes) / 2, (position[reductions[0]], len(nodes))
+    assert sum(position[r] < matmuls[-1] for r in reductions) >= len(reductions) - 2
+    # Every fused bucket is reduced in place: no all-reduce reads a packed copy out of place.
+    assert all(r.target is c10d.all_reduce_.default for r in reductions if "(1 params" not in r.meta["hp_bucket"])
+    assert _most_in_flight(nodes, {c10d.all_reduce_.default, c10d.all_reduce.default}) == 1
+    waits = [next(iter(r.users)) for r in reductions]
+    overlapped = [any(position[r] < m < position[w] for m in matmuls) for r, w in zip(reductions, waits)]
+    if depth == 0:  # nothing in flight across compute
+        assert all(w is r.next for r, w in zip(reductions, waits))
+    else:  # all but the buckets of the last gradients (after the last matmul) overlap matmuls
+        assert sum(overlapped) >= len(reductions) - 2, overlapped
