@@ -102,3 +102,40 @@ def test_data_parallel_buckets_are_issued_during_backward(name, depth):
         assert all(w is r.next for r, w in zip(reductions, waits))
     else:  # all but the buckets of the last gradients (after the last matmul) overlap matmuls
         assert sum(overlapped) >= len(reductions) - 2, overlapped
+
+
+def _backward_gradient_bytes(layers):
+    """(most temporaries + communication-buffer bytes live at once in backward, as the memory
+    estimator replays it; one layer's fp32 gradient bytes): example Llama with layers far larger
+    than their activations (hidden 256, 4 tokens), bf16 parameters and fp32 reduction."""
+    from hyper_parallel import memory
+
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=256, intermediate_size=1024,
+                         num_attention_heads=4, num_key_value_heads=4, vocab_size=256)
+    policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+    plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": policy}}
+    with fake_world(2, 0):
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with hp.init_empty_weights():
+            model = LlamaForCausalLM(config)
+        ids = torch.empty(1, 4, dtype=torch.long, device="meta")
+        pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids}, prefetch_depth=1)
+    entry = pmodel._last_entry()
+    series: list = []
+    memory.estimate_program(entry.program, entry.captured, series=series)
+    columns = [memory.CATEGORIES.index(c) for c in ("temporaries", "comm_buffers")]
+    most = max(sum(p["live"][c] for c in columns) for p in series if p["phase"] == "backward")
+    unit = 4 * sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.layers.0."))
+    return most, unit
+
+
+def test_estimated_unsharded_gradients_stay_within_the_reductions_in_flight():
+    """The memory estimator's view of the schedule above: with one reduce-scatter in flight, backward
+    holds at most the in-flight unit's packed gradients, the current unit's gradients and their
+    packed copy (plus activations, small here): at most 3 units' fp32 gradient bytes, however deep
+    the model. When the casts sat at the end of backward, every layer's bf16 gradient stayed alive
+    until then (4 units' worth at 8 layers, growing with depth)."""
+    shallow, unit = _backward_gradient_bytes(4)
+    deep, _ = _backward_gradient_bytes(8)
+    assert deep == shallow, (deep / unit, shallow / unit)
+    assert deep <= (1 + 1 + 1) * unit, deep / unit
