@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="reshard_after_forward configurations to measure (default both)")
     p.add_argument("--profile-hp", type=int, default=0, metavar="N",
                    help="after timing, profile N hyper_parallel steps on rank 0 (cProfile + torch.profiler)")
+    p.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                   help="bf16: parameters in bf16, gradients reduced in fp32 on both sides (hp's "
+                   "mixed_precision and FSDP2's MixedPrecisionPolicy); default none (fp32)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
@@ -147,14 +150,20 @@ def _build(ref, args, reshard: bool):
 
     world = dist.get_world_size()
     hp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    units = hp.FullyShard(units=("model.layers.*", ""), reshard_after_forward=reshard)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if args.mixed_precision == "bf16" else MixedPrecisionPolicy())
+    hp_policy = ({"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+                 if args.mixed_precision == "bf16" else None)
+    units = hp.FullyShard(units=("model.layers.*", ""), reshard_after_forward=reshard, mixed_precision=hp_policy)
     hp_model = hp.parallelize(copy.deepcopy(ref), {"fully_shard": units}, hp_mesh, prefetch_depth=args.prefetch_depth)
 
     torch_mesh = init_device_mesh("cpu", (world,))
     fsdp2_model = copy.deepcopy(ref)
     for layer in fsdp2_model.model.layers:
-        fully_shard(layer, mesh=torch_mesh, reshard_after_forward=reshard)
-    fully_shard(fsdp2_model, mesh=torch_mesh, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=torch_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(fsdp2_model, mesh=torch_mesh, reshard_after_forward=reshard, mp_policy=policy)
     return (hp_model, torch.optim.SGD(hp_model.parameters(), lr=args.lr),
             fsdp2_model, torch.optim.SGD(fsdp2_model.parameters(), lr=args.lr))
 
@@ -269,6 +278,7 @@ def run(args: argparse.Namespace) -> dict | None:
             "params": ref.num_parameters(),
         },
         "threads_per_rank": args.threads,
+        "mixed_precision": args.mixed_precision,
         "warmup": args.warmup,
         "steps": args.steps,
         "torch": torch.__version__,
@@ -282,7 +292,8 @@ def print_table(r: dict) -> None:
     c = r["config"]
     print(f"\nFSDP dp={r['world_size']} Llama {c['layers']}L h{c['hidden']} ({c['params']:,} params), "
           f"global batch {c['global_batch']} ({c['local_batch']}/rank) x seq {c['seq_len']}, "
-          f"{r['threads_per_rank']} thread/rank, median of {r['steps']} steps (slowest rank)")
+          f"{r['threads_per_rank']} thread/rank, mixed precision {r['mixed_precision']}, "
+          f"median of {r['steps']} steps (slowest rank)")
     print(f"single-device loss at step 0: {r['loss_step0_single_device']:.6f}")
     for res in r["results"]:
         st = res["step_time_s"]

@@ -326,3 +326,20 @@ def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, c
     assert main(["report", str(dump)]) == 0  # the only rank in the dump: 1
     assert json.loads((dump / "report.trace.json").read_text()) == json.loads(trace.read_text())
     assert (dump / "report.html").stat().st_size > 0
+
+
+def test_fsdp_reduce_scatters_overlap_backward_in_the_simulated_step(tmp_path):
+    """The 8B FSDP step (4 of its layers, bf16 compute / fp32 reduction, h100) as the cost model
+    simulates it: each layer's reduce-scatter runs on the communication stream while the layers
+    before it still run their backward matmuls (all but layers.0's, the last layer backward
+    reaches, and the root's). When the gradient casts sat at the end of backward, every
+    reduce-scatter started after the last backward matmul."""
+    trace = tmp_path / "step.json"
+    explain(config="llama3-8b", num_layers=4, world_size=8, seq_len=2048, trace_path=str(trace))
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    backward = [e for e in events if e["args"].get("phase") == "backward"]
+    last_matmul = max(e["ts"] + e["dur"] for e in backward
+                      if e["cat"] == "compute" and e["args"]["op"] == "aten.mm.default")
+    scatters = [e for e in backward if e["cat"] == "comm" and "reduce_scatter" in e["args"]["op"]]
+    assert len(scatters) == 4 + 1  # one per layer and the root
+    assert sum(e["ts"] < last_matmul for e in scatters) == 3, [(e["ts"], last_matmul) for e in scatters]
