@@ -5,7 +5,8 @@ transposed weight a matmul's backward uses) from forward to backward: FSDP with
 ``reshard_after_forward=False``. For units that reshard, every backward use of an all-gathered
 parameter, or of a cheap view of it computed in forward, is rewired to a copy of that chain made in
 the backward region, right before its first backward use; the forward copy then dies after its
-last forward use and only the shard (a graph input) crosses to backward.
+last forward use and only the shard (a graph input) crosses to backward. The chain starts at the
+shard: under mixed precision its cast to ``param_dtype`` before the all-gather is copied too.
 
 ``reshard_after_forward=<k>`` (FSDP2's "world size to reshard to", 1 < k < N for a shard axis of N
 ranks): each rank keeps 1/k of the gathered parameter instead of 1/N, and backward gathers over a
@@ -67,6 +68,29 @@ def gathered_param_region(graph: torch.fx.Graph, params=None) -> set[torch.fx.No
             if all(a in region or a.op == "placeholder" for a in node.all_input_nodes):
                 region.add(node)
     return region
+
+
+def _shard_preparation(region: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The forward nodes that prepare a shard for a region all-gather from graph inputs only, with
+    cheap ops: the cast of the fp32 shard to ``param_dtype`` under mixed precision (and a view or
+    pad of it). Copied into backward with the gather, so backward reads the shard itself, not a
+    forward ``param_dtype`` copy of it that would otherwise be saved for every resharded unit."""
+    out: set[torch.fx.Node] = set()
+
+    def prepares(node: torch.fx.Node) -> bool:
+        if node.op == "placeholder" or node in out:
+            return True
+        if node.op != "call_function" or node.target not in _CHEAP or is_tagged_backward(node):
+            return False
+        if all(prepares(a) for a in node.all_input_nodes):
+            out.add(node)
+            return True
+        return False
+
+    for node in region:
+        if node.target is c10d.all_gather_into_tensor.default:
+            prepares(node.args[0])
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +166,7 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
     region = {n for n in gathered_param_region(graph, resharding) if POST_FORWARD not in n.meta}
     if not region:
         return gm
+    region |= _shard_preparation(region)
     smaller = _smaller_groups(fsdp, ctx.mesh)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
 
