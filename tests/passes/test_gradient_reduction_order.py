@@ -29,11 +29,11 @@ def _model(name):
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS))
 
 
-def _backward(name, mixed_precision, plan=None, **options):
+def _backward(name, mixed_precision, plan=None, world=2, **options):
     if plan is None:
         plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": mixed_precision}}
-    with fake_world(2, 0):
-        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    with fake_world(world, 0):
+        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         with hp.init_empty_weights():
             model = _model(name)
         ids = torch.empty(2, 16, dtype=torch.long, device="meta")
@@ -73,6 +73,29 @@ def test_each_units_reduce_scatter_follows_its_backward(name, mixed_precision):
     if mixed_precision is not None:
         assert all(s.args[0].meta["val"].dtype == torch.float32 for s in scatters)
     # One reduction in flight (prefetch depth 1 here, the fake world's default), as FSDP2.
+    assert _most_in_flight(nodes, {c10d.reduce_scatter_tensor.default}) == 1
+
+
+BF16_FP32 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+
+
+@pytest.mark.parametrize("extra", [
+    {"recompute": {"model.layers.*": "full"}},
+    {"swap": {"model.layers.*": True}},
+    {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": BF16_FP32, "reshard_after_forward": 2}},
+], ids=["recompute-full", "swap", "reshard-to-2-of-4"])
+def test_reductions_stay_interleaved_with_recompute_swap_and_partial_reshard(extra):
+    """Recompute and swap add backward work per layer and reshard_after_forward=2 regathers over
+    2 of 4 ranks; each unit's fused reduce-scatter (bf16 parameters, fp32 reduction) still follows
+    its own layer's backward, before the next layer's last matmul."""
+    plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": BF16_FP32}, **extra}
+    nodes = _backward("example", None, plan=plan, world=4)
+    position = {n: i for i, n in enumerate(nodes)}
+    scatters = [position[n] for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
+    matmuls = [position[n] for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert len(scatters) == LAYERS + 1, len(scatters)
+    assert scatters[0] < len(nodes) / 2, (scatters[0], len(nodes))
+    assert sum(s < matmuls[-1] for s in scatters) >= LAYERS - 1, (scatters, matmuls[-1])
     assert _most_in_flight(nodes, {c10d.reduce_scatter_tensor.default}) == 1
 
 
