@@ -48,7 +48,8 @@ def describe_collective(node: torch.fx.Node, axis_of_group: dict[str, str]) -> s
     collective = node.args[0] if node.target is _c10d.wait_tensor.default else node
     if not isinstance(collective, torch.fx.Node):
         return f"node '{node.name}'"
-    kind = getattr(collective.target, "__name__", str(collective.target)).split(".")[0]
+    # "all_reduce_.default" (in place, the bucketing pass's gradient buckets) reads as all_reduce.
+    kind = getattr(collective.target, "__name__", str(collective.target)).split(".")[0].rstrip("_")
     group = collective.args[-1] if collective.args else None
     axis = axis_of_group.get(group, group)
     text = f"the {kind} over mesh axis '{axis}' (node '{collective.name}'"
