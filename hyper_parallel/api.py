@@ -54,6 +54,7 @@ def parallelize(
     dump_dir: str | None = None,
     disable_passes: tuple[str, ...] = (),
     prefetch_depth: int | None = None,
+    reductions_in_flight: int | None = None,
     bucket_cap_mb: float = 25,
     memory_budget_bytes: int | None = None,
     materialize: bool = True,
@@ -67,7 +68,9 @@ def parallelize(
     recorded by ``shard_module``/``parallelize_module``. The model's parameters are distributed now
     (from rank 0's values, so every rank starts identical); compilation happens on the first call.
     ``prefetch_depth``: FSDP units whose all-gather is issued ahead (default 1 on NCCL/HCCL, 0 on
-    gloo); ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
+    gloo); ``reductions_in_flight``: gradient reductions (FSDP reduce-scatters, DDP buckets) that
+    may run while backward goes on, each waited for just before the one N later is issued (default
+    1, FSDP2's, where units are prefetched, else 0: waited at once); ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
     own (DDP's option and default); ``memory_budget_bytes``: the per-rank peak that
     ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
     dumps of every stage. ``materialize=False``: a meta-device model keeps meta shards (planning
@@ -87,6 +90,7 @@ def parallelize(
     """
     bucket_cap_mb = options.check_bucket_cap_mb(bucket_cap_mb)
     prefetch_depth = options.check_int("prefetch_depth", prefetch_depth, minimum=0)
+    reductions_in_flight = options.check_int("reductions_in_flight", reductions_in_flight, minimum=0)
     memory_budget_bytes = options.check_memory_budget(memory_budget_bytes)
     check_inputs = options.check_check_inputs(check_inputs)
     timeout = options.check_timeout(timeout)
@@ -99,10 +103,13 @@ def parallelize(
     resolved, activation = resolution.resolved, resolution.activation
     mesh = resolution.mesh  # with a pipeline plan, the stage mesh: the rest of the plan applies there
     prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
+    if reductions_in_flight is None:  # overlap follows prefetch unless asked for on its own
+        reductions_in_flight = 1 if prefetch_depth > 0 else 0
     if timeout is not None:
         set_collective_timeout(resolution.full_mesh, timeout)
     # Agree on the plan before parameters are distributed: differing plans would hang in there.
     settings = _describe_plan(resolved, activation, resolution.plan, prefetch_depth=prefetch_depth,
+                              reductions_in_flight=reductions_in_flight,
                               bucket_cap_mb=bucket_cap_mb, disable_passes=sorted(disable_passes),
                               check_inputs=check_inputs, timeout=timeout, loss_fn=loss_fn is not None)
     agree(resolution.full_mesh, f"parallelize({type(model).__name__})",
@@ -116,6 +123,7 @@ def parallelize(
     model.__class__ = type(f"Parallel{original_cls.__name__}", (module_cls, original_cls), {})
     compile_options = CompileOptions(
         dump_dir=dump_dir, disable_passes=frozenset(disable_passes), prefetch_depth=prefetch_depth,
+        reductions_in_flight=reductions_in_flight,
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), memory_budget_bytes=memory_budget_bytes,
         check_inputs=check_inputs, timeout=timeout,
     )

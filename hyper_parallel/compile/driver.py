@@ -206,7 +206,7 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
     return run_passes(
         local, PassContext(
             mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch or {},
-            prefetch_depth=state.options.prefetch_depth,
+            prefetch_depth=state.options.prefetch_depth, reductions_in_flight=state.options.reductions_in_flight,
             activation=dataclasses.replace(activation or state.activation, annotated=annotated),
             gradient_bucket_bytes=state.options.gradient_bucket_bytes,
             disable_passes=state.options.disable_passes,

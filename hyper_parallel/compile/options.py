@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from ..passes.context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH
+from ..passes.context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH, DEFAULT_REDUCTIONS_IN_FLIGHT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +18,7 @@ class CompileOptions:
     dump_dir: str | None = None  # per-rank dumps of every stage, or None
     disable_passes: frozenset[str] = frozenset()  # optional passes to skip (passes/__init__.py)
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH  # FSDP units whose all-gather is issued ahead
+    reductions_in_flight: int = DEFAULT_REDUCTIONS_IN_FLIGHT  # gradient reductions of a kind in flight
     gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
     memory_budget_bytes: int | None = None  # the per-rank peak recompute="auto" must fit
     check_inputs: bool | None = None  # None: ids and labels checked on the CPU only (runtime/input_check.py)

@@ -17,6 +17,7 @@ DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb=25
 # the first reduction starts early; 1 MiB as DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``.
 DEFAULT_FIRST_GRADIENT_BUCKET_BYTES = 1024 * 1024
 DEFAULT_PREFETCH_DEPTH = 1  # FSDP units whose all-gather is issued ahead (parallelize picks 0 on gloo)
+DEFAULT_REDUCTIONS_IN_FLIGHT = 1  # gradient reductions of a kind in flight (FSDP2's; 0 on gloo by default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PassContext:
     storage_dtypes: dict = dataclasses.field(default_factory=dict)  # FSDP parameter FQN -> stored dtype
     fsdp: object = None  # ResolvedPlan.fsdp when the plan has fully_shard units
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    reductions_in_flight: int = DEFAULT_REDUCTIONS_IN_FLIGHT
     explicit_prefetch: dict = dataclasses.field(default_factory=dict)  # {"forward"/"backward": {unit: (units,)}}
     activation: object = None  # recompute.ActivationPlan: recompute and swap regions
     gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets

@@ -1,14 +1,12 @@
-"""prefetch: issue FSDP all-gathers ahead of need and wait for reduce-scatters as late as possible.
+"""prefetch: issue FSDP all-gathers ahead of need.
 
 Functional collectives are asynchronous: ``all_gather_into_tensor`` starts the transfer and
 ``wait_tensor`` blocks on it. After bucketing, each unit's fused all-gather is issued right before
 its own wait, so nothing overlaps. This pass moves the *issue* of unit k's all-gather (the collective
 and the copy-in of the shards it reads) to just before the wait of unit k-depth, in each phase's
 execution order: in forward the next layer's parameters arrive while the current layer computes,
-in backward (where graph order runs the layers in reverse) the mirror. Each fused reduce-scatter's
-wait, and the copy-out after it, moves to just before the next unit's reduce-scatter is issued (or
-the first node that needs the gradient), so the reduction overlaps the backward of the next unit
-while only one is in flight, as in FSDP2.
+in backward (where graph order runs the layers in reverse) the mirror. The gradient reductions'
+waits are the next pass's (``overlap_reductions``).
 
 Explicit lists (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``, in
 ``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued before the wait
@@ -56,10 +54,10 @@ def _movable_chain(node: torch.fx.Node, before: torch.fx.Node, order) -> list[to
     return sorted(chain, key=order.__getitem__) if visit(node) else None
 
 
-def _fused(graph, kind, *targets):
+def _fused(graph, kind, target):
     return [
         n for n in graph.nodes
-        if n.op == "call_function" and n.target in targets and kind in n.meta.get(meta.BUCKET, "")
+        if n.op == "call_function" and n.target is target and kind in n.meta.get(meta.BUCKET, "")
     ]
 
 
@@ -98,46 +96,6 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                 chain = _movable_chain(ordered[k], anchor, order)
                 for node in chain or ():
                     anchor.prepend(node)
-    if depth == 0:  # no overlap wanted: leave each reduction waited where bucketing put it
-        graph.lint()
-        gm.recompile()
-        return gm
-    # Bucketing reduces a fused all-reduce bucket in place (all_reduce_); a gradient alone in its
-    # bucket keeps its own out-of-place all_reduce.
-    for kind, targets in (("reduce_scatter", (c10d.reduce_scatter_tensor.default,)),
-                          ("all_reduce", (c10d.all_reduce_.default, c10d.all_reduce.default))):
-        reductions = _fused(graph, kind, *targets)
-        # One reduction in flight at a time (as FSDP2): unit k's is waited for just before unit
-        # k+1's is issued, so the full-size gradients it reads are freed as backward proceeds.
-        for k, reduction in enumerate(reductions):
-            limit = reductions[k + 1] if k + 1 < len(reductions) else None
-            _sink_wait(graph, _wait_of(reduction), limit)
     graph.lint()
     gm.recompile()
     return gm
-
-
-def _sink_wait(graph, wait: torch.fx.Node, limit: torch.fx.Node | None = None) -> None:
-    """Move ``wait`` and the copy-out that only depends on it to just before its first consumer
-    outside that copy-out, or before ``limit`` if that comes first."""
-    order = _position(graph)
-    tail: list[torch.fx.Node] = [wait]
-    frontier = [wait]
-    while frontier:
-        node = frontier.pop()
-        for user in node.users:
-            if user in tail or user.op != "call_function" or user.target is c10d.all_reduce.default:
-                continue
-            if all(a in tail or order[a] < order[wait] for a in user.all_input_nodes) and not user.is_impure():
-                tail.append(user)
-                frontier.append(user)
-    outside = [u for n in tail for u in n.users if u not in tail]
-    if limit is not None:
-        outside.append(limit)
-    if not outside:
-        return
-    first = min(outside, key=order.__getitem__)
-    if order[first] <= order[wait]:
-        return
-    for node in sorted(tail, key=order.__getitem__):
-        first.prepend(node)

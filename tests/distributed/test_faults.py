@@ -131,6 +131,7 @@ def test_stuck_peer_times_out_naming_program_collective_and_call():
 @pytest.mark.parametrize("option,value,error", [
     ("prefetch_depth", -1, "prefetch_depth=-1): must be >= 0"),
     ("prefetch_depth", 1.5, "prefetch_depth=1.5): give an int"),
+    ("reductions_in_flight", -1, "reductions_in_flight=-1): must be >= 0"),
     ("memory_budget_bytes", 0, "the budget must be a positive number of bytes"),
     ("memory_budget_bytes", -5, "the budget must be a positive number of bytes"),
     ("memory_budget_bytes", "1GB", "memory_budget_bytes='1GB'): give the per-rank budget in bytes as an int"),

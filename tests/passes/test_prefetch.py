@@ -3,9 +3,9 @@ head) under FSDP on 2 simulated ranks (torch's ``fake`` backend: one process, no
 captured, lowered and bucketed, then handed to ``prefetch_pass`` alone with each option.
 
 What the pass promises (its docstring): unit k's fused all-gather (with the copy-in it reads) is
-issued just before the wait of unit k-depth, in forward and in backward; each fused reduce-scatter
-is waited for just before the next one is issued (one in flight); depth 0 moves nothing but the
-explicit lists; only node order changes; idempotent."""
+issued just before the wait of unit k-depth, in forward and in backward; depth 0 moves nothing but
+the explicit lists; only node order changes; idempotent. (Where reductions are waited for is the
+``overlap_reductions`` pass's, tests/passes/test_overlap_reductions.py.)"""
 
 from __future__ import annotations
 
@@ -149,41 +149,6 @@ def test_depth_two_keeps_the_next_unit_prefetched_and_gathers_in_need_order():
     "and layers.3's (backward) again"))
 def test_depth_two_is_idempotent():
     _run(*_fresh(prefetch_depth=2))
-
-
-def test_one_reduce_scatter_in_flight_waited_just_before_the_next_is_issued():
-    gm = _run(*_fresh(prefetch_depth=1))
-    order = _pos(gm)
-    nodes = list(gm.graph.nodes)
-    reductions = _fused(gm, RS)
-    assert len(reductions) == LAYERS + 1
-    in_flight = 0
-    for node in nodes:
-        in_flight += node in reductions
-        in_flight -= node in {_wait(r) for r in reductions}
-        assert in_flight <= 1, node.name
-
-    def copy_out(wait):
-        out, frontier = {wait}, [wait]
-        while frontier:
-            for user in frontier.pop().users:
-                if user.op == "call_function" and user not in out and user.target is not c10d.all_reduce.default \
-                        and not user.is_impure() \
-                        and all(a in out or order[a] < order[wait] for a in user.all_input_nodes):
-                    out.add(user)
-                    frontier.append(user)
-        return out
-
-    for cur, nxt in zip(reductions, reductions[1:]):
-        wait = _wait(cur)
-        assert order[cur] < order[wait] < order[nxt]
-        # The wait and its copy-out sit right before the next reduce-scatter ...
-        assert nodes[order[nxt] - 1] in copy_out(wait), nxt.name
-        # ... after backward compute that overlaps the reduction.
-        assert any(n.target is aten.mm.default for n in nodes[order[cur]:order[wait]]), cur.meta["hp_bucket"]
-    # The last one is waited for just before the graph returns its result.
-    last = _wait(reductions[-1])
-    assert all(n in copy_out(last) for n in nodes[order[last]:-1])
 
 
 def test_depth_zero_moves_nothing():
