@@ -12,7 +12,9 @@ Which stage a node belongs to:
 * backward nodes: the stage of their forward module (``fwd_nn_module_stack``);
 * nodes without a module (gradient sums, collectives and copies lowering or propagation added):
   where their data is (forward: the latest stage among their inputs; backward: the earliest), else
-  the stage of the forward op with their autograd ``seq_nr``, else where their users are;
+  the stage of the forward op with their autograd ``seq_nr``, else where their users are (forward
+  nodes that read only placeholders, such as FSDP's mixed-precision cast of a parameter shard,
+  go straight to their users: the parameter then lives in the stage that uses it);
 * placeholders and constants are copied into every stage that reads them, except a parameter read
   by two stages (tied weights), which is an error: its gradient would be split between them;
 * forward values computed from buffers and constants alone (rotary tables, masks) are recomputed
@@ -22,9 +24,45 @@ A value computed in stage ``a`` and read in stage ``b`` crosses the cut: in forw
 later stage (sent after ``a``'s forward, received before ``b``'s), in backward to an earlier one.
 Anything else is an error naming the node and its source line.
 
+**Gradient reduction once per step, not once per micro-batch.**
+
+A stage's joint graph, as lowering made it, ends every parameter gradient with its data-parallel
+reduction: the redistribution of the gradient output slot to the parameter's storage layout
+(``hp_grad_of``; an FSDP reduce-scatter, HSDP's reduce-scatter then all-reduce, a replicated
+parameter's all-reduce), which the bucketing pass then fuses. Run once per micro-batch, that
+communicates M times the gradient volume of a step. Every redistribution is linear (sums, slices,
+concatenations, division by a constant), so reducing the sum of the M local gradients once gives the
+same numbers. Each stage therefore gets two variants of its joint graph (``no_sync_variant``,
+``sync_variant``), built before the passes run:
+
+* **no sync** (every micro-batch but the stage's last in the step): each gradient slot returns the
+  local, unreduced gradient (the value its reduction started from), and the reduction nodes are
+  gone. The executor sums these per parameter, as ``set_requires_gradient_sync(False)`` keeps FSDP
+  gradients aside (``fsdp/grad_accumulation.py``).
+* **sync** (the stage's last backward of the step in the schedule): one more backward input per
+  reduced gradient (a ``grad_accum`` input, as ``propagation/accumulation.py`` adds for FSDP
+  accumulation) holding the pending sum, added to the micro-batch's own gradient right before its
+  reduction. The passes then fuse and schedule these reductions as in any program.
+
+Why this and not a separate "reduce" program run after the last backward: the sync variant's
+reductions are the same nodes as before, so bucketing fuses them per FSDP unit / DDP bucket and
+prefetch issues each unit's reduce-scatter right after that unit's backward, overlapped with the
+rest of the last micro-batch's backward, exactly as the per-micro-batch programs did (Megatron
+and torch.distributed.pipelining also reduce during the last backward). A reduce-only program would
+start communicating only after all compute, with nothing to overlap, and would be a third program
+per stage going through the passes with phases of its own. The cost of either: the pending local
+gradients of a stage live from its first backward to its last (for FSDP, unsharded, as FSDP's
+no-sync accumulation keeps them). The pending inputs are tangents (backward inputs), so the forward
+of the last micro-batch, which 1F1B runs before the earlier micro-batches' backwards, does not take
+them.
+
+A gradient whose way to its storage layout has no collective (a stage mesh of one rank, a
+tensor-parallel shard) is left alone: the executor adds it up as before.
+
 Reads: ``partitioner_tag`` / ``hp_fsdp_phase`` (phase), ``nn_module_stack``,
-``fwd_nn_module_stack``, ``seq_nr``, ``val``. Writes: new GraphModules (the input graph is not
-changed); every stage node keeps its meta.
+``fwd_nn_module_stack``, ``seq_nr``, ``val``; for the variants ``hp_grad_of`` and ``hp_role``.
+Writes: new GraphModules (the input graph is not changed); every stage node keeps its meta; the
+sync variant's adds get ``hp_role = "accumulate"`` and the backward tag.
 """
 
 from __future__ import annotations
@@ -36,7 +74,9 @@ import torch
 from ..ir.kinds import InputKind, OutputKind
 from .. import compat
 from ..compile.capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
-from ..ir.phase import BACKWARD, FORWARD, phases_of
+from ..debug import COLLECTIVE_KINDS
+from ..ir import meta
+from ..ir.phase import BACKWARD, FORWARD, phases_of, tag
 
 RECV_FWD, RECV_BWD = InputKind.RECV_FWD, InputKind.RECV_BWD
 SEND_FWD, SEND_BWD = OutputKind.SEND_FWD, OutputKind.SEND_BWD
@@ -44,6 +84,7 @@ SEND_FWD, SEND_BWD = OutputKind.SEND_FWD, OutputKind.SEND_BWD
 # forward output of the last stage, like the loss.
 LOSS_COUNT = OutputKind.LOSS_COUNT
 _FORWARD_OUTPUTS = (OutputKind.OUTPUT, LOSS_COUNT)
+GRAD_ACCUM = InputKind.GRAD_ACCUM  # the sync variant's pending gradient sums (backward inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,12 +179,16 @@ def assign_stages(gm: torch.fx.GraphModule, split_points: tuple[str, ...]) -> tu
     # The rest follows its data: forward ASAP after its inputs, backward at its earliest input (so
     # gradients only flow to earlier stages); then the forward op with the same autograd sequence
     # number (not first: autograd's gradient sums carry the number of an unrelated later op).
+    # A forward node reading only placeholders (FSDP's mixed-precision cast of a parameter shard,
+    # whose seq_nr is one shared by every node lowering adds) goes where its users are, below.
     for node in computing:
         if node in stage:
             continue
         inputs = [stage[a] for a in node.all_input_nodes if a in stage]
         if inputs:
             stage[node] = max(inputs) if phases[node] == FORWARD else min(inputs)
+        elif phases[node] == FORWARD and all(a.op in ("placeholder", "get_attr") for a in node.all_input_nodes):
+            continue
         elif node.meta.get("seq_nr") in by_seq:
             stage[node] = by_seq[node.meta["seq_nr"]]
     for node in reversed(computing):
@@ -320,3 +365,90 @@ def _build_stage(gm, s, stage, replicable, info_of, slots, out_infos, slot_stage
     graph.output(tuple(forward_out + backward_out))
     stage_gm = torch.fx.GraphModule(gm, graph)
     return StageGraph(s, stage_gm, inputs, outputs, len(forward_out), sends, recvs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    slot: int  # output slot of the gradient
+    fqn: str
+    start: torch.fx.Node  # the local gradient the reduction starts from
+    nodes: frozenset  # the reduction's nodes (collectives, waits, pads, reshapes)
+
+
+def _reduction_chains(gm: torch.fx.GraphModule, graph: StageGraph) -> list[_Chain]:
+    """The reduction of each gradient slot that has one (module docstring), in slot order."""
+    out = gm.graph.output_node()
+    chains = []
+    for i, (value, info) in enumerate(zip(out.args[0], graph.outputs)):
+        if info.kind != OutputKind.GRAD or not isinstance(value, torch.fx.Node):
+            continue
+        nodes, starts, stack = set(), set(), [value]
+        while stack:
+            node = stack.pop()
+            if node in nodes:
+                continue
+            if (node.op == "call_function" and node.meta.get(meta.GRAD_OF) == info.name
+                    and meta.is_redistribute(node)):
+                nodes.add(node)
+                stack.extend(node.all_input_nodes)
+            else:
+                starts.add(node)
+        if not any(n.target in COLLECTIVE_KINDS for n in nodes) or len(starts) != 1:
+            continue  # nothing to defer (or not one value to defer it from: left as it is)
+        if any(u not in nodes and u is not out for n in nodes for u in n.users):
+            continue
+        if sum(1 for a in out.args[0] if a is value) != 1:
+            continue
+        chains.append(_Chain(i, info.name, starts.pop(), frozenset(nodes)))
+    return chains
+
+
+def deferred_parameters(graph: StageGraph) -> tuple[str, ...]:
+    """The parameters whose reduction this stage can defer to the step's last micro-batch."""
+    return tuple(c.fqn for c in _reduction_chains(graph.gm, graph))
+
+
+def no_sync_variant(graph: StageGraph, gm: torch.fx.GraphModule) -> StageGraph:
+    """``graph`` whose gradient slots return the local unreduced gradients (module docstring).
+    ``gm``: a copy of ``graph.gm`` to rewrite."""
+    chains = _reduction_chains(gm, graph)
+    out = gm.graph.output_node()
+    slots = list(out.args[0])
+    for chain in chains:
+        slots[chain.slot] = chain.start
+    out.args = (tuple(slots),)
+    doomed = set().union(*(c.nodes for c in chains)) if chains else set()
+    for node in reversed(list(gm.graph.nodes)):
+        if node in doomed:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return dataclasses.replace(graph, gm=gm)
+
+
+def sync_variant(graph: StageGraph, gm: torch.fx.GraphModule) -> StageGraph:
+    """``graph`` with one ``grad_accum`` backward input per deferred gradient, added to the
+    micro-batch's own gradient right before its reduction (module docstring). ``gm``: a copy of
+    ``graph.gm`` to rewrite."""
+    chains = _reduction_chains(gm, graph)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    tangents = sum(1 for p in placeholders if "tangents" in p.name)
+    inputs = list(graph.inputs)
+    last = placeholders[-1]
+    for k, chain in enumerate(chains):
+        # A tangent by name: a backward input, which the forward program never takes.
+        with gm.graph.inserting_after(last):
+            pending = gm.graph.placeholder(f"tangents_{tangents + k + 1}")
+        pending.meta["val"] = chain.start.meta["val"]
+        last = pending
+        inputs.append(InputInfo(GRAD_ACCUM, chain.fqn, -1))
+        first = min(chain.nodes, key=order.__getitem__)
+        with gm.graph.inserting_before(first):
+            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (chain.start, pending))
+        total.meta.update({"val": chain.start.meta["val"], meta.ROLE: meta.ROLE_ACCUMULATE,
+                           meta.SOURCE: chain.start.meta.get(meta.SOURCE, chain.start.name)})
+        tag(total, BACKWARD)
+        for node in chain.nodes:
+            node.replace_input_with(chain.start, total)
+    gm.recompile()
+    return dataclasses.replace(graph, gm=gm, inputs=inputs)

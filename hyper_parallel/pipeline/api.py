@@ -6,10 +6,14 @@ stages. The first ``pmodel.step(inputs, targets)`` for an input signature compil
 
     capture (one micro-batch, forward returning the loss) → propagate → lower
     → split into stages (passes/pipeline_split.py; cut points from the plan or chosen by auto.py)
-    → for each stage this rank runs: passes → forward/backward partition
+    → for each stage this rank runs: passes → forward/backward partition, for two variants of the
+      stage when it reduces gradients (passes/pipeline_split.py): no sync (local gradients kept for
+      the step) and sync (the stage's last micro-batch: adds them and reduces once)
 
 then releases the parameters of the stages this rank does not run, and every later step runs the
-schedule (runtime.py) over the micro-batches.
+schedule (runtime.py) over the micro-batches. The compile summary counts each program's collectives
+(``collectives``, one run), how often a step runs it (``runs_per_step``) and their product
+(``collectives_per_step``, ``gradient_reductions_per_step``: this rank's bytes per training step).
 """
 
 from __future__ import annotations
@@ -31,18 +35,23 @@ from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
 from ..compile.capture import flat_paths
-from ..compile.driver import capture_and_lower, current_rank, format_signature, run_pass_pipeline, signature
+from ..compile.driver import (
+    capture_and_lower, copy_graph_module, current_rank, format_signature, run_pass_pipeline, signature,
+)
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
-from ..passes.pipeline_split import StageGraph, split_stages
+from ..ir import meta
+from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
 from ..runtime.partition import partition_by_phase
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count
 from .plan import AUTO, ResolvedPipeline
-from .runtime import PipelineExecutor, StageProgram
-from .schedules import analytic_bubble, build_schedule, format_schedule, simulate
+from .runtime import PipelineExecutor, StageProgram, flat_steps, program_for, sync_microbatches
+from .schedules import MetaStepType, analytic_bubble, build_schedule, format_schedule, simulate
 
 log = logging.getLogger(__name__)
+
+NO_SYNC = " (no sync)"  # name suffix of a stage's no-sync programs (summary keys)
 
 
 @dataclasses.dataclass
@@ -280,20 +289,35 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     colls = {}
     pass_seconds: dict = {"rewrites": lowered.rewrite_seconds}
     axis_of_group = group_axis_names(state.mesh, state.resolved.fsdp)
+    reductions = {}
     for s in resolved.local_stages:
         graph = stages[s]
-        stage_dumper = Dumper(os.path.join(state.options.dump_dir, f"stage{s}") if state.options.dump_dir else None, rank)
-        stage_dumper.graph("split", graph.gm)
-        pass_seconds[f"stage{s}"] = {}
-        gm = run_pass_pipeline(state, state.resolved, graph.gm, {}, None, lowered.annotated, stage_dumper.graph,
-                               pass_seconds[f"stage{s}"])
-        forward_gm, backward_gm, _ = partition_by_phase(gm, graph.num_forward_outputs)
-        compat.use_boxed_calling_convention(backward_gm)
-        stage_dumper.graph("forward", forward_gm)
-        stage_dumper.graph("backward", backward_gm)
-        programs[s] = StageProgram(s, forward_gm, backward_gm, graph)
-        colls[f"stage{s} forward"] = collectives(forward_gm, axis_of_group)
-        colls[f"stage{s} backward"] = collectives(backward_gm, axis_of_group)
+        # Gradients reduced once per step (passes/pipeline_split.py): the sync variant (the stage's last
+        # micro-batch) keeps the plain names and dump folders, the no-sync variant is beside it.
+        deferred = deferred_parameters(graph) if plan.num_microbatches > 1 else ()
+        variants = {"": graph}
+        if deferred:
+            variants = {"": sync_variant(graph, copy_graph_module(graph.gm)),
+                        NO_SYNC: no_sync_variant(graph, copy_graph_module(graph.gm))}
+        built = {}
+        for suffix, variant in variants.items():
+            folder = os.path.join(f"stage{s}", "no_sync") if suffix else f"stage{s}"
+            dump_dir = state.options.dump_dir
+            stage_dumper = Dumper(os.path.join(dump_dir, folder) if dump_dir else None, rank)
+            stage_dumper.graph("split", variant.gm)
+            seconds = pass_seconds[f"stage{s}{suffix}"] = {}
+            gm = run_pass_pipeline(state, state.resolved, variant.gm, {}, None, lowered.annotated,
+                                   stage_dumper.graph, seconds)
+            forward_gm, backward_gm, _ = partition_by_phase(gm, variant.num_forward_outputs)
+            compat.use_boxed_calling_convention(backward_gm)
+            stage_dumper.graph("forward", forward_gm)
+            stage_dumper.graph("backward", backward_gm)
+            built[suffix] = StageProgram(s, forward_gm, backward_gm, variant)
+            colls[f"stage{s} forward{suffix}"] = collectives(forward_gm, axis_of_group)
+            colls[f"stage{s} backward{suffix}"] = collectives(backward_gm, axis_of_group)
+            reductions[f"stage{s} backward{suffix}"] = gradient_reductions(backward_gm, axis_of_group)
+        programs[s] = (dataclasses.replace(built[NO_SYNC], deferred=frozenset(deferred), sync=built[""])
+                       if deferred else built[""])
     # The ranks of this stage mesh run the same stages: the plain path's check among them.
     check_spmd_on_mesh(colls, state.mesh)
 
@@ -305,6 +329,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         v.meta["val"].dtype for v, i in zip(lowered.local.graph.output_node().args[0], lowered.captured.outputs)
         if i.kind == OutputKind.OUTPUT
     )
+    runs = runs_per_step(schedule[resolved.rank], programs)
     executor = PipelineExecutor(programs, schedule[resolved.rank], transfers, resolved.num_ranks,
                                 plan.num_microbatches, pipe.pp_group, device, loss_dtype, token_mean)
     summary = {
@@ -315,6 +340,10 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         "num_microbatches": plan.num_microbatches,
         "transfers": [dataclasses.asdict(t) | {"dtype": str(t.dtype)} for t in transfers],
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
+        # Per training step of this rank: each program's collectives times its runs in the schedule.
+        "runs_per_step": runs,
+        "collectives_per_step": per_step(colls, runs),
+        "gradient_reductions_per_step": per_step(reductions, runs),
         "analytic_bubble": analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank),
     }
     if auto_report is not None:
@@ -326,6 +355,39 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule)
     return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary)
+
+
+def runs_per_step(schedule: list, programs: dict[int, StageProgram]) -> dict[str, int]:
+    """Program name (as in the summary's ``collectives``) -> how often one step runs it."""
+    sync_mb = sync_microbatches(schedule)
+    runs: dict[str, int] = {}
+    for step in flat_steps(schedule):
+        phase = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "backward"}.get(step.step_type)
+        if phase is None:
+            continue
+        program = programs[step.stage]
+        variant = program_for(program, step.micro_batch, sync_mb)
+        suffix = NO_SYNC if program.sync is not None and variant is program else ""
+        name = f"stage{step.stage} {phase}{suffix}"
+        runs[name] = runs.get(name, 0) + 1
+    return dict(sorted(runs.items()))
+
+
+_REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def gradient_reductions(gm: torch.fx.GraphModule, axis_of_group: dict) -> list:
+    """The collectives of a program that reduce parameter gradients (``debug.Collective``): the
+    all-reduces and reduce-scatters lowering made for a gradient slot (``hp_grad_of``) and the
+    bucketing pass's fusions of them (``hp_bucket``)."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return [c for c in collectives(gm, axis_of_group) if c.kind in _REDUCTIONS
+            and (meta.GRAD_OF in nodes[c.node].meta or meta.BUCKET in nodes[c.node].meta)]
+
+
+def per_step(per_program: dict[str, list], runs: dict[str, int]) -> dict:
+    """``collective_summary`` of a step: each program's collectives times the runs it makes."""
+    return collective_summary([c for name, colls in per_program.items() for c in colls * runs.get(name, 0)])
 
 
 def _device_of(module: nn.Module, flat: list) -> torch.device:
@@ -385,7 +447,8 @@ def pipeline_report(module) -> dict:
         raise RuntimeError("pipeline_report(): run pmodel.step(...) first")
     timing = entry.executor.last_timing
     mine = {"rank": pipe.resolved.rank, "bubble": timing.bubble_fraction(), "step_s": timing.step_s,
-            "events": timing.events}
+            "events": timing.events, "collectives": entry.summary["collectives_per_step"],
+            "gradient_reductions": entry.summary["gradient_reductions_per_step"]}
     everyone = [mine]
     if pipe.resolved.num_ranks > 1:
         everyone = [None] * pipe.resolved.num_ranks
@@ -408,4 +471,8 @@ def pipeline_report(module) -> dict:
         "measured_bubble_mean": sum(r["bubble"] for r in everyone) / len(everyone),
         "step_s": max(r["step_s"] for r in everyone),
         "timeline": {r["rank"]: r["events"] for r in everyone},
+        # Per pp rank (this stage-mesh coordinate), per training step: every collective of its
+        # programs, and the gradient reductions among them (once per step, not per micro-batch).
+        "collectives_per_step": {r["rank"]: r["collectives"] for r in everyone},
+        "gradient_reductions_per_step": {r["rank"]: r["gradient_reductions"] for r in everyone},
     }

@@ -30,12 +30,15 @@ class PipelinedModule(ParallelModule):
         return pipeline_step(self, inputs, targets)
 
     def pipeline_report(self) -> dict:
-        """The last pipeline step: schedule, split points, and the bubble fraction measured on
-        every pp rank next to the schedule's analytic one. Collective over the pp axis."""
+        """The last pipeline step: schedule, split points, the bubble fraction measured on every pp
+        rank next to the schedule's analytic one, and each pp rank's collectives per step (gradient
+        reductions apart). Collective over the pp axis."""
         return pipeline_report(self)
 
     def compile_summary(self) -> dict:
-        """The last step's stages: split points, transfers, collectives per stage program."""
+        """The last step's stages: split points, transfers, collectives per stage program (one
+        run), runs of each program per step, and this rank's collectives and gradient reductions
+        per step (``collectives_per_step``, ``gradient_reductions_per_step``)."""
         if self._hp.pipeline.last is None:
             raise RuntimeError("the module has not been compiled yet: run pmodel.step(...) once")
         return self._hp.pipeline.last.summary

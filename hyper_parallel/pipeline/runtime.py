@@ -8,7 +8,11 @@ rank's list of :class:`~hyper_parallel.pipeline.schedules.MetaStep`:
   that micro-batch (``torch.distributed`` ``irecv`` into buffers of the recorded shape and dtype);
 * ``FORWARD`` waits for them, runs the forward program and keeps its saved tensors per micro-batch;
   ``BACKWARD`` runs the backward program on them plus the received gradients, adds the parameter
-  gradients into a per-step accumulator and frees the saved tensors;
+  gradients into a per-step accumulator and frees the saved tensors. Gradients are reduced once per
+  step (passes/pipeline_split.py): a stage's micro-batches run its no-sync programs, whose backward
+  returns local unreduced gradients (summed here, per parameter), except the micro-batch of the
+  stage's last backward in the schedule, which runs the sync programs: their backward takes those
+  sums as ``grad_accum`` inputs and reduces everything once with the fused collectives;
 * ``FWD_SEND`` / ``BWD_SEND`` post ``isend`` of the values other stages read, batched per step.
 
 Values between two stages on the same rank (interleaved schedules with one pp rank) are handed
@@ -40,23 +44,49 @@ from .loss import summed_loss
 from .schedules import MetaStep, MetaStepType
 
 T = MetaStepType
+GRAD_ACCUM = InputKind.GRAD_ACCUM
+
+
+def flat_steps(schedule: list[MetaStep]) -> list[MetaStep]:
+    """The schedule's steps with overlapped pairs as their two sub-steps, in order."""
+    return [sub for step in schedule for sub in (step.sub_steps or (step,))]
+
+
+def sync_microbatches(schedule: list[MetaStep]) -> dict[int, int]:
+    """Stage -> the micro-batch of its last backward in this rank's schedule: the one that runs the
+    sync variant and reduces the step's gradients (passes/pipeline_split.py)."""
+    return {step.stage: step.micro_batch for step in flat_steps(schedule) if step.step_type is T.BACKWARD}
+
+
+def program_for(program: StageProgram, mb: int, sync_mb: dict[int, int]) -> StageProgram:
+    """The variant of ``program`` that runs micro-batch ``mb``."""
+    sync = getattr(program, "sync", None)  # (stand-ins for a StageProgram may lack it)
+    return sync if sync is not None and sync_mb.get(program.stage) == mb else program
 
 
 @dataclasses.dataclass
 class StageProgram:
-    """One stage's compiled programs and the description of their inputs and outputs."""
+    """One stage's compiled programs and the description of their inputs and outputs.
+
+    With gradient reduction once per step (passes/pipeline_split.py) this is the *no-sync* variant: backward
+    returns the local unreduced gradients of ``deferred`` parameters, and ``sync`` is the variant
+    that runs the stage's last micro-batch of the step (it takes their pending sums as
+    ``grad_accum`` inputs and reduces once). Without deferred gradients ``sync`` is None and this
+    program runs every micro-batch."""
 
     stage: int
     forward_gm: torch.fx.GraphModule
     backward_gm: torch.fx.GraphModule
     graph: StageGraph
+    deferred: frozenset = frozenset()
+    sync: "StageProgram | None" = None
 
     def __post_init__(self):
         graph = self.graph
         self.num_forward_outputs = graph.num_forward_outputs
         # What backward returns one gradient slot for (then its sends), and the transfers each
         # program's trailing outputs are, in order.
-        self.primal_infos = [i for i in graph.inputs if i.kind not in (InputKind.TANGENT, RECV_BWD)]
+        self.primal_infos = [i for i in graph.inputs if i.kind not in (InputKind.TANGENT, RECV_BWD, GRAD_ACCUM)]
         by_key = {(t.name, t.dst): t for t in graph.sends}
         self.sends = {
             phase: [by_key[(i.name, i.index)] for i in graph.outputs if i.kind == kind]
@@ -90,6 +120,7 @@ class PipelineExecutor:
         self.pp_group = pp_group
         self.device = device
         self.loss_dtype = loss_dtype
+        self.sync_mb = sync_microbatches(schedule)
         self.tag_of = {(t.name, t.dst): i for i, t in enumerate(transfers)}
         self.num_transfers = max(len(transfers), 1)
         self.last_timing: StepTiming | None = None
@@ -118,6 +149,7 @@ class PipelineExecutor:
         outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
         in_flight_sends: list = []  # (work, tensors): a sent value lives until its send completes
         grads: dict[str, torch.Tensor] = {}
+        pending: dict[str, torch.Tensor] = {}  # FQN -> sum of the local unreduced gradients so far
         loss_sum = count_sum = None
         seeds: dict[int, torch.Tensor] = {}  # micro-batch -> its backward's starting gradient
         scale = 1.0 / self.num_microbatches
@@ -126,7 +158,7 @@ class PipelineExecutor:
 
         for step in self.schedule:
             kind, s, mb = step.step_type, step.stage, step.micro_batch
-            program = self.programs[s]
+            program = program_for(self.programs[s], mb, self.sync_mb)
             if kind in (T.FWD_RECV, T.BWD_RECV):
                 phase = FORWARD if kind is T.FWD_RECV else BACKWARD
                 ops, keys = [], []
@@ -192,16 +224,20 @@ class PipelineExecutor:
                                         torch.full((), scale, dtype=self.loss_dtype, device=self.device))
                     elif info.kind == RECV_BWD:
                         tangents.append(self._take(received, pending_recv, (info.name, s, mb)))
+                    elif info.kind == GRAD_ACCUM:  # the sync variant reduces them with its own
+                        tangents.append(pending.pop(info.name))
                 args = saved.pop((s, mb)) + tangents
                 start = time.perf_counter() - t0
                 with torch.no_grad():
                     outs = program.backward_gm(args)
                 for info, g in zip(program.primal_infos, outs):
                     if info.kind == InputKind.PARAM and g is not None:
-                        if info.name in grads:
-                            grads[info.name].add_(g)  # the first one is this step's own buffer
+                        # Unreduced (no-sync variant) gradients wait for the sync variant.
+                        into = pending if info.name in program.deferred else grads
+                        if info.name in into:
+                            into[info.name].add_(g)  # the first one is this step's own buffer
                         else:
-                            grads[info.name] = g
+                            into[info.name] = g
                 self._route(program.sends[BACKWARD], outs[len(program.primal_infos):], s, mb, BACKWARD,
                             outgoing, received)
                 events.append((repr(step), s, start, time.perf_counter() - t0))
@@ -213,13 +249,16 @@ class PipelineExecutor:
                 )
         for work, _ in in_flight_sends:
             work.wait()
-        if saved or pending_recv:
-            # A forward without its backward (or a value received for nothing): missing gradients.
+        if saved or pending_recv or pending:
+            # A forward without its backward (or a value received for nothing, or gradients no
+            # sync variant reduced): missing gradients.
             left = []
             if saved:
                 left.append(f"the saved activations of (stage, micro-batch) {sorted(saved)}, whose backward did not run")
             if pending_recv:
                 left.append(f"the receives {sorted(pending_recv)}, which no step read")
+            if pending:
+                left.append(f"the unreduced gradients of {sorted(pending)[:3]}, which no sync backward reduced")
             raise internal_error(
                 "the pipeline executor", f"the step ended with {' and '.join(left)}, so the gradients would be "
                 "incomplete", workaround="another PipelinePlan(schedule=...)",
