@@ -87,9 +87,14 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
                     anchor.prepend(node)
     if depth > 0:
         for phase in (FORWARD, BACKWARD):
-            ordered = [g for g in gathers if gather_phase(g) == phase]
-            for k in range(depth, len(ordered)):
-                anchor = _wait_of(ordered[k - depth])
+            # Units in need order (where their gathers are waited for: this pass never moves a
+            # wait, so a second run sees the same order and moves nothing). When unit j waits,
+            # units j+1..j+depth are in flight: unit k's gather goes before the wait of unit
+            # k-depth, the first depth+1 units' before the first wait, each in need order.
+            order = _position(graph)
+            ordered = sorted((g for g in gathers if gather_phase(g) == phase), key=lambda g: order[_wait_of(g)])
+            for k in range(1, len(ordered)):
+                anchor = _wait_of(ordered[max(k - depth, 0)])
                 order = _position(graph)
                 if order[ordered[k]] < order[anchor]:
                     continue  # already issued early enough

@@ -118,7 +118,7 @@ def test_depth_one_issues_the_next_units_gather_before_the_current_wait():
 
 def test_depth_two_issues_each_gather_two_waits_ahead():
     """The docstring's rule, literally: unit k's gather goes just before the wait of unit k-2."""
-    gm = _run(*_fresh(prefetch_depth=2), idempotent=False)  # see the xfail below
+    gm = _run(*_fresh(prefetch_depth=2))
     order = _pos(gm)
     for phase in ("forward", "backward"):
         gathers = sorted(_fused(gm, AG, phase), key=lambda g: order[_wait(g)])  # in need order
@@ -126,15 +126,11 @@ def test_depth_two_issues_each_gather_two_waits_ahead():
             assert order[gathers[k]] < order[_wait(gathers[k - 2])], (phase, k)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "prefetch_depth=2 moves unit k's gather before unit k-2's wait but leaves unit 1's (forward) and "
-    "the second backward unit's where bucketing put them, after unit 2's: the next unit is not "
-    "prefetched at all and gathers are issued out of need order"))
 def test_depth_two_keeps_the_next_unit_prefetched_and_gathers_in_need_order():
     """With depth d every unit among the next d is already in flight when a unit waits, and the
     gathers are issued in the order they are waited for (collectives on one stream complete in
     issue order, so an out-of-order issue makes a wait also wait for a later unit's transfer)."""
-    gm = _run(*_fresh(prefetch_depth=2), idempotent=False)
+    gm = _run(*_fresh(prefetch_depth=2))
     order = _pos(gm)
     for phase in ("forward", "backward"):
         gathers = sorted(_fused(gm, AG, phase), key=lambda g: order[_wait(g)])  # in need order
@@ -143,10 +139,6 @@ def test_depth_two_keeps_the_next_unit_prefetched_and_gathers_in_need_order():
             assert order[gathers[k]] < order[_wait(gathers[k - 1])], (phase, k)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "prefetch_depth=2 is not idempotent: units are ordered by where their gathers are issued, which "
-    "the first run changed (unit 2's before unit 1's), so a second run moves unit 1's gather (forward) "
-    "and layers.3's (backward) again"))
 def test_depth_two_is_idempotent():
     _run(*_fresh(prefetch_depth=2))
 
