@@ -95,7 +95,8 @@ def run(args):
     results = {}
     for mode in args.modes:
         base = build_model(args).to(args.device)
-        hp_model = hp.parallelize(copy.deepcopy(base), _hp_plan(mode), mesh)
+        hp_model = hp.parallelize(copy.deepcopy(base), _hp_plan(mode), mesh,
+                                  reductions_in_flight=args.reductions_in_flight)
         eager = copy.deepcopy(base)
         _eager_layers(eager, mode)
         eager = torch.nn.parallel.DistributedDataParallel(eager)
@@ -171,6 +172,9 @@ def main():
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="cuda: one GPU per rank, NCCL, peaks from torch.cuda.max_memory_allocated")
+    parser.add_argument("--reductions-in-flight", type=int, default=None,
+                        help="hp's gradient buckets in flight during backward (default: hyper_parallel's "
+                        "choice, 0 on gloo: each waited at once; DDP overlaps its buckets)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     launch(run, report, args, args.world, threads=1)
