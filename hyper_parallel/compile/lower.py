@@ -34,6 +34,7 @@ from .capture import CapturedGraph, module_fqn_of
 from ..errors import internal_error
 from ..ir import meta
 from ..layout import format_placements
+from ..propagation import rules
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,9 @@ class _LocalInterpreter:
                 args, kwargs = pytree.tree_unflatten(locals_, tree)
                 return _wrap_replicated(node.target(*args, **kwargs), self.mesh, node)
             args, kwargs = pytree.tree_unflatten(values, tree)
-            out = node.target(*args, **kwargs)
+            # Ops our own rules shard where DTensor's kernels cannot (vocab-parallel loss).
+            kernel = rules.local_kernel(node.target, node.args, layout) or node.target
+            out = kernel(*args, **kwargs)
         _check_agrees(node, out, layout.output)
         return out
 

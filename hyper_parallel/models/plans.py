@@ -25,9 +25,12 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = False) 
     Needs ``num_key_value_heads``, ``intermediate_size`` and ``vocab_size`` divisible by the TP degree.
 
     With the defaults every style is a string and the logits leave ``lm_head`` sharded over the
-    vocabulary (``S(-1)``, ``ColwiseParallel``'s default); the loss needs whole vocabulary rows, so
-    the compiler redistributes them before the cross-entropy (single-device semantics hold for any
-    plan). The returned logits are global either way.
+    vocabulary (``S(-1)``, ``ColwiseParallel``'s default). The cross-entropy then runs
+    vocab-parallel on those shards (``propagation/rules.py``: per-token max and exp-sum all-reduces,
+    each rank picking the targets in its vocabulary range), so the loss never gathers the logits.
+    The logits *returned* to the user are global either way (the model's outputs keep the user
+    contract: batch-sharded like the inputs, whole elsewhere): that output is the one all-gather of
+    the logits left, in the logits' own dtype, and only the returned copy reads it.
 
     ``sequence_parallel=True`` (needs ``hyper_parallel.styles``): the norms
     (``model.layers.*.input_layernorm``, ``post_attention_layernorm``, ``model.norm``) become
@@ -39,9 +42,11 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = False) 
 
     ``loss_parallel=True`` (needs ``hyper_parallel.styles``): ``lm_head`` is
     ``ColwiseParallel(output_layouts=Shard(-1))`` stated explicitly, i.e. vocab-sharded logits go
-    into the cross-entropy (a vocab-parallel loss, no logits all-gather, where the compiler has a
-    rule for it). Without SP this pins the same placement as the string ``"colwise"``; the flag
-    mainly matters with ``sequence_parallel=True``, which otherwise gathers the logits.
+    into the cross-entropy, which runs vocab-parallel (no ``[tokens, vocab]`` buffer per rank on the
+    loss path; exact, also with ``ignore_index`` labels, class weights and every reduction). Without
+    SP this pins the same placement as the string ``"colwise"``; the flag matters with
+    ``sequence_parallel=True``, which otherwise gathers the logits at ``lm_head``'s output and runs
+    the loss on whole rows.
     """
     if not sequence_parallel and not loss_parallel:
         return {

@@ -59,18 +59,20 @@ def test_megatron_tensor_parallel(dist2, dist4, tp):
                        model_overrides={"num_key_value_heads": 4} if tp == 4 else None)
     summary = results[0]["summary"]
     # Megatron: 2 all-reduces per layer forward (o_proj, down_proj) + the vocab-parallel embedding;
-    # backward mirrored (attention and MLP block inputs) + the lm_head input.
-    assert _counts(summary, "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
-    assert _counts(summary, "backward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
-    # The logits are gathered twice: sliced for the loss, whole for the user-visible output.
-    assert _counts(summary, "forward", "all_gather", "tp") == 2
+    # backward mirrored (attention and MLP block inputs) + the lm_head input. The cross-entropy runs
+    # on the vocab-sharded logits: + the log-softmax's per-token max and exp-sum and the loss's
+    # partial sum forward, + the log-softmax backward's per-token sum.
+    assert _counts(summary, "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1 + 3
+    assert _counts(summary, "backward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1 + 1
+    # The logits are gathered once, for the user-visible output only (never for the loss).
+    assert _counts(summary, "forward", "all_gather", "tp") == 1
     assert summary["fallbacks"] == []
 
 
 def test_turning_cse_off_keeps_numerics(dist2):
     # run_parity asserts loss and gradients against the single device at every step.
     results = dist2.run(run_parity, "llama", "tp", (2,), ("tp",), disable_passes=("cse",))
-    assert _counts(results[0]["summary"], "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
+    assert _counts(results[0]["summary"], "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1 + 3
 
 
 def test_sequence_parallel(dist2):
@@ -91,7 +93,8 @@ def test_sequence_parallel(dist2):
 def test_2d_data_and_tensor_parallel(dist4):
     results = dist4.run(run_parity, "llama", "tp", (2, 2), ("dp", "tp"))
     summary = results[0]["summary"]
-    assert _counts(summary, "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1
+    # + the vocab-parallel loss's per-token max and exp-sum and the loss's partial sum.
+    assert _counts(summary, "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1 + 3
     assert summary["fallbacks"] == []
 
 

@@ -98,15 +98,19 @@ def test_megatron_tp_8_ranks_memory_and_collectives_match_analytic():
 
     fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
     activation = batch * seq * h * BF16
+    # The cross-entropy runs on the vocab-sharded logits (fp32, positions 0..s-2): one fp32 value
+    # per token for the log-softmax's max and exp-sum forward, the loss's partial sum (a scalar),
+    # and the log-softmax backward's per-token sum.
+    tokens = batch * (seq - 1) * FP32
     # Forward: o_proj and down_proj partial sums per layer, plus the vocab-parallel embedding.
-    assert fwd["all_reduce"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * activation}}
+    assert fwd["all_reduce"] == {"tp": {"count": 2 * L + 1 + 3, "bytes": (2 * L + 1) * activation + 2 * tokens + FP32}}
     # Backward mirrors it: the q/k/v and gate/up input gradients (each group summed, then reduced
     # once) per layer, plus lm_head's input gradient.
-    assert bwd["all_reduce"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * activation}}
-    # The vocab-sharded logits are gathered for the loss (fp32, positions 0..s-2) and for the
-    # returned logits (bf16); their gradients are local slices.
-    logits = batch * (seq - 1) * (vocab // tp) * FP32 + batch * seq * (vocab // tp) * BF16
-    assert fwd["all_gather"] == {"tp": {"count": 2, "bytes": logits}}
+    assert bwd["all_reduce"] == {"tp": {"count": 2 * L + 1 + 1, "bytes": (2 * L + 1) * activation + tokens}}
+    # The vocab-sharded logits are gathered only for the returned logits (bf16); their gradients
+    # are local slices.
+    logits = batch * seq * (vocab // tp) * BF16
+    assert fwd["all_gather"] == {"tp": {"count": 1, "bytes": logits}}
     assert set(bwd) == {"all_reduce"}
     assert report["mesh"] == {"axes": {"tp": 8}, "world_size": 8, "rank": 3}
 
@@ -118,18 +122,22 @@ def test_megatron_sequence_parallel_8_ranks_collectives_match_analytic():
     fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
     full, shard = batch * seq * h * BF16, batch * (seq // tp) * h * BF16  # residual stream: S(1)
     # Forward: the embedding and each o_proj / down_proj reduce-scatter to sequence shards; each
-    # attention / MLP input and lm_head's input is all-gathered from them. The logits are still
-    # gathered twice (vocab-parallel cross-entropy has no rule yet: loss fp32, returned logits bf16).
-    logits = batch * (seq - 1) * (vocab // tp) * FP32 + batch * seq * (vocab // tp) * BF16
+    # attention / MLP input and lm_head's input is all-gathered from them. The logits are gathered
+    # only for the returned logits (bf16): the cross-entropy runs on the vocab shards, with
+    # per-token (fp32) all-reduces of the log-softmax's max and exp-sum and the loss's partial sum.
+    logits = batch * seq * (vocab // tp) * BF16
+    tokens = batch * (seq - 1) * FP32
     assert fwd["reduce_scatter"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * full}}
-    assert fwd["all_gather"] == {"tp": {"count": 2 * L + 1 + 2, "bytes": (2 * L + 1) * shard + logits}}
+    assert fwd["all_gather"] == {"tp": {"count": 2 * L + 1 + 1, "bytes": (2 * L + 1) * shard + logits}}
+    assert fwd["all_reduce"] == {"tp": {"count": 3, "bytes": 2 * tokens + FP32}}
     # Backward transposes each: gathers for the reduce-scatters (the embedding's too: its
     # vocab-sharded weight gradient reads every position), reduce-scatters for the gathers but the
     # logits' (their gradients are local slices); the sequence-sharded norm weights' partial
-    # gradients (2 per layer + the final norm) are all-reduced in one bucket.
+    # gradients (2 per layer + the final norm) are all-reduced in one bucket; the log-softmax
+    # backward's per-token sum.
     assert bwd["all_gather"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * shard}}
     assert bwd["reduce_scatter"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * full}}
-    assert bwd["all_reduce"] == {"tp": {"count": 1, "bytes": (2 * L + 1) * h * BF16}}
+    assert bwd["all_reduce"] == {"tp": {"count": 2, "bytes": (2 * L + 1) * h * BF16 + tokens}}
 
 
 def test_sequence_parallel_preset_with_vocab_left_out_of_tensor_parallelism():
@@ -209,7 +217,8 @@ def test_cli_json_plan_file_and_python_m(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["model"]["fields"]["num_hidden_layers"] == 1 and report["plan"]["name"] == "my_plan.py"
     assert report["memory"]["optimizer_state"] == 0  # plain SGD keeps no state
-    assert report["collectives"]["forward"]["all_reduce"]["tp"]["count"] == 2 * 1 + 1
+    # Megatron, + the vocab-parallel loss (per-token max and exp-sum, the loss's partial sum).
+    assert report["collectives"]["forward"]["all_reduce"]["tp"]["count"] == 2 * 1 + 1 + 3
     # A data-parallel axis without FSDP: the gradients are all-reduced over it.
     assert "dp_shard" in report["collectives"]["backward"]["all_reduce"]
 
