@@ -17,11 +17,18 @@ __all__ = ["SCHEDULES", "MetaStep", "MetaStepType", "Timeline", "analytic_bubble
            "check_schedule", "format_schedule", "simulate"]
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+# Schedules build_schedule can make but the executor does not run yet (not accepted by PipelinePlan):
+# ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism") splits each backward into BACKWARD_INPUT
+# (input gradients, sent to the previous stage) and BACKWARD_WEIGHT (parameter gradients), and
+# delays the W steps into the cooldown bubble of 1F1B with 1F1B's activation memory bound.
+EXPERIMENTAL_SCHEDULES = ("ZBH1",)
 
 
 class MetaStepType(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    BACKWARD_INPUT = "I"  # zero-bubble: the input-gradient half of a backward
+    BACKWARD_WEIGHT = "W"  # zero-bubble: the weight-gradient half, after its BACKWARD_INPUT
     OVERLAP_F_B = "OFB"
     OVERLAP_B_F = "OBF"
     FWD_RECV = "FR"
@@ -31,7 +38,8 @@ class MetaStepType(enum.Enum):
 
 
 T = MetaStepType  # short alias: step types appear on most lines below
-_COMPUTE = (T.FORWARD, T.BACKWARD, T.OVERLAP_F_B, T.OVERLAP_B_F)
+_COMPUTE = (T.FORWARD, T.BACKWARD, T.OVERLAP_F_B, T.OVERLAP_B_F, T.BACKWARD_INPUT, T.BACKWARD_WEIGHT)
+_SENDS_GRAD = (T.BACKWARD, T.BACKWARD_INPUT)  # compute steps that receive and send input gradients
 _RECV, _SEND = (T.FWD_RECV, T.BWD_RECV), (T.FWD_SEND, T.BWD_SEND)
 # The peer a communication step must name, as an offset from its own stage.
 _PEER_OFFSET = {T.FWD_RECV: -1, T.FWD_SEND: +1, T.BWD_RECV: +1, T.BWD_SEND: -1}
@@ -84,8 +92,9 @@ def _check_count(name, value):
 
 def build_schedule(name, num_ranks, num_microbatches, stages_per_rank=1, overlap_p2p=False):
     """One ordered step list per pipeline rank 0..num_ranks-1, validated by check_schedule."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule name={name!r}; choose one of {SCHEDULES}")
+    if name not in SCHEDULES + EXPERIMENTAL_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule name={name!r}; choose one of "
+                         f"{SCHEDULES + EXPERIMENTAL_SCHEDULES}")
     for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                        ("stages_per_rank", stages_per_rank)):
         _check_count(arg, value)
@@ -108,6 +117,8 @@ def build_schedule(name, num_ranks, num_microbatches, stages_per_rank=1, overlap
     for r in range(p):
         if name == "GPipe":
             compute = [MetaStep(T.FORWARD, r, i) for i in range(m)] + [MetaStep(T.BACKWARD, r, i) for i in range(m)]
+        elif name == "ZBH1":
+            compute = _zero_bubble_h1(r, p, m)
         else:
             # Megatron: the extra 2*(p-r-1) + (v-1)*p warmup forwards of interleaving keep the
             # next chunk's input arriving before it is needed; plain 1F1B only fills the pipe.
@@ -134,6 +145,38 @@ def _one_f_one_b(rank, p, m, v, warmup):
     return order + [step(T.BACKWARD, k) for k in range(total - warmup, total)]
 
 
+def _zero_bubble_h1(rank, p, m):
+    """ZB-H1 on one stage per rank: 1F1B's forwards and input-gradient steps, W steps delayed.
+
+    Rank r runs 1F1B's ``p - r - 1`` warmup forwards, so it holds at most ``p - r`` micro-batches'
+    activations after a forward; it may keep ``r`` W steps pending (activations stay alive until
+    W) and still hold at most ``p``, the bound of 1F1B's rank 0. Delayed W steps run in the
+    cooldown, right after each input-gradient step, where 1F1B waits for the next stage.
+    """
+    def F(mb):
+        return MetaStep(T.FORWARD, rank, mb)
+
+    def I(mb):  # noqa: E743 - the paper's name for the input-gradient step
+        return MetaStep(T.BACKWARD_INPUT, rank, mb)
+
+    def W(mb):
+        return MetaStep(T.BACKWARD_WEIGHT, rank, mb)
+
+    warmup, delay = min(p - rank - 1, m), rank
+    order, next_w = [F(k) for k in range(warmup)], 0
+    for i in range(m - warmup):
+        order += [F(warmup + i), I(i)]
+        while i + 1 - next_w > delay:
+            order.append(W(next_w))
+            next_w += 1
+    for k in range(m - warmup, m):
+        order.append(I(k))
+        if next_w <= k:  # one delayed W fills the wait for the next input gradient
+            order.append(W(next_w))
+            next_w += 1
+    return order + [W(k) for k in range(next_w, m)]
+
+
 def _add_p2p(compute, num_ranks, num_stages, overlap_p2p):
     """Surround each compute step with its receives and sends (none for a same-rank hand-off)."""
 
@@ -144,6 +187,10 @@ def _add_p2p(compute, num_ranks, num_stages, overlap_p2p):
 
     recvs, sends = [], []
     for c in compute:
+        if c.step_type is T.BACKWARD_WEIGHT:  # parameter gradients stay on the stage
+            recvs.append([])
+            sends.append([])
+            continue
         sign = -1 if c.step_type is T.FORWARD else 1  # forward data flows up the stages, grads down
         recv, send = (T.FWD_RECV, T.FWD_SEND) if sign < 0 else (T.BWD_RECV, T.BWD_SEND)
         recvs.append(comm(recv, c, c.stage + sign))
@@ -203,24 +250,35 @@ def check_schedule(schedule, num_stages, num_microbatches):
                 table[key] = (r, i, sub)
     for s in range(num_stages):
         for mb in range(num_microbatches):
-            for kind in (T.FORWARD, T.BACKWARD):
+            split = (T.BACKWARD_INPUT, s, mb) in compute_at or (T.BACKWARD_WEIGHT, s, mb) in compute_at
+            if split and (T.BACKWARD, s, mb) in compute_at:
+                r, i, step = compute_at[T.BACKWARD, s, mb]
+                raise ValueError(f"{_where(r, i, step)}: micro-batch {mb} of stage {s} has both a full "
+                                 f"BACKWARD and a split one (BACKWARD_INPUT / BACKWARD_WEIGHT)")
+            kinds = (T.FORWARD, T.BACKWARD_INPUT, T.BACKWARD_WEIGHT) if split else (T.FORWARD, T.BACKWARD)
+            for kind in kinds:
                 if (kind, s, mb) not in compute_at:
                     raise ValueError(f"rank {s % p} has no {kind.name} of micro-batch {mb} for stage {s}; "
                                      f"expected {MetaStep(kind, s, mb)!r}\n{format_schedule(schedule)}")
-            f_idx, (r, b_idx, b) = compute_at[T.FORWARD, s, mb][1], compute_at[T.BACKWARD, s, mb]
-            if b_idx < f_idx:
-                raise ValueError(f"{_where(r, b_idx, b)} comes before its forward at step {f_idx}")
+            for before, after in zip(kinds, kinds[1:]):  # F before B (or I), I before its W
+                a_idx, (r, b_idx, b) = compute_at[before, s, mb][1], compute_at[after, s, mb]
+                if b_idx < a_idx:
+                    what = "forward" if before is T.FORWARD else before.name
+                    raise ValueError(f"{_where(r, b_idx, b)} comes before its {what} at step {a_idx}")
     for (kind, *key), (r, i, step) in comm_at.items():
         other = _MATCH[kind]
         if (other, *key) not in comm_at:
             peer = MetaStep(other, step.peer_stage, step.micro_batch, step.stage)
             raise ValueError(f"{_where(r, i, step)} has no matching {other.name} {peer!r} "
                              f"on rank {step.peer_stage % p}")
-        compute = compute_at[T.FORWARD if kind.value[0] == "F" else T.BACKWARD, step.stage, step.micro_batch]
+        grad = T.BACKWARD_INPUT if (T.BACKWARD_INPUT, step.stage, step.micro_batch) in compute_at else T.BACKWARD
+        compute = compute_at[T.FORWARD if kind.value[0] == "F" else grad, step.stage, step.micro_batch]
         if (kind in _SEND) != (compute[1] < i):  # sends follow the step they send; recvs precede it
             raise ValueError(f"{_where(r, i, step)} must come {'after' if kind in _SEND else 'before'} "
                              f"{compute[2]!r} (step {compute[1]})")
     for (kind, s, mb), (r, i, step) in compute_at.items():
+        if kind is T.BACKWARD_WEIGHT:
+            continue  # reads only its own stage's values
         src = s - 1 if kind is T.FORWARD else s + 1
         if 0 <= src < num_stages and src % p != r:
             recv = MetaStep(T.FWD_RECV if kind is T.FORWARD else T.BWD_RECV, s, mb, src)
@@ -237,8 +295,10 @@ def check_schedule(schedule, num_stages, num_microbatches):
 def _deps(step, num_stages, num_ranks):
     """What a compute step waits for: keys of the producing compute step or the remote send."""
     s, mb = step.stage, step.micro_batch
+    if step.step_type is T.BACKWARD_WEIGHT:
+        return [(T.BACKWARD_INPUT, s, mb)]
     src, kind = (s - 1, T.FORWARD) if step.step_type is T.FORWARD else (s + 1, T.BACKWARD)
-    deps = [(T.FORWARD, s, mb)] if step.step_type is T.BACKWARD else []
+    deps = [(T.FORWARD, s, mb)] if step.step_type in _SENDS_GRAD else []
     if 0 <= src < num_stages:
         same_rank = src % num_ranks == s % num_ranks
         deps.append((kind, src, mb) if same_rank else (T.FWD_SEND if kind is T.FORWARD else T.BWD_SEND, src, mb))
@@ -279,6 +339,9 @@ def _execute(schedule, num_stages, duration, p2p_time):
                         cost = sum(duration(sub) for sub in _flat(step))
                         clock[r], busy[r] = ready + cost, busy[r] + cost
                         done.update(dict.fromkeys(finished, clock[r]))
+                        for kind, s, mb in finished:  # an input-gradient step feeds what a BACKWARD does
+                            if kind is T.BACKWARD_INPUT:
+                                done[T.BACKWARD, s, mb] = clock[r]
                         events.append((r, step, ready, clock[r]))
                         pos[r] += 1
                         progress = True
@@ -309,19 +372,29 @@ class Timeline:
         return (total - sum(self.busy.values())) / total if total else 0.0
 
 
-def simulate(schedule, forward_time, backward_time, p2p_time=0.0):
-    """Replay a schedule with per-stage times (a float, or a dict stage -> float) and return its Timeline."""
+def simulate(schedule, forward_time, backward_time, p2p_time=0.0, weight_time=None):
+    """Replay a schedule with per-stage times (a float, or a dict stage -> float) and return its Timeline.
+
+    ``backward_time`` is a full BACKWARD's time, and a BACKWARD_INPUT's in a zero-bubble schedule;
+    ``weight_time`` (required when the schedule has BACKWARD_WEIGHT steps) is a W step's time.
+    """
     steps = [sub for lst in schedule.values() for step in lst for sub in _flat(step)]
     num_stages = 1 + max((s.stage for s in steps), default=0)
     check_schedule(schedule, num_stages, 1 + max((s.micro_batch for s in steps), default=0))
     times = {}
-    for name, value in (("forward_time", forward_time), ("backward_time", backward_time)):
+    named = [("forward_time", forward_time), ("backward_time", backward_time)]
+    if any(s.step_type is T.BACKWARD_WEIGHT for s in steps):
+        if weight_time is None:
+            raise ValueError("the schedule has BACKWARD_WEIGHT steps: give simulate(..., weight_time=...)")
+        named.append(("weight_time", weight_time))
+    for name, value in named:
         per_stage = value if isinstance(value, dict) else dict.fromkeys(range(num_stages), value)
         for s in range(num_stages):
             if not isinstance(per_stage.get(s), (int, float)) or per_stage[s] < 0:
                 raise ValueError(f"{name} must give a number >= 0 for every stage 0..{num_stages - 1}, "
                                  f"got {per_stage.get(s)!r} for stage {s}")
         times[name[0].upper()] = per_stage
+    times["I"] = times["B"]
     if not isinstance(p2p_time, (int, float)) or p2p_time < 0:
         raise ValueError(f"p2p_time must be a number >= 0, got {p2p_time!r}")
     events, _, busy = _execute(

@@ -89,3 +89,70 @@ def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
     bwd.output(tuple(benv[g] if isinstance(g, torch.fx.Node) else g for g in grads))
     _eliminate_dead_code(bwd)
     return torch.fx.GraphModule(joint, fwd), torch.fx.GraphModule(joint, bwd), len(saved)
+
+
+def split_backward(bwd: torch.fx.GraphModule, weight_outputs):
+    """Zero-bubble cut of a backward program: (B GraphModule, W GraphModule, number of B outputs,
+    indices of ``bwd``'s inputs W reads directly).
+
+    ``weight_outputs``: indices of ``bwd``'s output slots that are parameter gradients (with their
+    reductions, in a sync variant). W computes the nodes only those outputs need; every other node
+    (input gradients, ``send_bwd`` values, and anything both need) goes to B. B takes ``bwd``'s
+    inputs and returns its other output slots in order, then the values of B's nodes W reads; W
+    takes those values, then the ``bwd`` inputs it reads itself (saved tensors only W needs, and
+    ``grad_accum`` inputs, which the caller supplies when W runs), and returns the weight slots in
+    order. The cut moves nodes, it changes no op: W's outputs equal ``bwd``'s weight slots.
+    """
+    outputs = list(bwd.graph.output_node().args[0])
+    weight_outputs = sorted(set(weight_outputs))
+    if any(not 0 <= i < len(outputs) for i in weight_outputs):
+        raise ValueError(f"split_backward: weight output slots {weight_outputs} are out of range for a "
+                         f"backward with {len(outputs)} outputs")
+    other = [i for i in range(len(outputs)) if i not in weight_outputs]
+
+    def ancestors(roots):
+        seen, stack = set(), [r for r in roots if isinstance(r, torch.fx.Node)]
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                stack.extend(node.all_input_nodes)
+        return seen
+
+    b_needs = ancestors(outputs[i] for i in other)
+    w_needs = ancestors(outputs[i] for i in weight_outputs)
+    w_nodes = [n for n in bwd.graph.nodes
+               if n.op not in ("placeholder", "output") and n not in b_needs and n in w_needs]
+    w_set = set(w_nodes)
+    crossing = []  # values B hands to W, in graph order
+    for node in bwd.graph.nodes:
+        if node not in w_set and node.op != "output" and any(u in w_set for u in node.users):
+            crossing.append(node)
+    crossing += [outputs[i] for i in weight_outputs if isinstance(outputs[i], torch.fx.Node)
+                 and outputs[i] not in w_set and outputs[i] not in crossing]
+    placeholders = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    w_inputs = [n for n in placeholders if n in crossing]  # W reads these bwd inputs directly
+    crossing = [n for n in crossing if n.op != "placeholder"]
+
+    b_graph, env = torch.fx.Graph(), {}
+    for node in bwd.graph.nodes:
+        if node.op == "output" or node in w_set:
+            continue
+        env[node] = b_graph.placeholder(node.name) if node.op == "placeholder" else _copy(b_graph, node, env)
+        if node.op == "placeholder":
+            env[node].meta = node.meta
+    b_graph.output(tuple(env[outputs[i]] if isinstance(outputs[i], torch.fx.Node) else outputs[i] for i in other)
+                   + tuple(env[n] for n in crossing))
+    _eliminate_dead_code(b_graph)
+
+    w_graph, wenv = torch.fx.Graph(), {}
+    for node in crossing + w_inputs:
+        wenv[node] = w_graph.placeholder(node.name)
+        wenv[node].meta = node.meta
+    for node in w_nodes:
+        wenv[node] = _copy(w_graph, node, wenv)
+    w_graph.output(tuple(wenv[outputs[i]] if isinstance(outputs[i], torch.fx.Node) else outputs[i]
+                         for i in weight_outputs))
+    _eliminate_dead_code(w_graph)
+    return (torch.fx.GraphModule(bwd, b_graph), torch.fx.GraphModule(bwd, w_graph), len(other),
+            [placeholders.index(n) for n in w_inputs])

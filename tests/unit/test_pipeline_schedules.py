@@ -295,3 +295,104 @@ def test_analytic_bubble():
     assert analytic_bubble(1, 5) == 0.0
     with pytest.raises(ValueError, match="num_microbatches"):
         analytic_bubble(4, 0)
+
+
+# --- ZB-H1 (zero bubble, Qi et al. 2023): backward split into input (I) and weight (W) steps ---
+
+def test_zbh1_builds_checks_and_keeps_every_w_after_its_i():
+    for p, m in itertools.product(range(1, 5), range(1, 9)):
+        schedule = build_schedule("ZBH1", p, m)
+        check_schedule(schedule, p, m)
+        for r, steps in schedule.items():
+            kinds = [s.step_type for s in steps]
+            assert MetaStepType.BACKWARD not in kinds
+            for kind in (MetaStepType.FORWARD, MetaStepType.BACKWARD_INPUT, MetaStepType.BACKWARD_WEIGHT):
+                assert sorted(s.micro_batch for s in steps if s.step_type is kind) == list(range(m)), (p, m, r)
+            # W steps never touch the network.
+            idx = {(s.step_type, s.micro_batch): i for i, s in enumerate(steps)}
+            for mb in range(m):
+                assert idx[MetaStepType.BACKWARD_INPUT, mb] < idx[MetaStepType.BACKWARD_WEIGHT, mb]
+
+
+def test_zbh1_order_on_two_ranks():
+    schedule = build_schedule("ZBH1", 2, 4)
+    assert " ".join(map(repr, schedule[0])) == (
+        "F0@s0 FS0@s0>s1 F1@s0 FS1@s0>s1 BR0@s0<s1 I0@s0 W0@s0 F2@s0 FS2@s0>s1 BR1@s0<s1 I1@s0 W1@s0 "
+        "F3@s0 FS3@s0>s1 BR2@s0<s1 I2@s0 W2@s0 BR3@s0<s1 I3@s0 W3@s0")
+    assert " ".join(map(repr, schedule[1])) == (
+        "FR0@s1<s0 F0@s1 I0@s1 BS0@s1>s0 FR1@s1<s0 F1@s1 I1@s1 BS1@s1>s0 W0@s1 FR2@s1<s0 F2@s1 I2@s1 "
+        "BS2@s1>s0 W1@s1 FR3@s1<s0 F3@s1 I3@s1 BS3@s1>s0 W2@s1 W3@s1")
+
+
+def test_zbh1_memory_bound_matches_1f1b():
+    """Activations live from F to W: at most p micro-batches in flight on any rank, as on 1F1B's rank 0."""
+    for p, m in itertools.product(range(1, 5), range(1, 9)):
+        one_f_one_b = build_schedule("1F1B", p, m)
+        for r, steps in build_schedule("ZBH1", p, m).items():
+            in_flight = peak = 0
+            for s in steps:
+                in_flight += {MetaStepType.FORWARD: 1, MetaStepType.BACKWARD_WEIGHT: -1}.get(s.step_type, 0)
+                peak = max(peak, in_flight)
+            assert in_flight == 0 and peak <= min(p, m), (p, m, r)
+            if r == 0:  # rank 0 holds exactly as many as under 1F1B
+                ref = peak_1f1b = 0
+                for s in one_f_one_b[0]:
+                    ref += {MetaStepType.FORWARD: 1, MetaStepType.BACKWARD: -1}.get(s.step_type, 0)
+                    peak_1f1b = max(peak_1f1b, ref)
+                assert peak == peak_1f1b, (p, m)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 8), (4, 2)])
+def test_zbh1_bubble_smaller_than_1f1b(p, m):
+    """Equal F = B = W = 1: 1F1B's B step is B + W = 2. The makespan drops from
+    (m + p - 1)(F + B + W) to m(F + B + W) + (p - 1)(F + B - W) when m >= p."""
+    zb = simulate(build_schedule("ZBH1", p, m), 1.0, 1.0, weight_time=1.0)
+    ref = simulate(build_schedule("1F1B", p, m), 1.0, 2.0)
+    assert ref.makespan == (m + p - 1) * 3
+    assert zb.makespan < ref.makespan and zb.bubble_fraction() < ref.bubble_fraction()
+    if m >= p:
+        assert zb.makespan == m * 3 + (p - 1) * 1
+    assert sum(zb.busy.values()) == sum(ref.busy.values()) == p * m * 3
+
+
+def test_zbh1_simulate_needs_weight_time_and_per_stage_times():
+    schedule = build_schedule("ZBH1", 2, 2)
+    with pytest.raises(ValueError, match="weight_time"):
+        simulate(schedule, 1.0, 1.0)
+    with pytest.raises(ValueError, match="weight_time must give a number"):
+        simulate(schedule, 1.0, 1.0, weight_time={0: 1.0})
+    tl = simulate(schedule, {0: 1.0, 1: 2.0}, 1.0, weight_time={0: 0.5, 1: 3.0})
+    assert tl.busy == {0: 2 * (1.0 + 1.0 + 0.5), 1: 2 * (2.0 + 1.0 + 3.0)}
+
+
+def test_zbh1_check_catches_w_before_i_and_mixed_backward():
+    schedule = build_schedule("ZBH1", 2, 2)
+    bad = dict(schedule)
+    bad[1] = parse("FR0@s1<s0 F0@s1 W0@s1 I0@s1 BS0@s1>s0 FR1@s1<s0 F1@s1 I1@s1 BS1@s1>s0 W1@s1")
+    with pytest.raises(ValueError, match=r"rank 1 step 2 \(W0@s1\) comes before its BACKWARD_INPUT at step 3"):
+        check_schedule(bad, 2, 2)
+    missing = dict(schedule)
+    missing[1] = [s for s in schedule[1] if repr(s) != "W1@s1"]
+    with pytest.raises(ValueError, match=r"rank 1 has no BACKWARD_WEIGHT of micro-batch 1 for stage 1"):
+        check_schedule(missing, 2, 2)
+    mixed = dict(schedule)
+    mixed[1] = schedule[1] + parse("B1@s1")
+    with pytest.raises(ValueError, match="both a full BACKWARD and a split one"):
+        check_schedule(mixed, 2, 2)
+
+
+def test_zbh1_format_schedule_shows_i_and_w():
+    text = format_schedule(build_schedule("ZBH1", 2, 2))
+    assert text.splitlines()[0].split() == ["step", "|", "rank", "0", "|", "rank", "1"]
+    assert "I0@s0" in text and "W1@s1" in text
+
+
+def test_zbh1_is_not_a_plan_schedule_yet():
+    """The executor does not run split backwards yet: PipelinePlan refuses ZBH1 clearly."""
+    from hyper_parallel.pipeline.plan import PipelinePlan
+
+    assert "ZBH1" not in SCHEDULES
+    with pytest.raises(ValueError, match="not a schedule"):
+        PipelinePlan(schedule="ZBH1")
+    with pytest.raises(ValueError, match="one stage per rank"):
+        build_schedule("ZBH1", 2, 4, stages_per_rank=2)
