@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import pytest
 import torch
 
 from hyper_parallel.compile.capture import module_fqn_of
