@@ -221,7 +221,8 @@ def _issue_alone(graph, members, label):
     (member,) = members
     wait = _single_wait(member)
     source = member.args[0]
-    if _position(graph)[source] < _position(graph)[member]:
+    order = _position(graph)
+    if order[source] < order[member]:
         source.append(member)
         member.append(wait)
     for node in (member, wait):
