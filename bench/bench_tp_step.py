@@ -3,11 +3,12 @@
 ``python bench/bench_tp_step.py`` spawns ``--tp`` (default 4) gloo processes on CPU. Both programs
 run the same Llama config, weights (same seed) and inputs on a 1-D ``("tp",)`` mesh:
 
-* hyper_parallel: ``hp.parallelize(model, llama_tp_plan(), mesh)`` (compiled on the first call);
+* hyper_parallel: ``hp.parallelize(model, {**llama_tp_plan(), "outputs": {"logits": Replicate()}}, mesh)``
+  (compiled on the first call; the loss runs vocab-parallel, the returned logits are gathered);
 * torch eager: ``torch.distributed.tensor.parallel.parallelize_module`` with the equivalent plan
   (q/k/v/gate/up ``ColwiseParallel``, o/down ``RowwiseParallel``, embedding
   ``RowwiseParallel(input_layouts=Replicate())``, lm_head ``ColwiseParallel(output_layouts=Replicate())``),
-  so both gather the logits and the model computes the loss in both.
+  so both return whole logits and the model computes the loss in both.
 
 A step is forward + backward + ``SGD.step`` + ``zero_grad``. Each side gets ``--warmup`` steps
 (hyper_parallel's first one compiles), then ``--steps`` timed steps, interleaved hp/eager so
@@ -121,7 +122,11 @@ def run(args: argparse.Namespace) -> dict | None:
     ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
 
     hp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    hp_model = hp.parallelize(copy.deepcopy(ref), llama_tp_plan(), hp_mesh)
+    from torch.distributed.tensor import Replicate
+
+    # Whole logits returned, as eager's lm_head gives them (hp's default keeps them vocab-sharded).
+    hp_plan = {**llama_tp_plan(), "outputs": {"logits": Replicate()}}
+    hp_model = hp.parallelize(copy.deepcopy(ref), hp_plan, hp_mesh)
     hp_opt = torch.optim.SGD(hp_model.parameters(), lr=args.lr)
 
     torch_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -36,6 +36,7 @@ first ``step()``; one that already has state for them is an error, never a silen
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import linecache
 import os
@@ -294,6 +295,8 @@ def _forward_outside_dynamo(self, *args, **kwargs):
 def _parallelize_in_place(module: nn.Module, plan, mesh, pass_options: dict) -> None:
     before = dict(module.named_parameters())
     parallelize(module, plan, mesh, **pass_options)
+    # Dynamo's graph returns the model's own tensors: plain, whole on the non-data-parallel axes.
+    module._hp.resolved = dataclasses.replace(module._hp.resolved, whole_outputs=True)
     parallel_cls = type(module)
     module.__class__ = type(
         parallel_cls.__name__, (parallel_cls,),

@@ -54,6 +54,27 @@ class CompiledEntry:
     report: PropagationReport
     summary: dict
     index_inputs: tuple = ()  # runtime.input_check.IndexInput: ids and labels checked before each call
+    # (flat output index, sub-mesh, placements): outputs returned as DTensors over the
+    # non-data-parallel axes they stay sharded on (see returned_shardings).
+    returned: tuple = ()
+
+
+def returned_shardings(mesh, resolved: ResolvedPlan, report: PropagationReport) -> tuple:
+    """The user outputs propagation left sharded on a non-data-parallel axis (vocab-parallel
+    logits): each with the sub-mesh of those axes and its placements there, so the runtime returns
+    it as a DTensor over them. On the data-parallel axes every output is this rank's part of the
+    batch, as a plain tensor is without them."""
+    names = tuple(mesh.mesh_dim_names or ())
+    free = tuple(a for a in names if a not in resolved.data_parallel_axes)
+    if not free:
+        return ()
+    result = []
+    for index, placements in sorted(report.output_placements.items()):
+        on_free = tuple(placements[names.index(a)] for a in free)
+        if any(isinstance(p, Shard) for p in on_free):
+            sub_mesh = mesh[free] if len(free) > 1 else mesh[free[0]]
+            result.append((index, sub_mesh, on_free))
+    return tuple(result)
 
 
 def signature(x):
@@ -272,7 +293,8 @@ def finish(
     if current_rank() == 0:
         log.info("[compile] %s", summary["collectives_per_step"])
         log.info("[compile] seconds per rewrite and pass: %s", {k: round(v, 4) for k, v in pass_seconds.items()})
-    return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured))
+    return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured),
+                         returned_shardings(mesh, resolved_plan, lowered.report))
 
 
 def compile_within_budget(

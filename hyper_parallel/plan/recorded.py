@@ -78,14 +78,7 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
             if key in layouts
             else entry
         )
-    inputs = dict(a.inputs)
-    for name, spec in b.inputs.items():
-        if name in inputs and inputs[name] != spec:
-            raise ValueError(
-                f"inputs[{name!r}] is given twice with different layouts: {inputs[name]!r} and "
-                f"{spec!r}; keep one"
-            )
-        inputs[name] = spec
+    inputs, outputs = _merged_layouts("inputs", a.inputs, b.inputs), _merged_layouts("outputs", a.outputs, b.outputs)
     options = {}
     for name in ("fully_shard", "recompute", "swap", "pipeline"):
         value_a, value_b = getattr(a, name), getattr(b, name)
@@ -106,8 +99,22 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
     else:
         tp_axis = a.tp_axis if a.tp_axis != "tp" else b.tp_axis
     return ParallelPlan(
-        tensor_parallel=tensor_parallel, layouts=layouts, inputs=inputs, tp_axis=tp_axis, **options
+        tensor_parallel=tensor_parallel, layouts=layouts, inputs=inputs, outputs=outputs, tp_axis=tp_axis,
+        **options,
     )
+
+
+def _merged_layouts(key: str, a: dict, b: dict) -> dict:
+    """``inputs`` or ``outputs`` of two plans; a name both give differently is a ValueError."""
+    merged = dict(a)
+    for name, spec in b.items():
+        if name in merged and merged[name] != spec:
+            raise ValueError(
+                f"{key}[{name!r}] is given twice with different layouts: {merged[name]!r} and "
+                f"{spec!r}; keep one"
+            )
+        merged[name] = spec
+    return merged
 
 
 @dataclass(frozen=True)

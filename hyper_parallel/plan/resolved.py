@@ -8,6 +8,7 @@ and, once fsdp/resolve.py has resolved the FSDP units, ``fsdp``.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
@@ -54,6 +55,8 @@ class ResolvedPlan:
     * ``modules``: module FQN -> :class:`ModuleConstraints` (only modules with a constraint).
     * ``inputs``: forward argument name -> full-mesh placements overriding the default input layout
       (see :meth:`input_placements`).
+    * ``outputs``, ``whole_outputs``: how returned values leave the program (see
+      :meth:`output_override` and ``propagation/engine.py``).
     * ``data_parallel_axes``: mesh axes along which inputs are batch-sharded by default.
     * ``tp_axis``: the axis tensor-parallel styles applied on (None if the plan has none and the
       mesh has no such axis).
@@ -68,6 +71,11 @@ class ResolvedPlan:
     mesh_dim_names: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     fsdp: FsdpPlan | None = None  # set when the plan shards parameters over data-parallel axes
+    # plan.outputs: returned-value name glob -> {non-data-parallel axis: placement}.
+    outputs: dict[str, dict[str, Placement]] = field(default_factory=dict, hash=False)
+    # Every returned value whole on the non-data-parallel axes, plain tensors (the torch.compile
+    # backend: Dynamo's graph expects the model's own output shapes).
+    whole_outputs: bool = False
 
     def input_placements(self, name: str, ndim: int) -> tuple[Placement, ...]:
         """Placements of forward input ``name`` with ``ndim`` dims: the plan's override or the default."""
@@ -75,6 +83,15 @@ class ResolvedPlan:
         if override is None:
             return default_input_placements(self.mesh_dim_names, ndim)
         return normalize_placements(override, ndim, f"inputs[{name!r}]")
+
+    def output_override(self, name: str) -> dict[str, Placement]:
+        """The plan's placements for returned value ``name`` on the non-data-parallel axes it names
+        (merged over every matching glob, later entries winning); empty if none matches."""
+        found: dict[str, Placement] = {}
+        for glob, placements in self.outputs.items():
+            if fnmatch.fnmatchcase(name, glob):
+                found.update(placements)
+        return found
 
     def describe(self) -> str:
         """A readable table of the resolved plan (for dumps and debugging)."""

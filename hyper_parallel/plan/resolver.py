@@ -250,6 +250,31 @@ class _Resolver:
             result[name] = self.full_mesh(spec, None, f"inputs[{name!r}]")
         return result
 
+    def resolve_outputs(self, dp_axes: tuple[str, ...]) -> dict[str, dict[str, Placement]]:
+        """``plan.outputs``: name glob -> {non-data-parallel axis: placement}. The names are checked
+        against the model's returned values when it is captured (propagation), not here."""
+        result = {}
+        for name, spec in self.plan.outputs.items():
+            where = f"outputs[{name!r}]"
+            free_axes = [a for a in self.names if a not in dp_axes]
+            by_axis = dict(spec) if isinstance(spec, Mapping) else {a: spec for a in free_axes}
+            placements = {}
+            for axis, p in by_axis.items():
+                if axis in dp_axes:
+                    raise ValueError(
+                        f"{where}: {axis!r} is a data-parallel axis; outputs are always this rank's "
+                        f"part of the batch there (as inputs). Name only the other axes {free_axes}"
+                    )
+                placement = to_placements(p, self.names, axis=axis, where=where)[self.names.index(axis)]
+                if placement.is_partial():
+                    raise ValueError(
+                        f"{where}: a returned value cannot be Partial on {axis!r} (the caller would "
+                        "get an unreduced sum); use Replicate() or Shard(dim)"
+                    )
+                placements[axis] = placement
+            result[name] = placements
+        return result
+
     def module_constraints(self) -> dict[str, ModuleConstraints]:
         result = {}
         # Model order (not plan order), so dumps read top-down like the model.
@@ -290,6 +315,8 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
     resolver.apply_ties()
     resolver.check_divisibility()
     inputs = resolver.resolve_inputs()
+    dp_axes = data_parallel_axes(mesh)
+    outputs = resolver.resolve_outputs(dp_axes)
     # fully_shard / recompute / swap / pipeline are not resolved here: later compiler stages read
     # them from the plan (and reject what they do not support yet).
     param_placements = {
@@ -302,7 +329,8 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
         param_sources=param_sources,
         modules=resolver.module_constraints(),
         inputs=inputs,
-        data_parallel_axes=data_parallel_axes(mesh),
+        outputs=outputs,
+        data_parallel_axes=dp_axes,
         tp_axis=tp_axis,
         mesh_dim_names=resolver.names,
         mesh_shape=resolver.shape,

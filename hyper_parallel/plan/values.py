@@ -119,15 +119,22 @@ class ParallelPlan:
       Replicate; for a forward input/output they are left as propagated.
     * ``inputs``: forward argument name -> layout, overriding the default input layout (Shard(0)
       on the data-parallel axes, Replicate elsewhere).
+    * ``outputs``: returned-value name glob (``"logits"``, ``"loss"``, ``"0"`` for a tuple's first
+      item, ``"*"``) -> placement on the non-data-parallel axes (one Placement for all of them, or
+      ``{axis: Placement}``). By default an output keeps the sharding it was computed with on those
+      axes and is returned as a DTensor over them (vocab-parallel logits stay sharded); an entry
+      such as ``{"logits": Replicate()}`` returns it whole instead. Data-parallel axes always give
+      this rank's part of the batch, as for inputs.
     * ``fully_shard``, ``recompute``, ``swap``, ``pipeline``: options for later compiler stages,
       stored as given.
 
-    None for the three dicts is stored as an empty dict; style names are turned into style objects.
+    None for the four dicts is stored as an empty dict; style names are turned into style objects.
     """
 
     tensor_parallel: dict[str, ParallelStyle] | None = None
     layouts: dict[str, dict[str, Any]] | None = None
     inputs: dict[str, Any] | None = None
+    outputs: dict[str, Any] | None = None
     fully_shard: Any = None
     recompute: Any = None
     swap: Any = None
@@ -149,6 +156,8 @@ class ParallelPlan:
         )
         inputs = self._checked_dict("inputs", self.inputs)
         object.__setattr__(self, "inputs", {k: _freeze(v) for k, v in inputs.items()})
+        outputs = self._checked_dict("outputs", self.outputs)
+        object.__setattr__(self, "outputs", {k: _freeze(v) for k, v in outputs.items()})
         if not isinstance(self.tp_axis, str) or not self.tp_axis:
             raise TypeError(f"ParallelPlan(tp_axis=...) must be a mesh axis name, got {self.tp_axis!r}")
 

@@ -15,7 +15,9 @@ be complete), which is exactly the transpose Megatron's f/g operators hand-code.
 
 Sinks: user outputs are brought to the user-facing layout (0-d results such as the loss
 Replicate, i.e. the global value; other outputs Shard(0) over the data-parallel axes like the
-inputs), and each parameter gradient to its parameter's layout, so that a Partial gradient becomes an
+inputs and, on the other axes, the Shard they were computed with, else Replicate: vocab-parallel
+logits are returned as a DTensor over those axes instead of being gathered; ``plan.outputs``
+overrides that per output), and each parameter gradient to its parameter's layout, so that a Partial gradient becomes an
 all-reduce (or reduce-scatter for a sharded parameter) and nothing is assumed. A buffer's new value
 (BatchNorm running statistics) goes to the buffer's storage layout (Replicate, normally): the value
 one device computes on the global batch, which every rank then writes into its copy.
@@ -24,9 +26,11 @@ one device computes on the global batch, which every rank then writes into its c
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import math
 import operator
+import re
 from typing import Any
 
 import torch
@@ -70,6 +74,8 @@ class PropagationReport:
 
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # ops run replicated (no rule)
     boundaries: list[str] = dataclasses.field(default_factory=list)  # plan-imposed layout changes
+    # Flat user-output index -> full-mesh placements it is returned in.
+    output_placements: dict[int, tuple] = dataclasses.field(default_factory=dict)
 
 
 def tensor_meta_of(val) -> compat.TensorMeta:
@@ -138,12 +144,69 @@ class _Propagator:
             placements[self.axis_names.index(axis)] = normalize_placement(p, ndim)
         return tuple(placements)
 
-    def user_output_spec(self, index: int, val) -> compat.DTensorSpec:
+    def user_output_spec(self, index: int) -> compat.DTensorSpec:
+        """The layout user output ``index`` is returned in, which its tangent then has. Asked first
+        when backward reads the tangent, after forward computed the value, so the value's own
+        layout is known."""
         if index not in self.output_specs:
-            self.output_specs[index] = make_spec(
-                self.mesh, data_parallel_placements(self.mesh, val, self.resolved.data_parallel_axes), val
-            )
+            node = self._user_output_node(index)
+            val = node.meta["val"]
+            computed = node.meta[meta.LAYOUT].output if meta.LAYOUT in node.meta else None
+            spec = make_spec(self.mesh, self._returned_placements(index, val, computed), val)
+            check_divisible(node, spec, self.mesh, f"returned value {self._output_name(index)!r}")
+            self.output_specs[index] = spec
+            self.report.output_placements[index] = spec.placements
         return self.output_specs[index]
+
+    def _returned_placements(self, index: int, val, computed) -> tuple:
+        """Data-parallel axes: this rank's part of the batch (Shard(0), as inputs). Other axes:
+        ``plan.outputs``, else the plain Shard the value was computed with (so nothing is gathered
+        just to be returned), else Replicate (a Partial value is reduced)."""
+        name = self._output_name(index)
+        dp_axes = self.resolved.data_parallel_axes
+        placements = list(data_parallel_placements(self.mesh, val, dp_axes))
+        batch_dims = {p.dim for p in placements if isinstance(p, Shard)}
+        override = self.resolved.output_override(name)
+        for i, axis in enumerate(self.axis_names):
+            if axis in dp_axes:
+                continue
+            if axis in override:
+                p = normalize_placement(override[axis], val.dim())
+                if isinstance(p, Shard) and (val.dim() == 0 or p.dim in batch_dims):
+                    raise ValueError(
+                        f"outputs: {name!r} cannot be {p} on {axis!r}: "
+                        + ("it is a scalar" if val.dim() == 0 else
+                           f"dim {p.dim} is the batch dim the data-parallel axes {list(dp_axes)} split")
+                        + "; use Replicate() or shard another dim"
+                    )
+            elif self.resolved.whole_outputs or computed is None or val.dim() == 0:
+                p = Replicate()
+            else:
+                c = computed.placements[i]
+                # Only a plain Shard: a strided one has no DTensor form over the sub-mesh alone.
+                p = c if type(c) is Shard and c.dim not in batch_dims else Replicate()
+            placements[i] = p
+        return tuple(placements)
+
+    def _output_slot(self, index: int) -> int:
+        return next(pos for pos, o in enumerate(self.captured.outputs)
+                    if o.kind == OutputKind.OUTPUT and o.index == index)
+
+    def _output_name(self, index: int) -> str:
+        return plan_output_name(self.captured.outputs[self._output_slot(index)].name)
+
+    def _user_output_node(self, index: int) -> torch.fx.Node:
+        return list(self.captured.gm.graph.output_node().args[0])[self._output_slot(index)]
+
+    def check_output_globs(self) -> None:
+        """Every ``plan.outputs`` glob names at least one returned value."""
+        names = [plan_output_name(o.name) for o in self.captured.outputs if o.kind == OutputKind.OUTPUT]
+        for glob in self.resolved.outputs:
+            if not any(fnmatch.fnmatchcase(n, glob) for n in names):
+                raise ValueError(
+                    f"outputs[{glob!r}] matches none of the values the model returns {names}; "
+                    "name one of them (or a glob over them)"
+                )
 
     def _output_vals(self):
         out_node = self.captured.gm.graph.output_node()
@@ -171,20 +234,13 @@ class _Propagator:
                 else data_parallel_placements(self.mesh, val, self.resolved.data_parallel_axes)
             )
         else:  # tangent: the layout of the output it is the gradient of
-            out_val = self._user_output_val(info.index)
-            return NodeLayout(self.user_output_spec(info.index, out_val), (), "placeholder")
+            return NodeLayout(self.user_output_spec(info.index), (), "placeholder")
         spec = make_spec(self.mesh, placements, val)
         if not (info.kind == InputKind.PARAM and self.resolved.fsdp is not None and info.name in self.resolved.fsdp.unit_of):
             # FSDP storage may be uneven on dim 0 (padded inside its all-gather/reduce-scatter, as
             # FSDP2); everything else must divide (the plan layer checked parameters already).
             check_divisible(node, spec, self.mesh, f"{info.kind} '{info.name}'")
         return NodeLayout(spec, (), "placeholder")
-
-    def _user_output_val(self, index: int):
-        out_node = self.captured.gm.graph.output_node()
-        slots = list(out_node.args[0])
-        pos = [i for i, o in enumerate(self.captured.outputs) if o.kind == OutputKind.OUTPUT and o.index == index][0]
-        return slots[pos].meta["val"]
 
     def boundary(self, node) -> NodeLayout:
         x, key = node.args
@@ -303,7 +359,7 @@ class _Propagator:
             if slot is None or info.kind == OutputKind.NONE:
                 wanted.append(None)
             elif info.kind == OutputKind.OUTPUT:
-                wanted.append(self.user_output_spec(info.index, slot.meta["val"]))
+                wanted.append(self.user_output_spec(info.index))
             elif info.kind == BUFFER_UPDATE:  # written back into the buffer: its storage layout
                 wanted.append(make_spec(self.mesh, self.resolved.param_placements[info.name], slot.meta["val"]))
             elif info.kind == INPUT_GRAD:  # a differentiable user input's gradient: the input's layout
@@ -327,9 +383,23 @@ class _Propagator:
         graph = self.captured.gm.graph
         placeholders = iter(self.captured.inputs)
         self.input_specs = {}  # flat user-input index -> its layout
+        self.check_output_globs()
+        # A tangent's layout is its output's, known once forward computed that output: given when
+        # backward first reads the tangent.
+        tangents: dict[torch.fx.Node, Any] = {}
+
+        def give_tangents(users_of) -> None:
+            for t in [t for t in users_of if t in tangents]:
+                t.meta[meta.LAYOUT] = self.placeholder(t, tangents.pop(t))
+
         for node in graph.nodes:
+            if node.op != "placeholder":
+                give_tangents(node.all_input_nodes)
             if node.op == "placeholder":
                 info = next(placeholders)
+                if info.kind == InputKind.TANGENT:
+                    tangents[node] = info
+                    continue
                 node.meta[meta.LAYOUT] = self.placeholder(node, info)
                 if info.kind == InputKind.INPUT:
                     self.input_specs[info.index] = node.meta[meta.LAYOUT].output
@@ -344,7 +414,14 @@ class _Propagator:
                     "layout propagation", f"a {node.op!r} node in the captured joint graph (capture emits "
                     "placeholder, call_function, get_attr and output nodes only)", node=node,
                 )
+        give_tangents(list(tangents))  # tangents nothing reads
         return self.report
+
+
+def plan_output_name(path: str) -> str:
+    """How ``plan.outputs`` names a returned value: its pytree path dotted, ``['logits']`` ->
+    ``logits``, ``[0]`` -> ``0``, ``[1]['aux'].z`` -> ``1.aux.z``."""
+    return ".".join(a or b or c for a, b, c in re.findall(r"\['([^']*)'\]|\[(\d+)\]|\.(\w+)", path)) or path
 
 
 def _is_tensor(node: torch.fx.Node) -> bool:

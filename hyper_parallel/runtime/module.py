@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..ir.kinds import InputKind
 from ..compat import pytree
@@ -223,8 +223,21 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     entry.program.grad_hook = _gradient_hook(module, entry)
     entry.program.bind_buffers(module)  # buffers updated in forward (BatchNorm running statistics)
     entry.program.on_error = _error_context(module, entry)
-    outs = entry.program(*primals)
-    return pytree.tree_unflatten(list(outs), captured.out_spec)
+    outs = list(entry.program(*primals))
+    for index, sub_mesh, placements in entry.returned:  # still sharded: a DTensor, not gathered
+        outs[index] = _as_dtensor(outs[index], sub_mesh, placements)
+    return pytree.tree_unflatten(outs, captured.out_spec)
+
+
+def _as_dtensor(local: torch.Tensor, sub_mesh, placements) -> DTensor:
+    """This rank's shard of a returned value as a DTensor over the sub-mesh it is sharded on
+    (differentiable: a loss the caller computes from it sends its gradient back to the shard)."""
+    shape = list(local.shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] *= sub_mesh.size(axis)
+    return DTensor.from_local(local, sub_mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _error_context(module: ParallelModule, entry: CompiledEntry):

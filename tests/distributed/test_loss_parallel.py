@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate
 
 import hyper_parallel as hp
 from hyper_parallel.compile.capture import module_fqn_of
 from hyper_parallel.models import llama_tp_plan
-from hyper_parallel.testing.parity import build_model, global_batch, local_batch, run_parity
+from hyper_parallel.testing.parity import build_model, error_message, global_batch, local_batch, run_parity
 
 PADDED = 0.3  # labels set to -100 at this rate, plus a whole row (global_batch)
 NUM_LAYERS = 2  # the example Llama, 2 layers: the loss does not depend on the depth
@@ -101,8 +102,8 @@ def test_tp_parity_padded_labels(dist2):
     summary = results[0]["summary"]
     # Forward: Megatron's 2 per layer + the embedding; the log-softmax's max and exp-sum; the loss.
     assert _counts(summary, "forward", "all_reduce", "tp")["count"] == 2 * NUM_LAYERS + 1 + 3
-    # The one gather left is the logits returned to the user (fp32 here: [4, 16, 128] per rank).
-    assert _counts(summary, "forward", "all_gather", "tp") == {"count": 1, "bytes": 4 * 16 * 128 * 4}
+    # Nothing is gathered: the returned logits stay vocab-sharded (a DTensor, see below).
+    assert not _counts(summary, "forward", "all_gather", "tp")
     # Backward: mirrored, + the log-softmax backward's sum over the vocabulary.
     assert _counts(summary, "backward", "all_reduce", "tp")["count"] == 2 * NUM_LAYERS + 1 + 1
     assert not _counts(summary, "backward", "all_gather", "tp")
@@ -113,9 +114,9 @@ def test_tp_sp_parity_padded_labels(dist2):
     results = dist2.run(run_parity, "llama", llama_tp_plan(sequence_parallel=True, loss_parallel=True),
                         (2,), ("tp",), ignore_fraction=PADDED, model_overrides=SMALL)
     summary = results[0]["summary"]
-    # Per layer 2 all-gathers (attention and MLP inputs), the final norm's for lm_head, and the
-    # returned logits: none for the loss.
-    assert _counts(summary, "forward", "all_gather", "tp")["count"] == 2 * NUM_LAYERS + 2
+    # Per layer 2 all-gathers (attention and MLP inputs) and the final norm's for lm_head: none for
+    # the loss or the returned logits.
+    assert _counts(summary, "forward", "all_gather", "tp")["count"] == 2 * NUM_LAYERS + 1
     assert _counts(summary, "forward", "all_reduce", "tp")["count"] == 3
     assert summary["fallbacks"] == []
 
@@ -126,7 +127,60 @@ def test_hf_llama_parity_padded_labels(dist2):
                         ignore_fraction=PADDED)
     summary = results[0]["summary"]
     assert summary["fallbacks"] == [], summary["fallbacks"]
-    assert _counts(summary, "forward", "all_gather", "tp")["count"] == 1  # the returned logits
+    assert not _counts(summary, "forward", "all_gather", "tp")  # the logits stay sharded
+
+
+# --- the logits returned to the caller --------------------------------------------------------
+
+def returned_logits() -> dict:
+    """The example Llama under loss-parallel TP on this pool's ``tp`` ranks, against one device:
+    by default the logits come back as a DTensor over ``tp``, vocab-sharded, and a loss the caller
+    computes from them (through ``full_tensor()``) gets the right gradients; with
+    ``outputs={"logits": Replicate()}`` they come back whole, as a plain tensor, for one all-gather."""
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    reference = build_model("llama", num_hidden_layers=1)
+    batch = global_batch("llama", 4, 16, ignore_fraction=PADDED)
+    ref = reference(**batch)
+    ((ref["logits"].float() ** 2).mean() + ref["loss"]).backward()
+    result = {}
+
+    sharded = hp.parallelize(copy.deepcopy(reference), llama_tp_plan(loss_parallel=True), mesh)
+    out = sharded(**local_batch(batch, mesh))
+    logits = out["logits"]
+    result["type"] = type(logits).__name__
+    result["placements"] = [str(p) for p in logits.placements]
+    result["mesh_axes"] = logits.device_mesh.mesh_dim_names
+    result["local_shape"] = tuple(logits.to_local().shape)
+    torch.testing.assert_close(logits.full_tensor(), ref["logits"])
+    ((logits.full_tensor().float() ** 2).mean() + out["loss"]).backward()
+    ref_grads = dict(reference.named_parameters())
+    for name, p in sharded.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
+    result["sharded_gathers"] = _counts(sharded.compile_summary(), "forward", "all_gather", "tp")
+
+    plan = {**llama_tp_plan(loss_parallel=True), "outputs": {"logits": Replicate()}}
+    whole = hp.parallelize(copy.deepcopy(reference), plan, mesh)
+    out = whole(**local_batch(batch, mesh))
+    result["whole_type"] = type(out["logits"]).__name__
+    torch.testing.assert_close(out["logits"], ref["logits"])
+    result["whole_gathers"] = _counts(whole.compile_summary(), "forward", "all_gather", "tp")
+
+    bad = hp.parallelize(copy.deepcopy(reference), {**llama_tp_plan(), "outputs": {"logit": Replicate()}}, mesh)
+    result["unknown_name"] = error_message(bad, **local_batch(batch, mesh))
+    return result
+
+
+def test_returned_logits_stay_sharded_unless_the_plan_asks(dist2):
+    result = dist2.run(returned_logits)[0]
+    assert result["type"] == "DTensor" and result["placements"] == ["S(2)"], result
+    assert result["mesh_axes"] == ("tp",) and result["local_shape"] == (4, 16, 128), result
+    assert not result["sharded_gathers"], result
+    assert result["whole_type"] == "Tensor", result
+    assert result["whole_gathers"] == {"count": 1, "bytes": 4 * 16 * 256 * 4 // 2}, result
+    assert result["unknown_name"] == (
+        "ValueError: outputs['logit'] matches none of the values the model returns ['loss', 'logits']; "
+        "name one of them (or a glob over them)"), result["unknown_name"]
 
 
 # --- reductions, class weights, an ignore_index that is a class ---------------------------------
@@ -227,8 +281,13 @@ def mixed_precision_fsdp_tp(steps: int = 2) -> dict:
             p.grad = cp.grad.float()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     forward, _ = model.compiled_programs()
+    logits = out["logits"]
+    # Over the tp sub-mesh only: on dp the caller holds its own part of the batch, as for inputs.
+    torch.testing.assert_close(logits.full_tensor(), ref_out["logits"].chunk(2)[mesh.get_local_rank("dp")],
+                               rtol=1e-2, atol=1e-2)
     return {"summary": model.compile_summary(), "loss_path": _loss_path_collectives(forward, "lm_head"),
-            "logits_dtype": str(out["logits"].dtype), "logits_shape": tuple(out["logits"].shape)}
+            "logits_dtype": str(logits.dtype), "logits_shape": tuple(logits.shape),
+            "logits_mesh": logits.device_mesh.mesh_dim_names, "local_shape": tuple(logits.to_local().shape)}
 
 
 def test_bf16_fsdp_tp_parity_padded_labels(dist4):
@@ -237,7 +296,7 @@ def test_bf16_fsdp_tp_parity_padded_labels(dist4):
     # (the loss computes in fp32), the loss's partial sum reduced over tp and then dp.
     assert [c for c in result["loss_path"] if c[0] != "all_reduce"] == [], result["loss_path"]
     assert all(numel <= 2 * 15 for _, _, numel, _ in result["loss_path"]), result["loss_path"]
-    # The only tp all-gather is the logits returned to the user, in bf16 ([2, 16, 128] per rank).
-    gather = _counts(result["summary"], "forward", "all_gather", "tp")
-    assert gather == {"count": 1, "bytes": 2 * 16 * 128 * 2}, gather
+    # No tp all-gather at all: the returned logits stay vocab-sharded, in bf16, this dp rank's rows.
+    assert not _counts(result["summary"], "forward", "all_gather", "tp"), result["summary"]
     assert result["logits_dtype"] == "torch.bfloat16" and result["logits_shape"] == (2, 16, 256)
+    assert result["logits_mesh"] == ("tp",) and result["local_shape"] == (2, 16, 128), result

@@ -64,8 +64,8 @@ def test_megatron_tensor_parallel(dist2, dist4, tp):
     # partial sum forward, + the log-softmax backward's per-token sum.
     assert _counts(summary, "forward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1 + 3
     assert _counts(summary, "backward", "all_reduce", "tp") == 2 * NUM_LAYERS + 1 + 1
-    # The logits are gathered once, for the user-visible output only (never for the loss).
-    assert _counts(summary, "forward", "all_gather", "tp") == 1
+    # The logits are never gathered: not for the loss, not for the caller (a vocab-sharded DTensor).
+    assert _counts(summary, "forward", "all_gather", "tp") == 0
     assert summary["fallbacks"] == []
 
 

@@ -284,9 +284,9 @@ def test_unreachable_propagation_and_loss_checks_still_name_the_node():
 
     graph = torch.fx.Graph()
     graph.call_method("upper", ("x",))
-    captured = SimpleNamespace(gm=torch.fx.GraphModule(nn.Module(), graph), inputs=[])
+    captured = SimpleNamespace(gm=torch.fx.GraphModule(nn.Module(), graph), inputs=[], outputs=[])
     with pytest.raises(InternalError, match=r"layout propagation, at node 'upper' \(upper\).*'call_method'"):
-        _Propagator(captured, None, SimpleNamespace(mesh_dim_names=("dp",))).run()
+        _Propagator(captured, SimpleNamespace(outputs={}), SimpleNamespace(mesh_dim_names=("dp",))).run()
     a, b = GraphBuilder(), GraphBuilder()
     x, y = a.input("loss", 2), b.input("total_weight", 2)
     a.graph.erase_node(x)

@@ -250,7 +250,8 @@ def test_plan_defaults():
     assert plan.is_empty()
     assert repr(plan) == "ParallelPlan()"
     assert PLAN_KEYS == (
-        "tensor_parallel", "layouts", "inputs", "fully_shard", "recompute", "swap", "pipeline", "tp_axis",
+        "tensor_parallel", "layouts", "inputs", "outputs", "fully_shard", "recompute", "swap", "pipeline",
+        "tp_axis",
     )
 
 
@@ -468,6 +469,22 @@ def test_input_overrides(model, mesh_2d):
         resolve_plan({"inputs": {"attention_mask": ["dp"]}}, model, mesh_2d)
     with pytest.raises(ValueError, match=r"inputs\['input_ids'\] Layout\[sp\]: mesh axis 'sp'"):
         resolve_plan({"inputs": {"input_ids": ["sp"]}}, model, mesh_2d)
+
+
+def test_output_overrides(model, mesh_2d):
+    """``outputs`` name the non-data-parallel axes only: one Placement for all of them or a dict."""
+    resolved = resolve_plan({"outputs": {"logits": Replicate(), "hidden.*": {"tp": "S(1)"}}}, model, mesh_2d)
+    assert resolved.outputs == {"logits": {"tp": R}, "hidden.*": {"tp": Shard(1)}}
+    assert resolved.output_override("logits") == {"tp": R}
+    assert resolved.output_override("hidden.0") == {"tp": Shard(1)}
+    assert resolved.output_override("loss") == {}
+    with pytest.raises(ValueError, match=r"outputs\['logits'\]: 'dp' is a data-parallel axis; outputs are always this rank's part of the batch there \(as inputs\). Name only the other axes \['tp'\]"):
+        resolve_plan({"outputs": {"logits": {"dp": Replicate()}}}, model, mesh_2d)
+    with pytest.raises(ValueError, match=r"outputs\['logits'\]: a returned value cannot be Partial on 'tp'"):
+        resolve_plan({"outputs": {"logits": Partial()}}, model, mesh_2d)
+    with pytest.raises(ValueError, match=r"outputs\['logits'\] is given twice with different layouts"):
+        merge_plans({"outputs": {"logits": Replicate()}}, {"outputs": {"logits": Shard(2)}})
+    assert merge_plans({"outputs": {"logits": R}}, {"outputs": {"loss": R}}).outputs == {"logits": R, "loss": R}
 
 
 def test_tied_parameters_share_placements(mesh_2d):
