@@ -254,9 +254,9 @@ class _Resolver:
         """``plan.outputs``: name glob -> {non-data-parallel axis: placement}. The names are checked
         against the model's returned values when it is captured (propagation), not here."""
         result = {}
+        free_axes = [a for a in self.names if a not in dp_axes]
         for name, spec in self.plan.outputs.items():
             where = f"outputs[{name!r}]"
-            free_axes = [a for a in self.names if a not in dp_axes]
             by_axis = dict(spec) if isinstance(spec, Mapping) else {a: spec for a in free_axes}
             placements = {}
             for axis, p in by_axis.items():

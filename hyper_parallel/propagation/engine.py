@@ -152,17 +152,17 @@ class _Propagator:
             node = self._user_output_node(index)
             val = node.meta["val"]
             computed = node.meta[meta.LAYOUT].output if meta.LAYOUT in node.meta else None
-            spec = make_spec(self.mesh, self._returned_placements(index, val, computed), val)
-            check_divisible(node, spec, self.mesh, f"returned value {self._output_name(index)!r}")
+            name = plan_output_name(self.captured.outputs[self._output_slot(index)].name)
+            spec = make_spec(self.mesh, self._returned_placements(name, val, computed), val)
+            check_divisible(node, spec, self.mesh, f"returned value {name!r}")
             self.output_specs[index] = spec
             self.report.output_placements[index] = spec.placements
         return self.output_specs[index]
 
-    def _returned_placements(self, index: int, val, computed) -> tuple:
+    def _returned_placements(self, name: str, val, computed) -> tuple:
         """Data-parallel axes: this rank's part of the batch (Shard(0), as inputs). Other axes:
         ``plan.outputs``, else the plain Shard the value was computed with (so nothing is gathered
         just to be returned), else Replicate (a Partial value is reduced)."""
-        name = self._output_name(index)
         dp_axes = self.resolved.data_parallel_axes
         placements = list(data_parallel_placements(self.mesh, val, dp_axes))
         batch_dims = {p.dim for p in placements if isinstance(p, Shard)}
@@ -192,9 +192,6 @@ class _Propagator:
         return next(pos for pos, o in enumerate(self.captured.outputs)
                     if o.kind == OutputKind.OUTPUT and o.index == index)
 
-    def _output_name(self, index: int) -> str:
-        return plan_output_name(self.captured.outputs[self._output_slot(index)].name)
-
     def _user_output_node(self, index: int) -> torch.fx.Node:
         return list(self.captured.gm.graph.output_node().args[0])[self._output_slot(index)]
 
@@ -207,10 +204,6 @@ class _Propagator:
                     f"outputs[{glob!r}] matches none of the values the model returns {names}; "
                     "name one of them (or a glob over them)"
                 )
-
-    def _output_vals(self):
-        out_node = self.captured.gm.graph.output_node()
-        return pytree.tree_leaves(out_node.args[0]) if out_node.args else []
 
     # --- visitors --------------------------------------------------------------------------------
     def placeholder(self, node, info) -> NodeLayout:

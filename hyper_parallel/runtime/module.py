@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..ir.kinds import InputKind
 from ..compat import pytree
@@ -231,13 +231,9 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
 
 def _as_dtensor(local: torch.Tensor, sub_mesh, placements) -> DTensor:
     """This rank's shard of a returned value as a DTensor over the sub-mesh it is sharded on
-    (differentiable: a loss the caller computes from it sends its gradient back to the shard)."""
-    shape = list(local.shape)
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            shape[p.dim] *= sub_mesh.size(axis)
-    return DTensor.from_local(local, sub_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    (differentiable: a loss the caller computes from it sends its gradient back to the shard).
+    Shards are even (propagation checked the dims divide), so DTensor infers the global shape."""
+    return DTensor.from_local(local, sub_mesh, placements, run_check=False)
 
 
 def _error_context(module: ParallelModule, entry: CompiledEntry):
