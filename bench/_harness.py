@@ -2,7 +2,9 @@
 
 ``launch(run, report, args, world)`` spawns ``world`` processes, runs ``run(args)`` on each inside a
 gloo process group (NCCL, one GPU per rank, when ``args.device == "cuda"``), and on the rank that returns a result (rank 0) prints it as JSON, calls
-``report(result)`` for the human-readable table, and writes ``args.json_out`` if given.
+``report(result)`` for the human-readable table, and writes ``args.json_out`` if given. Also the
+pieces the step benchmarks share: one training step, a timed one, the slowest rank's times, and a
+collective counter that sees both eager c10d calls and compiled functional collectives.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import warnings
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
 
 
 def add_model_args(parser) -> None:
@@ -43,6 +48,80 @@ def build_model(args):
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
+
+
+_C10D_INPUT_ARG = {  # c10d op -> index of the local input tensor(s) in its args
+    "_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 0, "allgather_into_tensor_coalesced_": 1,
+    "reduce_scatter_tensor_coalesced_": 1, "allgather_": 1, "reduce_scatter_": 1,
+}
+_KIND = {
+    "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "allreduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+}
+
+
+class CommCounter(CommDebugMode):
+    """``CommDebugMode`` that records each collective with the bytes of its local input.
+
+    c10d ops (what FSDP2 calls: ``_allgather_base_(out, in)``, ``_reduce_scatter_base_(out, in)``,
+    ``allreduce_([t])``) take the output first; functional ones (``_c10d_functional.*``, what a
+    compiled graph calls) take the input first. The in-place functional all-reduce
+    (``_c10d_functional.all_reduce_``, which a compiled graph uses for gradient buckets) is not in
+    ``CommDebugMode``'s table, so it is counted here directly.
+    """
+
+    _UNLISTED = {"all_reduce_"}  # functional collectives CommDebugMode does not count
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[str, dict[str, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = sum(self.comm_counts.values())
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name, namespace = func._overloadpacket.__name__, func.namespace
+        unlisted = namespace == "_c10d_functional" and name in self._UNLISTED
+        if unlisted or sum(self.comm_counts.values()) != before:
+            index = _C10D_INPUT_ARG.get(name, 0) if namespace == "c10d" else 0
+            arg = args[index] if len(args) > index else None
+            tensors = arg if isinstance(arg, (list, tuple)) else [arg]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+            entry = self.calls.setdefault(_KIND.get(name, name), {"count": 0, "bytes": 0})
+            entry["count"] += 1
+            entry["bytes"] += nbytes
+        return out
+
+
+def step(model, opt, batch) -> torch.Tensor:
+    loss = model(**batch)["loss"]
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def timed_step(model, opt, batch) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    step(model, opt, batch)
+    return time.perf_counter() - t0
+
+
+def slowest_rank(times: list[float]) -> list[float]:
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def hp_collectives(summary: dict) -> dict:
+    return {
+        kind: {"count": sum(e["count"] for e in by_axis.values()), "bytes": sum(e["bytes"] for e in by_axis.values())}
+        for kind, by_axis in summary["collectives_per_step"].items()
+    }
 
 
 def _worker(rank: int, world: int, port: int, run, report, args) -> None:

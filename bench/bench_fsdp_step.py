@@ -44,12 +44,12 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import add_model_args, build_model, launch  # noqa: E402
+from _harness import (CommCounter, add_model_args, build_model, hp_collectives, launch,  # noqa: E402
+                      slowest_rank, step, timed_step)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,76 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "mixed_precision and FSDP2's MixedPrecisionPolicy); default none (fp32)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
-
-
-_C10D_INPUT_ARG = {  # c10d op -> index of the local input tensor(s) in its args
-    "_allgather_base_": 1, "_reduce_scatter_base_": 1, "allreduce_": 0, "allgather_into_tensor_coalesced_": 1,
-    "reduce_scatter_tensor_coalesced_": 1, "allgather_": 1, "reduce_scatter_": 1,
-}
-_KIND = {
-    "all_gather_into_tensor": "all_gather", "_allgather_base_": "all_gather", "allgather_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter", "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
-}
-
-
-class CommCounter(CommDebugMode):
-    """``CommDebugMode`` that records each collective with the bytes of its local input.
-
-    c10d ops (what FSDP2 calls: ``_allgather_base_(out, in)``, ``_reduce_scatter_base_(out, in)``,
-    ``allreduce_([t])``) take the output first; functional ones (``_c10d_functional.*``, what a
-    compiled graph calls) take the input first.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, dict[str, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = sum(self.comm_counts.values())
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if sum(self.comm_counts.values()) != before:
-            name = func._overloadpacket.__name__
-            namespace = func.namespace
-            index = _C10D_INPUT_ARG.get(name, 0) if namespace == "c10d" else 0
-            arg = args[index] if len(args) > index else None
-            tensors = arg if isinstance(arg, (list, tuple)) else [arg]
-            nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            entry = self.calls.setdefault(_KIND.get(name, name), {"count": 0, "bytes": 0})
-            entry["count"] += 1
-            entry["bytes"] += nbytes
-        return out
-
-
-def _step(model, opt, batch) -> torch.Tensor:
-    loss = model(**batch)["loss"]
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
-
-
-def _timed_step(model, opt, batch) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    _step(model, opt, batch)
-    return time.perf_counter() - t0
-
-
-def _slowest_rank(times: list[float]) -> list[float]:
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def _hp_collectives(summary: dict) -> dict:
-    return {
-        kind: {"count": sum(e["count"] for e in by_axis.values()), "bytes": sum(e["bytes"] for e in by_axis.values())}
-        for kind, by_axis in summary["collectives_per_step"].items()
-    }
 
 
 def _build(ref, args, reshard: bool):
@@ -176,27 +106,27 @@ def measure(ref, batch, args, reshard: bool) -> dict:
     # Step 0 (hp compiles): the losses, before any update.
     dist.barrier()
     t0 = time.perf_counter()
-    hp_loss0 = _step(hp_model, hp_opt, batch).item()
+    hp_loss0 = step(hp_model, hp_opt, batch).item()
     t_compile = time.perf_counter() - t0
-    fsdp2_loss0 = _step(fsdp2_model, fsdp2_opt, batch)
+    fsdp2_loss0 = step(fsdp2_model, fsdp2_opt, batch)
     dist.all_reduce(fsdp2_loss0)
     fsdp2_loss0 = fsdp2_loss0.item() / world
 
     for _ in range(args.warmup - 1):
-        _timed_step(hp_model, hp_opt, batch)
-        _timed_step(fsdp2_model, fsdp2_opt, batch)
+        timed_step(hp_model, hp_opt, batch)
+        timed_step(fsdp2_model, fsdp2_opt, batch)
     hp_times, fsdp2_times = [], []
     for _ in range(args.steps):
-        hp_times.append(_timed_step(hp_model, hp_opt, batch))
-        fsdp2_times.append(_timed_step(fsdp2_model, fsdp2_opt, batch))
-    times = _slowest_rank([t_compile] + hp_times + fsdp2_times)
+        hp_times.append(timed_step(hp_model, hp_opt, batch))
+        fsdp2_times.append(timed_step(fsdp2_model, fsdp2_opt, batch))
+    times = slowest_rank([t_compile] + hp_times + fsdp2_times)
     t_compile, hp_times, fsdp2_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
 
     counted = {}
     for name, model, opt in (("hyper_parallel", hp_model, hp_opt), ("fsdp2", fsdp2_model, fsdp2_opt)):
         mode = CommCounter()
         with mode:
-            _step(model, opt, batch)
+            step(model, opt, batch)
         counted[name] = mode.calls
 
     hp_med, fsdp2_med = statistics.median(hp_times), statistics.median(fsdp2_times)
@@ -211,7 +141,7 @@ def measure(ref, batch, args, reshard: bool) -> dict:
         },
         "ratio_hp_over_fsdp2": hp_med / fsdp2_med,
         "collectives_per_step": {
-            "hyper_parallel (compile_summary)": _hp_collectives(summary),
+            "hyper_parallel (compile_summary)": hp_collectives(summary),
             "hyper_parallel (counted)": counted["hyper_parallel"],
             "fsdp2 (counted)": counted["fsdp2"],
         },
@@ -228,7 +158,7 @@ def profile_hp(hp_model, hp_opt, batch, steps: int) -> str:
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(steps):
-        _step(hp_model, hp_opt, batch)
+        step(hp_model, hp_opt, batch)
     prof.disable()
     wall = time.perf_counter() - t0
     out.write(f"\n=== cProfile, rank 0, {steps} hyper_parallel steps, {wall / steps * 1e3:.1f} ms/step "
@@ -238,7 +168,7 @@ def profile_hp(hp_model, hp_opt, batch, steps: int) -> str:
         s.sort_stats(key).print_stats(25)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
         for _ in range(steps):
-            _step(hp_model, hp_opt, batch)
+            step(hp_model, hp_opt, batch)
     out.write(f"\n=== torch.profiler, rank 0, {steps} hyper_parallel steps ===\n")
     out.write(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     return out.getvalue()

@@ -1,7 +1,8 @@
 """Step time of pipeline parallelism: hyper_parallel vs ``torch.distributed.pipelining``, side by side.
 
-``python bench/bench_pipeline.py`` runs, for every ``--configs`` entry ``WORLD:SCHEDULE:M`` (default
-pp=2 and pp=4 with GPipe and 1F1B, 4 micro-batches, plus 1F1B with 8), ``WORLD`` gloo processes on
+``python bench/bench_pipeline.py`` runs, for every ``--configs`` entry ``WORLD:SCHEDULE:M`` (SCHEDULE:
+GPipe, 1F1B or ZBH1; default pp=2 and pp=4 with GPipe and 1F1B, 4 micro-batches, plus 1F1B with
+8; e.g. ``--configs 2:1F1B:4,2:ZBH1:4`` compares zero bubble with 1F1B), ``WORLD`` gloo processes on
 CPU (one intra-op thread each), a 1-D ``("pp",)`` mesh, and the example Llama with
 ``--layers-per-stage`` (default 2) layers per pp rank (pp=2: 4 layers, pp=4: 8 layers), built from
 seed 0 on every rank. Both systems cut at the same layer boundaries (stage ``s`` runs layers
@@ -20,6 +21,9 @@ seed 0 on every rank. Both systems cut at the same layer boundaries (stage ``s``
   ``Schedule1F1B(stage, M, loss_fn=causal_lm_loss)`` (``scale_grads=True``: gradients divided by
   M), ``schedule.step(ids)`` on the first stage, ``schedule.step(target=ids, losses=...)`` on the
   last, ``return_outputs=False``. Its loss = mean of the M micro-batch losses: the same semantics.
+  For hp's zero-bubble ``ZBH1`` the torch side is ``ScheduleInterleavedZeroBubble([stage], M, ...)``
+  with one stage per rank (the paper's ZB-H1 family: input and weight gradients as separate
+  actions, weight gradients filling the bubble; torch's order of the W steps is its own).
 
 A step is the pipeline step (forward + backward over all micro-batches) + ``SGD.step`` +
 ``zero_grad``. Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
@@ -32,8 +36,9 @@ and every parameter gradient agrees (max relative difference reported); after th
 (``--warmup + --steps`` SGD updates on each side) one more untimed step compares the losses again.
 Bubble: hp's
 ``pipeline_report()`` (outside the timed region) after every timed step: the measured idle
-fraction per rank (mean over ranks, median over steps) next to the analytic (p-1)/(m+p-1) and the
-schedule simulated with hp's measured per-stage times.
+fraction per rank (mean over ranks, median over steps) next to the analytic (p-1)/(m+p-1) (ZBH1:
+its own schedule with forward = input gradient = weight gradient time) and the schedule simulated
+with hp's measured per-stage times (ZBH1: measured I and W times).
 
 4 ranks on a 2-core machine are oversubscribed: ranks time-share cores, so pp=4 step times and
 bubbles measure scheduling on a busy machine as much as the pipeline.
@@ -94,10 +99,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+BENCH_SCHEDULES = ("GPipe", "1F1B", "ZBH1")  # one stage per rank, each with a torch counterpart
+
+
 def parse_configs(text: str) -> list[tuple[int, str, int]]:
     configs = []
     for item in text.split(","):
         world, schedule, m = item.strip().split(":")
+        if schedule not in BENCH_SCHEDULES:
+            raise SystemExit(f"--configs {item!r}: schedule must be one of {BENCH_SCHEDULES}")
         configs.append((int(world), schedule, int(m)))
     return configs
 
@@ -135,7 +145,9 @@ def _split_points(num_stages: int, per_stage: int) -> list[str]:
 
 
 def _build(ref, args, schedule_name: str, m: int):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
@@ -147,8 +159,11 @@ def _build(ref, args, schedule_name: str, m: int):
     per = args.layers_per_stage
     stage_module = LlamaStage(ref, range(rank * per, (rank + 1) * per), rank == 0, rank == world - 1)
     stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
-    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule_name]
-    torch_schedule = cls(stage, m, loss_fn=causal_lm_loss, scale_grads=True)
+    if schedule_name == "ZBH1":  # a multi-stage schedule class, here with this rank's one stage
+        torch_schedule = ScheduleInterleavedZeroBubble([stage], m, loss_fn=causal_lm_loss, scale_grads=True)
+    else:
+        cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule_name]
+        torch_schedule = cls(stage, m, loss_fn=causal_lm_loss, scale_grads=True)
     torch_opt = torch.optim.SGD(stage_module.parameters(), lr=args.lr)
     return hp_model, hp_opt, stage_module, torch_schedule, torch_opt
 

@@ -9,11 +9,16 @@ stages. The first ``pmodel.step(inputs, targets)`` for an input signature compil
     → for each stage this rank runs: passes → forward/backward partition, for two variants of the
       stage when it reduces gradients (passes/pipeline_split.py): no sync (local gradients kept for
       the step) and sync (the stage's last micro-batch: adds them and reduces once)
+    → for a split-backward schedule (ZB-H1), each variant's backward cut into an input-gradient and
+      a weight-gradient program (runtime/partition.py:split_backward; the reductions go with the
+      weight gradients, so the sync variant is the stage's last weight-gradient step)
 
 then releases the parameters of the stages this rank does not run, and every later step runs the
 schedule (runtime.py) over the micro-batches. The compile summary counts each program's collectives
 (``collectives``, one run), how often a step runs it (``runs_per_step``) and their product
 (``collectives_per_step``, ``gradient_reductions_per_step``: this rank's bytes per training step).
+Programs are named ``stage<s> forward``, ``stage<s> backward`` (or, split, ``stage<s> backward
+input`` and ``stage<s> backward weight``), with `` (no sync)`` for the no-sync variant.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count
 from .plan import AUTO, ResolvedPipeline
-from .runtime import PipelineExecutor, StageProgram, flat_steps, program_for, sync_microbatches
-from .schedules import MetaStepType, analytic_bubble, build_schedule, format_schedule, simulate
+from .runtime import PipelineExecutor, StageProgram, flat_steps, program_for, split_stage_backward, sync_microbatches
+from .schedules import (
+    SPLIT_BACKWARD_SCHEDULES, MetaStepType, analytic_bubble, build_schedule, format_schedule, simulate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -309,13 +316,21 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             gm = run_pass_pipeline(state, state.resolved, variant.gm, {}, None, lowered.annotated,
                                    stage_dumper.graph, seconds)
             forward_gm, backward_gm, _ = partition_by_phase(gm, variant.num_forward_outputs)
-            compat.use_boxed_calling_convention(backward_gm)
             stage_dumper.graph("forward", forward_gm)
             stage_dumper.graph("backward", backward_gm)
-            built[suffix] = StageProgram(s, forward_gm, backward_gm, variant)
+            program = StageProgram(s, forward_gm, backward_gm, variant)
             colls[f"stage{s} forward{suffix}"] = collectives(forward_gm, axis_of_group)
-            colls[f"stage{s} backward{suffix}"] = collectives(backward_gm, axis_of_group)
-            reductions[f"stage{s} backward{suffix}"] = gradient_reductions(backward_gm, axis_of_group)
+            backwards = {"backward": backward_gm}
+            if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+                program.split = split_stage_backward(program)
+                backwards = {"backward input": program.split.input_gm, "backward weight": program.split.weight_gm}
+                stage_dumper.graph("backward_input", program.split.input_gm)
+                stage_dumper.graph("backward_weight", program.split.weight_gm)
+            compat.use_boxed_calling_convention(backward_gm)
+            for name, bwd in backwards.items():  # the programs the schedule runs
+                colls[f"stage{s} {name}{suffix}"] = collectives(bwd, axis_of_group)
+                reductions[f"stage{s} {name}{suffix}"] = gradient_reductions(bwd, axis_of_group)
+            built[suffix] = program
         programs[s] = (dataclasses.replace(built[NO_SYNC], deferred=frozenset(deferred), sync=built[""])
                        if deferred else built[""])
     # The ranks of this stage mesh run the same stages: the plain path's check among them.
@@ -344,7 +359,8 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         "runs_per_step": runs,
         "collectives_per_step": per_step(colls, runs),
         "gradient_reductions_per_step": per_step(reductions, runs),
-        "analytic_bubble": analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank),
+        "analytic_bubble": analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank,
+                                           plan.schedule),
     }
     if auto_report is not None:
         summary["auto_split"] = auto_report
@@ -357,12 +373,16 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary)
 
 
+_PROGRAM_OF_STEP = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "backward",
+                    MetaStepType.BACKWARD_INPUT: "backward input", MetaStepType.BACKWARD_WEIGHT: "backward weight"}
+
+
 def runs_per_step(schedule: list, programs: dict[int, StageProgram]) -> dict[str, int]:
     """Program name (as in the summary's ``collectives``) -> how often one step runs it."""
     sync_mb = sync_microbatches(schedule)
     runs: dict[str, int] = {}
     for step in flat_steps(schedule):
-        phase = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "backward"}.get(step.step_type)
+        phase = _PROGRAM_OF_STEP.get(step.step_type)
         if phase is None:
             continue
         program = programs[step.stage]
@@ -454,18 +474,23 @@ def pipeline_report(module) -> dict:
         everyone = [None] * pipe.resolved.num_ranks
         dist.all_gather_object(everyone, mine, group=pipe.pp_group)
     plan = pipe.resolved.plan
-    # The schedule's own bubble with the measured mean forward / backward time of each stage.
-    durations: dict = {"F": {}, "B": {}}
+    # The schedule's own bubble with the measured mean forward / backward time of each stage. A
+    # split backward's input- and weight-gradient steps are each measured, so nothing is estimated
+    # here (the analytic bubble assumes them equal, schedules.analytic_bubble).
+    durations: dict = {}
     for r in everyone:
         for name, stage, start, end in r["events"]:
-            durations[name[0]].setdefault(stage, []).append(end - start)
+            durations.setdefault(name[0], {}).setdefault(stage, []).append(end - start)
     mean = {k: {s: sum(v) / len(v) for s, v in d.items()} for k, d in durations.items()}
-    simulated = simulate(entry.schedule, mean["F"], mean["B"]).bubble_fraction()
+    if "W" in mean:
+        simulated = simulate(entry.schedule, mean["F"], mean["I"], weight_time=mean["W"]).bubble_fraction()
+    else:
+        simulated = simulate(entry.schedule, mean["F"], mean["B"]).bubble_fraction()
     return {
         "schedule": plan.schedule,
         "num_microbatches": plan.num_microbatches,
         "split_points": list(entry.split_points),
-        "analytic_bubble": analytic_bubble(pipe.resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank),
+        "analytic_bubble": entry.summary["analytic_bubble"],
         "simulated_bubble": simulated,
         "measured_bubble": {r["rank"]: r["bubble"] for r in everyone},
         "measured_bubble_mean": sum(r["bubble"] for r in everyone) / len(everyone),

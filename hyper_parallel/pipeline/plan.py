@@ -24,7 +24,9 @@ class PipelinePlan:
 
     ``split_points``: module FQNs where a new stage begins (``"model.layers.4"``: layers 0-3 in one
     stage, 4 onwards in the next), one fewer than the number of stages; or ``"auto"`` to place the
-    cuts with the cost model. ``schedule``: "GPipe", "1F1B" or "Interleaved1F1B";
+    cuts with the cost model. ``schedule``: "GPipe", "1F1B", "Interleaved1F1B" or "ZBH1" (zero
+    bubble: each backward split into an input-gradient and a weight-gradient step, the weight
+    gradients delayed into 1F1B's cooldown bubble at 1F1B's activation memory; one stage per rank);
     ``num_microbatches``: micro-batches each step's local batch is split into (dim 0);
     ``stages_per_rank``: stages each pp rank holds (2+ for Interleaved1F1B); ``overlap_p2p``:
     post the next compute step's receives before the current one runs.

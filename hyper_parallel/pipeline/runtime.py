@@ -1,7 +1,8 @@
 """The pipeline executor: runs this rank's stage programs over micro-batches, step by step of a schedule.
 
 Each stage is a pair of GraphModules (forward, backward) cut from one joint graph
-(passes/pipeline_split.py) and partitioned like any compiled program. The executor walks this
+(passes/pipeline_split.py) and partitioned like any compiled program (the backward cut once more
+into input- and weight-gradient programs for a zero-bubble schedule). The executor walks this
 rank's list of :class:`~hyper_parallel.pipeline.schedules.MetaStep`:
 
 * ``FWD_RECV`` / ``BWD_RECV`` post the receives of every value the stage reads from other ranks for
@@ -13,6 +14,14 @@ rank's list of :class:`~hyper_parallel.pipeline.schedules.MetaStep`:
   returns local unreduced gradients (summed here, per parameter), except the micro-batch of the
   stage's last backward in the schedule, which runs the sync programs: their backward takes those
   sums as ``grad_accum`` inputs and reduces everything once with the fused collectives;
+* zero-bubble schedules (ZB-H1) split each backward in two (``runtime/partition.py:split_backward``,
+  both variants): ``BACKWARD_INPUT`` runs the input-gradient program I on the saved tensors it
+  reads and the received gradients, routes its sends, keeps I's hand-off (values W reads) and the
+  backward inputs only W reads, and frees the other saved tensors; ``BACKWARD_WEIGHT`` runs the
+  weight-gradient program W on those later, adds the parameter gradients like ``BACKWARD`` and
+  frees them. The sync variant then runs the micro-batch of the stage's last W: the reductions are
+  in its W (they read only parameter gradients), which takes the ``grad_accum`` sums when it runs,
+  after every other micro-batch's W has added its gradient;
 * ``FWD_SEND`` / ``BWD_SEND`` post ``isend`` of the values other stages read, batched per step.
 
 Values between two stages on the same rank (interleaved schedules with one pp rank) are handed
@@ -40,6 +49,8 @@ from ..ir.kinds import InputKind, OutputKind
 from ..errors import internal_error
 from ..passes.pipeline_split import LOSS_COUNT, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
 from ..ir.phase import BACKWARD, FORWARD
+from ..runtime.partition import BackwardSplit, split_backward
+from .. import compat
 from .loss import summed_loss
 from .schedules import MetaStep, MetaStepType
 
@@ -53,9 +64,11 @@ def flat_steps(schedule: list[MetaStep]) -> list[MetaStep]:
 
 
 def sync_microbatches(schedule: list[MetaStep]) -> dict[int, int]:
-    """Stage -> the micro-batch of its last backward in this rank's schedule: the one that runs the
-    sync variant and reduces the step's gradients (passes/pipeline_split.py)."""
-    return {step.stage: step.micro_batch for step in flat_steps(schedule) if step.step_type is T.BACKWARD}
+    """Stage -> the micro-batch of its last backward in this rank's schedule (its last
+    BACKWARD_WEIGHT when backwards are split: parameter gradients are complete only after it): the
+    one that runs the sync variant and reduces the step's gradients (passes/pipeline_split.py)."""
+    return {step.stage: step.micro_batch for step in flat_steps(schedule)
+            if step.step_type in (T.BACKWARD, T.BACKWARD_WEIGHT)}
 
 
 def program_for(program: StageProgram, mb: int, sync_mb: dict[int, int]) -> StageProgram:
@@ -80,6 +93,7 @@ class StageProgram:
     graph: StageGraph
     deferred: frozenset = frozenset()
     sync: "StageProgram | None" = None
+    split: BackwardSplit | None = None  # backward_gm cut into I and W (split_stage_backward)
 
     def __post_init__(self):
         graph = self.graph
@@ -92,6 +106,32 @@ class StageProgram:
             phase: [by_key[(i.name, i.index)] for i in graph.outputs if i.kind == kind]
             for phase, kind in ((FORWARD, SEND_FWD), (BACKWARD, SEND_BWD))
         }
+        # Backward's inputs: the saved tensors, then these, in this order.
+        self.tangent_infos = [i for i in graph.inputs if i.kind in (InputKind.TANGENT, RECV_BWD, GRAD_ACCUM)]
+
+    def grad_accum_args(self) -> list[int]:
+        """Indices of backward's inputs that are ``grad_accum`` sums (after the saved tensors)."""
+        num_saved = sum(1 for n in self.backward_gm.graph.nodes if n.op == "placeholder") - len(self.tangent_infos)
+        return [num_saved + k for k, info in enumerate(self.tangent_infos) if info.kind == GRAD_ACCUM]
+
+
+def split_stage_backward(program: StageProgram) -> BackwardSplit:
+    """Cut ``program``'s backward into an input-gradient program I and a weight-gradient program W
+    (both boxed) for a split-backward schedule. W returns the parameter-gradient slots; in a sync
+    variant their reductions land in W with them, and W reads the ``grad_accum`` sums."""
+    weight = [i for i, info in enumerate(program.primal_infos) if info.kind == InputKind.PARAM]
+    split = split_backward(program.backward_gm, weight)
+    accum = set(program.grad_accum_args())
+    if accum & set(split.input_args):
+        # I runs before the other micro-batches' W steps: the pending sums are not complete yet.
+        raise internal_error(
+            "the zero-bubble backward split", f"stage {program.stage}'s input-gradient program reads the "
+            "pending gradient sums (grad_accum inputs), which only its weight-gradient program may read",
+            workaround="another PipelinePlan(schedule=...), e.g. '1F1B'",
+        )
+    for gm in (split.input_gm, split.weight_gm):
+        compat.use_boxed_calling_convention(gm)
+    return split
 
 
 @dataclasses.dataclass
@@ -146,6 +186,7 @@ class PipelineExecutor:
         received: dict = {}  # (value name, dst stage, mb) -> tensor (being received while in pending_recv)
         pending_recv: dict = {}  # (value name, dst stage, mb) -> the receive's work handle
         saved: dict = {}  # (stage, mb) -> saved tensors
+        handoff: dict = {}  # (stage, mb) -> what its BACKWARD_WEIGHT reads (_HandOff), from its BACKWARD_INPUT
         outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
         in_flight_sends: list = []  # (work, tensors): a sent value lives until its send completes
         grads: dict[str, torch.Tensor] = {}
@@ -215,46 +256,62 @@ class PipelineExecutor:
                 if results:
                     loss_sum = contrib if loss_sum is None else loss_sum + contrib
                 events.append((repr(step), s, start, time.perf_counter() - t0))
-            elif kind is T.BACKWARD:
-                tangents = []
-                for info in program.graph.inputs:
-                    if info.kind == InputKind.TANGENT:
-                        seed = seeds.pop(mb, None)
-                        tangents.append(seed if seed is not None else
-                                        torch.full((), scale, dtype=self.loss_dtype, device=self.device))
-                    elif info.kind == RECV_BWD:
-                        tangents.append(self._take(received, pending_recv, (info.name, s, mb)))
-                    elif info.kind == GRAD_ACCUM:  # the sync variant reduces them with its own
-                        tangents.append(pending.pop(info.name))
-                args = saved.pop((s, mb)) + tangents
+            elif kind in (T.BACKWARD, T.BACKWARD_INPUT):
+                split = kind is T.BACKWARD_INPUT
+                # A split backward's grad_accum sums are read by its W, when every other W has run.
+                args, accum = self._backward_args(program, s, mb, saved, received, pending_recv, seeds, pending,
+                                                  scale, defer_accum=split)
+                start = time.perf_counter() - t0
+                if split:
+                    cut = program.split
+                    i_args = [args[i] for i in cut.input_args]
+                    # W's own inputs stay; the saved tensors only I read go with ``args``.
+                    direct = {i: args[i] for i in cut.weight_args if i not in accum}
+                    del args
+                    with torch.no_grad():
+                        outs = cut.input_gm(i_args)
+                    num = len(cut.input_outputs)
+                    handoff[(s, mb)] = _HandOff(list(outs[num:]), direct, accum)
+                    sends = outs[num - len(program.sends[BACKWARD]):num]
+                else:
+                    with torch.no_grad():
+                        outs = program.backward_gm(args)
+                    del args
+                    self._add_gradients(program, zip(program.primal_infos, outs), grads, pending)
+                    sends = outs[len(program.primal_infos):]
+                self._route(program.sends[BACKWARD], sends, s, mb, BACKWARD, outgoing, received)
+                del outs, sends
+                events.append((repr(step), s, start, time.perf_counter() - t0))
+            elif kind is T.BACKWARD_WEIGHT:
+                cut, given = program.split, handoff.pop((s, mb))
+                sums = {i: pending.pop(name) for i, name in given.accum.items()}  # complete now
+                w_args = given.values + [sums[i] if i in sums else given.direct[i] for i in cut.weight_args]
+                del given, sums
                 start = time.perf_counter() - t0
                 with torch.no_grad():
-                    outs = program.backward_gm(args)
-                for info, g in zip(program.primal_infos, outs):
-                    if info.kind == InputKind.PARAM and g is not None:
-                        # Unreduced (no-sync variant) gradients wait for the sync variant.
-                        into = pending if info.name in program.deferred else grads
-                        if info.name in into:
-                            into[info.name].add_(g)  # the first one is this step's own buffer
-                        else:
-                            into[info.name] = g
-                self._route(program.sends[BACKWARD], outs[len(program.primal_infos):], s, mb, BACKWARD,
-                            outgoing, received)
+                    outs = cut.weight_gm(w_args)
+                self._add_gradients(program, ((program.primal_infos[slot], g) for slot, g
+                                              in zip(cut.weight_outputs, outs, strict=True)), grads, pending)
+                del outs
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
                 raise internal_error(
                     "the pipeline executor", f"step {step!r} of type {kind.name} is not supported (the "
-                    "built schedules run forward, backward, send and receive steps only)",
+                    "built schedules run forward, backward (whole or split into input and weight "
+                    "gradients), send and receive steps only)",
                     workaround="another PipelinePlan(schedule=...)",
                 )
         for work, _ in in_flight_sends:
             work.wait()
-        if saved or pending_recv or pending:
-            # A forward without its backward (or a value received for nothing, or gradients no
-            # sync variant reduced): missing gradients.
+        if saved or handoff or pending_recv or pending:
+            # A forward without its backward (or an input gradient without its weight gradient, a
+            # value received for nothing, gradients no sync variant reduced): missing gradients.
             left = []
             if saved:
                 left.append(f"the saved activations of (stage, micro-batch) {sorted(saved)}, whose backward did not run")
+            if handoff:
+                left.append(f"the input-gradient hand-offs of (stage, micro-batch) {sorted(handoff)}, whose "
+                            "BACKWARD_WEIGHT did not run")
             if pending_recv:
                 left.append(f"the receives {sorted(pending_recv)}, which no step read")
             if pending:
@@ -267,6 +324,39 @@ class PipelineExecutor:
         if count_sum is not None:
             loss_sum = loss_sum / count_sum
         return loss_sum, count_sum, grads
+
+    def _backward_args(self, program: StageProgram, s: int, mb: int, saved: dict, received: dict,
+                       pending_recv: dict, seeds: dict, pending: dict, scale: float,
+                       defer_accum: bool) -> tuple[list, dict[int, str]]:
+        """Backward's inputs for micro-batch ``mb``: its saved tensors, then the loss's seed, the
+        received gradients and the pending sums (``grad_accum``), and {input index: FQN} of the sums
+        left out (None) with ``defer_accum``, for the W step to read when it runs."""
+        args, accum = saved.pop((s, mb)), {}
+        for info in program.tangent_infos:
+            if info.kind == InputKind.TANGENT:
+                seed = seeds.pop(mb, None)
+                args.append(seed if seed is not None else
+                            torch.full((), scale, dtype=self.loss_dtype, device=self.device))
+            elif info.kind == RECV_BWD:
+                args.append(self._take(received, pending_recv, (info.name, s, mb)))
+            elif defer_accum:
+                accum[len(args)] = info.name
+                args.append(None)
+            else:  # GRAD_ACCUM: the sync variant reduces them with its own
+                args.append(pending.pop(info.name))
+        return args, accum
+
+    @staticmethod
+    def _add_gradients(program: StageProgram, slots, grads: dict, pending: dict) -> None:
+        """Add a backward's parameter gradients ((InputInfo, gradient) pairs) into this step's."""
+        for info, g in slots:
+            if info.kind == InputKind.PARAM and g is not None:
+                # Unreduced (no-sync variant) gradients wait for the sync variant.
+                into = pending if info.name in program.deferred else grads
+                if info.name in into:
+                    into[info.name].add_(g)  # the first one is this step's own buffer
+                else:
+                    into[info.name] = g
 
     def _take(self, received: dict, pending: dict, key):
         work = pending.pop(key, None)
@@ -282,6 +372,16 @@ class PipelineExecutor:
                 received[(t.name, t.dst, mb)] = value
             else:
                 outgoing.setdefault((s, mb, phase), {})[t] = value
+
+
+@dataclasses.dataclass
+class _HandOff:
+    """What a BACKWARD_INPUT leaves for its BACKWARD_WEIGHT: I's hand-off values, the backward inputs
+    only W reads ({input index: tensor}) and the ``grad_accum`` sums W reads ({input index: FQN})."""
+
+    values: list
+    direct: dict
+    accum: dict
 
 
 def _local(t):

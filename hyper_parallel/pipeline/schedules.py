@@ -1,6 +1,7 @@
 """Pipeline-parallel schedules as plain data: which step each pipeline rank runs, in which order.
 
-:func:`build_schedule` turns a schedule name (GPipe, 1F1B, Megatron's interleaved 1F1B) into one
+:func:`build_schedule` turns a schedule name (GPipe, 1F1B, Megatron's interleaved 1F1B, zero-bubble
+ZB-H1) into one
 ordered list of :class:`MetaStep` per pipeline rank, compute steps with the sends and receives
 around them; the executor walks these lists. :func:`check_schedule` proves a schedule complete,
 matched and deadlock-free before anything runs, :func:`simulate` replays it with per-stage times to
@@ -13,15 +14,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-__all__ = ["SCHEDULES", "MetaStep", "MetaStepType", "Timeline", "analytic_bubble", "build_schedule",
+__all__ = ["SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "MetaStep", "MetaStepType", "Timeline", "analytic_bubble", "build_schedule",
            "check_schedule", "format_schedule", "simulate"]
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
-# Schedules build_schedule can make but the executor does not run yet (not accepted by PipelinePlan):
-# ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism") splits each backward into BACKWARD_INPUT
-# (input gradients, sent to the previous stage) and BACKWARD_WEIGHT (parameter gradients), and
-# delays the W steps into the cooldown bubble of 1F1B with 1F1B's activation memory bound.
-EXPERIMENTAL_SCHEDULES = ("ZBH1",)
+# The schedules build_schedule makes, the executor runs and PipelinePlan accepts.
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1")
+# Those among them that split each backward: ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism")
+# runs BACKWARD_INPUT (input gradients, sent to the previous stage) and BACKWARD_WEIGHT (parameter
+# gradients) as two steps, and delays the W steps into the cooldown bubble of 1F1B with 1F1B's
+# activation memory bound.
+SPLIT_BACKWARD_SCHEDULES = ("ZBH1",)
 
 
 class MetaStepType(enum.Enum):
@@ -92,9 +94,8 @@ def _check_count(name, value):
 
 def build_schedule(name, num_ranks, num_microbatches, stages_per_rank=1, overlap_p2p=False):
     """One ordered step list per pipeline rank 0..num_ranks-1, validated by check_schedule."""
-    if name not in SCHEDULES + EXPERIMENTAL_SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule name={name!r}; choose one of "
-                         f"{SCHEDULES + EXPERIMENTAL_SCHEDULES}")
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule name={name!r}; choose one of {SCHEDULES}")
     for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                        ("stages_per_rank", stages_per_rank)):
         _check_count(arg, value)
@@ -402,11 +403,19 @@ def simulate(schedule, forward_time, backward_time, p2p_time=0.0, weight_time=No
     return Timeline(events, max((e[3] for e in events), default=0.0), busy)
 
 
-def analytic_bubble(num_ranks, num_microbatches, stages_per_rank=1):
-    """Idle fraction of a 1F1B-family pipeline with equal stage times: (p-1) / (v*m + p-1)."""
+def analytic_bubble(num_ranks, num_microbatches, stages_per_rank=1, schedule="1F1B"):
+    """Idle fraction of a pipeline with equal stage times: (p-1) / (v*m + p-1) for the 1F1B family.
+
+    For a split-backward schedule (ZB-H1) it is the schedule's own idle fraction with forward =
+    input gradient = weight gradient, i.e. a backward costing two forwards split half and half
+    (per linear layer the input and the weight gradient are each one matmul of the forward's size):
+    (p-1) / (3m + p-1) once m >= p, simulated exactly (integer times) for any m."""
     for arg, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches),
                        ("stages_per_rank", stages_per_rank)):
         _check_count(arg, value)
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
+        return simulate(build_schedule(schedule, num_ranks, num_microbatches, stages_per_rank), 1, 1,
+                        weight_time=1).bubble_fraction()
     return (num_ranks - 1) / (stages_per_rank * num_microbatches + num_ranks - 1)
 
 

@@ -12,14 +12,21 @@ torch's partitioners decide placement from dataflow and heuristics (a forward va
 could recompute from saved inputs is copied into backward; every collective is forcibly saved),
 which fights the schedule our passes build — e.g. it would keep a gathered FSDP parameter alive or
 re-run a forward all-gather in backward. Here the schedule in the graph is the schedule that runs.
+
+For zero-bubble pipeline schedules :func:`split_backward` cuts a backward program once more, by
+dataflow: an input-gradient program (what the previous pipeline stage waits for) and a
+weight-gradient program the schedule runs later (pipeline/runtime.py).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ..errors import internal_error
 from ..ir.phase import BACKWARD, FORWARD, phases_of
+from .collective_inputs import hold_collective_inputs, release_after_wait
 
 
 def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Node:
@@ -88,20 +95,38 @@ def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
             benv[node].meta = node.meta
     bwd.output(tuple(benv[g] if isinstance(g, torch.fx.Node) else g for g in grads))
     _eliminate_dead_code(bwd)
-    return torch.fx.GraphModule(joint, fwd), torch.fx.GraphModule(joint, bwd), len(saved)
+    # Each collective's input lives until its wait (runtime/collective_inputs.py).
+    return (hold_collective_inputs(torch.fx.GraphModule(joint, fwd)),
+            hold_collective_inputs(torch.fx.GraphModule(joint, bwd)), len(saved))
 
 
-def split_backward(bwd: torch.fx.GraphModule, weight_outputs):
-    """Zero-bubble cut of a backward program: (B GraphModule, W GraphModule, number of B outputs,
-    indices of ``bwd``'s inputs W reads directly).
+class BackwardSplit(NamedTuple):
+    """A backward program cut in two for zero-bubble schedules (:func:`split_backward`).
+
+    Run ``input_gm`` on ``[bwd_inputs[i] for i in input_args]``: it returns ``bwd``'s output slots
+    ``input_outputs`` (input gradients, ``send_bwd`` values) in order, then the hand-off, the values
+    of its nodes W reads. Later run ``weight_gm`` on the hand-off followed by ``[bwd_inputs[i] for i
+    in weight_args]``: it returns ``bwd``'s slots ``weight_outputs`` in order."""
+
+    input_gm: torch.fx.GraphModule  # "I" (the paper's B): input gradients, then the hand-off to W
+    weight_gm: torch.fx.GraphModule  # "W": parameter gradients, with their reductions if any
+    input_outputs: tuple[int, ...]  # bwd's output slots input_gm returns first, in order
+    weight_outputs: tuple[int, ...]  # bwd's output slots weight_gm returns, in order
+    input_args: tuple[int, ...]  # indices of bwd's inputs input_gm reads, in order
+    weight_args: tuple[int, ...]  # indices of bwd's inputs weight_gm reads after the hand-off
+
+
+def split_backward(bwd: torch.fx.GraphModule, weight_outputs) -> BackwardSplit:
+    """Zero-bubble cut of a backward program into an input-gradient program I and a weight-gradient
+    program W (:class:`BackwardSplit`).
 
     ``weight_outputs``: indices of ``bwd``'s output slots that are parameter gradients (with their
     reductions, in a sync variant). W computes the nodes only those outputs need; every other node
-    (input gradients, ``send_bwd`` values, and anything both need) goes to B. B takes ``bwd``'s
-    inputs and returns its other output slots in order, then the values of B's nodes W reads; W
-    takes those values, then the ``bwd`` inputs it reads itself (saved tensors only W needs, and
-    ``grad_accum`` inputs, which the caller supplies when W runs), and returns the weight slots in
-    order. The cut moves nodes, it changes no op: W's outputs equal ``bwd``'s weight slots.
+    (input gradients, ``send_bwd`` values, and anything both need) goes to I. I reads only the
+    ``bwd`` inputs it uses, so an input only W reads (a saved tensor of a weight gradient, a
+    ``grad_accum`` sum) need not exist when I runs: W takes it directly, after I's hand-off. The
+    cut moves nodes, it changes no op: W's outputs equal ``bwd``'s weight slots. With no weight
+    slots W is empty and I is ``bwd``.
     """
     outputs = list(bwd.graph.output_node().args[0])
     weight_outputs = sorted(set(weight_outputs))
@@ -124,7 +149,7 @@ def split_backward(bwd: torch.fx.GraphModule, weight_outputs):
     w_nodes = [n for n in bwd.graph.nodes
                if n.op not in ("placeholder", "output") and n not in b_needs and n in w_needs]
     w_set = set(w_nodes)
-    crossing = []  # values B hands to W, in graph order
+    crossing = []  # values I hands to W, in graph order
     for node in bwd.graph.nodes:
         if node not in w_set and node.op != "output" and any(u in w_set for u in node.users):
             crossing.append(node)
@@ -136,7 +161,8 @@ def split_backward(bwd: torch.fx.GraphModule, weight_outputs):
 
     b_graph, env = torch.fx.Graph(), {}
     for node in bwd.graph.nodes:
-        if node.op == "output" or node in w_set:
+        # Releases of collective inputs are placed anew in each half below.
+        if node.op == "output" or node in w_set or node.target is release_after_wait:
             continue
         env[node] = b_graph.placeholder(node.name) if node.op == "placeholder" else _copy(b_graph, node, env)
         if node.op == "placeholder":
@@ -144,6 +170,11 @@ def split_backward(bwd: torch.fx.GraphModule, weight_outputs):
     b_graph.output(tuple(env[outputs[i]] if isinstance(outputs[i], torch.fx.Node) else outputs[i] for i in other)
                    + tuple(env[n] for n in crossing))
     _eliminate_dead_code(b_graph)
+    # I takes only what it reads (the caller may not have W's inputs yet when I runs).
+    read = [i for i, n in enumerate(placeholders) if env[n].users]
+    for node in placeholders:
+        if not env[node].users:
+            b_graph.erase_node(env[node])
 
     w_graph, wenv = torch.fx.Graph(), {}
     for node in crossing + w_inputs:
@@ -154,5 +185,9 @@ def split_backward(bwd: torch.fx.GraphModule, weight_outputs):
     w_graph.output(tuple(wenv[outputs[i]] if isinstance(outputs[i], torch.fx.Node) else outputs[i]
                          for i in weight_outputs))
     _eliminate_dead_code(w_graph)
-    return (torch.fx.GraphModule(bwd, b_graph), torch.fx.GraphModule(bwd, w_graph), len(other),
-            [placeholders.index(n) for n in w_inputs])
+    return BackwardSplit(
+        input_gm=hold_collective_inputs(torch.fx.GraphModule(bwd, b_graph)),
+        weight_gm=hold_collective_inputs(torch.fx.GraphModule(bwd, w_graph)),
+        input_outputs=tuple(other), weight_outputs=tuple(weight_outputs), input_args=tuple(read),
+        weight_args=tuple(placeholders.index(n) for n in w_inputs),
+    )

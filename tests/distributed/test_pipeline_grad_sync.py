@@ -170,21 +170,25 @@ def test_plain_reference_reduces_each_gradient_once(plain):
         assert plain[name]["summary"] == plain[name]["measured"] == param_bytes, plain
 
 
-@pytest.mark.parametrize("schedule, stages_per_rank", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)])
+@pytest.mark.parametrize("schedule, stages_per_rank", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2),
+                                                     ("ZBH1", 1)])
 @pytest.mark.parametrize("overlap_p2p", [False, True])
 def test_every_schedule_syncs_each_stage_once_after_its_other_backwards(schedule, stages_per_rank, overlap_p2p):
     """For every built schedule, each stage of each rank runs the sync variant on exactly one
-    micro-batch, whose backward is that stage's last: every other micro-batch's unreduced gradient
-    is already pending when it reduces (pure schedule data, no process group)."""
+    micro-batch, whose backward is that stage's last (its last weight-gradient step when backwards
+    are split, ZBH1: the reductions are in W): every other micro-batch's unreduced gradient is
+    already pending when it reduces (pure schedule data, no process group). The ZBH1 parity cases
+    are in test_pipeline_zero_bubble.py."""
     from hyper_parallel.pipeline.runtime import flat_steps, sync_microbatches
-    from hyper_parallel.pipeline.schedules import SCHEDULES, MetaStepType, build_schedule
+    from hyper_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD_SCHEDULES, MetaStepType, build_schedule
 
-    assert schedule in SCHEDULES and len(SCHEDULES) == 3, "a new schedule: add it here"
+    assert schedule in SCHEDULES and len(SCHEDULES) == 4, "a new schedule: add it here"
+    gradient_step = MetaStepType.BACKWARD_WEIGHT if schedule in SPLIT_BACKWARD_SCHEDULES else MetaStepType.BACKWARD
     num_ranks = 2
     for rank, steps in build_schedule(schedule, num_ranks, 4, stages_per_rank, overlap_p2p).items():
         sync = sync_microbatches(steps)
         assert set(sync) == set(range(rank, num_ranks * stages_per_rank, num_ranks)), (rank, sync)
-        backwards = [(s.stage, s.micro_batch) for s in flat_steps(steps) if s.step_type is MetaStepType.BACKWARD]
+        backwards = [(s.stage, s.micro_batch) for s in flat_steps(steps) if s.step_type is gradient_step]
         for stage, mb in sync.items():
             mine = [m for st, m in backwards if st == stage]
             assert sorted(mine) == list(range(4)) and mine[-1] == mb, (rank, stage, mine, mb)

@@ -1,54 +1,88 @@
-"""Zero-bubble (ZB-H1) pieces that run today: the cut of a backward program into B and W.
-
-The executor does not run ZB-H1 yet (``PipelinePlan`` refuses ``schedule="ZBH1"``); the schedule
-itself is tested in ``tests/unit/test_pipeline_schedules.py``. Here: ``runtime/partition.py:
-split_backward`` on a backward program, checked numerically against the unsplit program.
+"""Zero-bubble (ZB-H1): ``runtime/partition.py:split_backward`` cuts a backward program into an
+input-gradient program I and a weight-gradient program W, checked numerically against the unsplit
+program. The executor runs them (``tests/distributed/test_pipeline_zero_bubble.py``); the schedule
+itself is tested in ``tests/unit/test_pipeline_schedules.py``.
 """
 
+import pytest
 import torch
 
-from hyper_parallel.runtime.partition import split_backward
+from hyper_parallel.runtime.partition import BackwardSplit, split_backward
 
 
 def _backward(x, w, g, bias_g):
-    shared = g * 2.0  # read by both the input and the weight gradient: must go to B
+    shared = g * 2.0  # read by both the input and the weight gradient: must go to I
     grad_x = shared @ w  # input gradient (sent to the previous stage)
     grad_w = shared.t() @ x  # weight gradient
     grad_b = (bias_g + shared).sum(0)  # weight gradient reading a placeholder only W uses
     return grad_w, grad_x, grad_b, grad_x * 3.0  # (grad, send_bwd, grad, send_bwd)
 
 
+def _ops(gm):
+    return [n.name for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def _args():
+    torch.manual_seed(0)
+    return (torch.randn(4, 3), torch.randn(5, 3), torch.randn(4, 5), torch.randn(4, 5))
+
+
 def test_split_backward_matches_unsplit_program():
     gm = torch.fx.symbolic_trace(_backward)
-    b_gm, w_gm, num_b, w_args = split_backward(gm, weight_outputs=(0, 2))
-    assert num_b == 2 and w_args == [0, 3]  # x and bias_g: read by W only, straight from the caller
-    b_ops = [n.name for n in b_gm.graph.nodes if n.op in ("call_function", "call_method")]
-    w_ops = [n.name for n in w_gm.graph.nodes if n.op in ("call_function", "call_method")]
-    # The shared product is computed once, in B; the weight products only in W; W reads the
-    # shared value and the placeholders only it needs, handed over by B.
-    assert b_ops == ["mul", "matmul", "mul_1"]
-    assert w_ops == ["t", "matmul_1", "add", "sum_1"]
-    assert [n.name for n in w_gm.graph.nodes if n.op == "placeholder"] == ["mul", "x", "bias_g"]
-    torch.manual_seed(0)
-    args = (torch.randn(4, 3), torch.randn(5, 3), torch.randn(4, 5), torch.randn(4, 5))
+    split = split_backward(gm, weight_outputs=(2, 0))
+    assert isinstance(split, BackwardSplit)
+    assert split.input_outputs == (1, 3) and split.weight_outputs == (0, 2)
+    # I reads w and g only; x and bias_g are read by W only, straight from the caller (they need
+    # not exist yet when I runs).
+    assert split.input_args == (1, 2) and split.weight_args == (0, 3)
+    # The shared product is computed once, in I; the weight products only in W; W reads the
+    # shared value (the hand-off) and the placeholders only it needs.
+    assert _ops(split.input_gm) == ["mul", "matmul", "mul_1"]
+    assert _ops(split.weight_gm) == ["t", "matmul_1", "add", "sum_1"]
+    assert [n.name for n in split.input_gm.graph.nodes if n.op == "placeholder"] == ["w", "g"]
+    assert [n.name for n in split.weight_gm.graph.nodes if n.op == "placeholder"] == ["mul", "x", "bias_g"]
+    args = _args()
     ref = gm(*args)
-    b_out = b_gm(*args)
-    assert len(b_out) == num_b + 1  # the shared value is B's only hand-off
-    w_out = w_gm(*b_out[num_b:], *(args[i] for i in w_args))
-    torch.testing.assert_close(b_out[0], ref[1])
-    torch.testing.assert_close(b_out[1], ref[3])
-    torch.testing.assert_close(w_out[0], ref[0])
-    torch.testing.assert_close(w_out[1], ref[2])
+    i_out = split.input_gm(*(args[i] for i in split.input_args))
+    num_i = len(split.input_outputs)
+    assert len(i_out) == num_i + 1  # the shared value is I's only hand-off
+    w_out = split.weight_gm(*i_out[num_i:], *(args[i] for i in split.weight_args))
+    for slot, value in zip(split.input_outputs, i_out):
+        torch.testing.assert_close(value, ref[slot])
+    for slot, value in zip(split.weight_outputs, w_out):
+        torch.testing.assert_close(value, ref[slot])
 
 
-def test_split_backward_everything_in_b_when_no_weights():
+def test_split_backward_everything_in_i_when_no_weights():
+    """A stage without parameters: W computes nothing, takes nothing and returns nothing."""
     gm = torch.fx.symbolic_trace(_backward)
-    b_gm, w_gm, num_b, w_args = split_backward(gm, weight_outputs=())
-    assert num_b == 4 and not [n for n in w_gm.graph.nodes if n.op in ("call_function", "call_method")]
+    split = split_backward(gm, weight_outputs=())
+    assert split.input_outputs == (0, 1, 2, 3) and split.weight_outputs == () and split.weight_args == ()
+    assert not _ops(split.weight_gm) and not [n for n in split.weight_gm.graph.nodes if n.op == "placeholder"]
+    assert split.weight_gm() == ()
+    args = _args()
+    for a, b in zip(split.input_gm(*(args[i] for i in split.input_args)), gm(*args)):
+        torch.testing.assert_close(a, b)
+
+
+def test_split_backward_weight_slot_that_is_a_placeholder_or_shared():
+    """A weight gradient that is a backward input itself goes to W as a direct input; one that I
+    also returns (the same node in two slots) is handed over."""
+
+    def backward(g, h):
+        grad_x = g * 2.0
+        return h, grad_x, grad_x
+
+    gm = torch.fx.symbolic_trace(backward)
+    split = split_backward(gm, weight_outputs=(0, 2))
+    assert split.input_args == (0,) and split.weight_args == (1,) and not _ops(split.weight_gm)
+    g, h = torch.randn(3), torch.randn(3)
+    i_out = split.input_gm(g)
+    w_out = split.weight_gm(*i_out[1:], h)
+    torch.testing.assert_close(w_out[0], h)
+    torch.testing.assert_close(w_out[1], g * 2.0)
 
 
 def test_split_backward_rejects_bad_slots():
-    import pytest
-
     with pytest.raises(ValueError, match="out of range"):
         split_backward(torch.fx.symbolic_trace(_backward), weight_outputs=(4,))

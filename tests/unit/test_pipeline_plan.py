@@ -6,6 +6,11 @@ import hyper_parallel as hp
 from hyper_parallel.pipeline.plan import PipelinePlan
 
 
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "ZBH1"])
+def test_one_stage_per_rank_schedules_are_accepted(schedule):
+    assert PipelinePlan.from_value({"schedule": schedule, "num_microbatches": 4}).schedule == schedule
+
+
 def test_defaults_and_dict_form():
     plan = PipelinePlan.from_value({"split_points": ["model.layers.2"], "schedule": "GPipe"})
     assert plan == hp.PipelinePlan(split_points=("model.layers.2",), schedule="GPipe")
@@ -21,6 +26,7 @@ def test_defaults_and_dict_form():
     ({"num_microbatches": True}, ValueError, "num_microbatches=True) must be a positive integer"),
     ({"schedule": "Interleaved1F1B"}, ValueError, "needs stages_per_rank >= 2"),
     ({"stages_per_rank": 2}, ValueError, "use schedule='Interleaved1F1B' for stages_per_rank > 1"),
+    ({"schedule": "ZBH1", "stages_per_rank": 2}, ValueError, "schedule='ZBH1') runs one stage per rank"),
 ])
 def test_bad_options(kwargs, error, message):
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

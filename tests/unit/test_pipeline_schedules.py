@@ -57,7 +57,7 @@ def test_repr_and_validation():
 @pytest.mark.parametrize("overlap", [False, True])
 def test_every_valid_combination_builds_and_checks(overlap):
     cases = set(valid_cases())
-    assert len(cases) == 96
+    assert len(cases) == 128  # GPipe, 1F1B, ZBH1: 32 each; Interleaved1F1B: 32
     for name, p, m, v in itertools.product(SCHEDULES, range(1, 5), range(1, 9), range(1, 4)):
         if (name, p, m, v) not in cases:
             with pytest.raises(ValueError, match="stages_per_rank|multiple of num_ranks"):
@@ -271,7 +271,7 @@ def test_format_schedule():
 
 
 @pytest.mark.parametrize(("kwargs", "pattern"), [
-    (dict(name="PipeDream"), r"name='PipeDream'.*GPipe.*1F1B.*Interleaved1F1B"),
+    (dict(name="PipeDream"), r"name='PipeDream'.*GPipe.*1F1B.*Interleaved1F1B.*ZBH1"),
     (dict(num_ranks=0), r"num_ranks must be an int >= 1, got 0"),
     (dict(num_microbatches=0), r"num_microbatches must be an int >= 1, got 0"),
     (dict(num_microbatches=2.0), r"num_microbatches must be an int >= 1, got 2.0"),
@@ -387,12 +387,25 @@ def test_zbh1_format_schedule_shows_i_and_w():
     assert "I0@s0" in text and "W1@s1" in text
 
 
-def test_zbh1_is_not_a_plan_schedule_yet():
-    """The executor does not run split backwards yet: PipelinePlan refuses ZBH1 clearly."""
+def test_zbh1_is_a_plan_schedule_with_one_stage_per_rank():
+    """The executor runs split backwards: PipelinePlan accepts ZBH1, with one stage per rank."""
     from hyper_parallel.pipeline.plan import PipelinePlan
+    from hyper_parallel.pipeline.schedules import SPLIT_BACKWARD_SCHEDULES
 
-    assert "ZBH1" not in SCHEDULES
-    with pytest.raises(ValueError, match="not a schedule"):
-        PipelinePlan(schedule="ZBH1")
+    assert "ZBH1" in SCHEDULES and SPLIT_BACKWARD_SCHEDULES == ("ZBH1",)
+    assert PipelinePlan(schedule="ZBH1").schedule == "ZBH1"
+    with pytest.raises(ValueError, match=r"PipelinePlan\(schedule='ZBH1'\) runs one stage per rank"):
+        PipelinePlan(schedule="ZBH1", stages_per_rank=2)
     with pytest.raises(ValueError, match="one stage per rank"):
         build_schedule("ZBH1", 2, 4, stages_per_rank=2)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 5), (4, 8), (4, 2), (1, 3)])
+def test_zbh1_analytic_bubble_is_its_schedule_with_equal_f_i_w(p, m):
+    """F = I = W (a backward of two forwards, split half and half): (p-1) / (3m + p-1) once m >= p,
+    below 1F1B's (p-1) / (m + p-1)."""
+    bubble = analytic_bubble(p, m, schedule="ZBH1")
+    assert bubble == simulate(build_schedule("ZBH1", p, m), 1.0, 1.0, weight_time=1.0).bubble_fraction()
+    if m >= p:
+        assert bubble == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble <= analytic_bubble(p, m) and (p == 1) == (bubble == 0)
