@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=4, help="data-parallel degree = number of processes (default 4)")
     add_model_args(p)
     p.add_argument("--prefetch-depth", type=int, default=None,
-                   help="FSDP units gathered ahead (default: hyper_parallel's choice for the backend, 0 on gloo)")
+                   help="FSDP units gathered ahead (default: hyper_parallel's, 1)")
     p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="timed steps per side and config (median reported)")

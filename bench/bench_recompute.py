@@ -174,7 +174,7 @@ def main():
                         help="cuda: one GPU per rank, NCCL, peaks from torch.cuda.max_memory_allocated")
     parser.add_argument("--reductions-in-flight", type=int, default=None,
                         help="hp's gradient buckets in flight during backward (default: hyper_parallel's "
-                        "choice, 0 on gloo: each waited at once; DDP overlaps its buckets)")
+                        "choice, 1; 0 waits for each at once)")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     launch(run, report, args, args.world, threads=1)

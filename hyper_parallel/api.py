@@ -67,10 +67,12 @@ def parallelize(
     ``plan`` is a :class:`ParallelPlan`, the same as a nested dict, or None to use only the entries
     recorded by ``shard_module``/``parallelize_module``. The model's parameters are distributed now
     (from rank 0's values, so every rank starts identical); compilation happens on the first call.
-    ``prefetch_depth``: FSDP units whose all-gather is issued ahead (default 1 on NCCL/HCCL, 0 on
-    gloo); ``reductions_in_flight``: gradient reductions (FSDP reduce-scatters, DDP buckets) that
-    may run while backward goes on, each waited for just before the one N later is issued (default
-    1, FSDP2's, where units are prefetched, else 0: waited at once); ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
+    ``prefetch_depth``: FSDP units whose all-gather is issued ahead (default 1);
+    ``reductions_in_flight``: gradient reductions (FSDP reduce-scatters, DDP buckets) that may run
+    while backward goes on, each waited for just before the one N later is issued (default 1,
+    FSDP2's, where units are prefetched, else 0: waited at once); on gloo process groups one
+    collective of a group is in flight at a time whatever these say (passes/serialize_collectives.py);
+    ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
     own (DDP's option and default); ``memory_budget_bytes``: the per-rank peak that
     ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
     dumps of every stage. ``materialize=False``: a meta-device model keeps meta shards (planning
@@ -102,7 +104,7 @@ def parallelize(
     resolution = resolve(plan, model, mesh, loss_fn=loss_fn, memory_budget_bytes=memory_budget_bytes)
     resolved, activation = resolution.resolved, resolution.activation
     mesh = resolution.mesh  # with a pipeline plan, the stage mesh: the rest of the plan applies there
-    prefetch_depth = _default_prefetch_depth(mesh) if prefetch_depth is None else prefetch_depth
+    prefetch_depth = _default_prefetch_depth() if prefetch_depth is None else prefetch_depth
     if reductions_in_flight is None:  # overlap follows prefetch unless asked for on its own
         reductions_in_flight = 1 if prefetch_depth > 0 else 0
     if timeout is not None:
@@ -158,21 +160,22 @@ def _describe_plan(resolved: ResolvedPlan, activation, full_plan, **settings) ->
     return re.sub(r" at 0x[0-9a-f]+", "", "\n".join(lines))
 
 
-def _default_prefetch_depth(mesh) -> int:
-    """FSDP units gathered ahead by default: 1, except 0 on gloo. With several gloo collectives in
-    flight, workers crashed natively (heap corruption, SIGSEGV/SIGABRT) in about one full CI run out of
-    four under load; the cause is not found yet (see the issue note). Prefetch is worth having on gloo
-    too (FSDP step hp/FSDP2 0.84 with depth 1 vs 0.97 with 0, measured back to back), so
-    ``parallelize(..., prefetch_depth=1)`` turns it on explicitly, as does the environment
-    variable ``HYPER_PARALLEL_PREFETCH_DEPTH`` (for runs that cannot change the call)."""
+def _default_prefetch_depth() -> int:
+    """FSDP units gathered ahead by default: 1 on every backend (so, by default, one gradient
+    reduction of a kind also stays in flight: ``reductions_in_flight``).
+
+    It was 0 on gloo while several collectives in flight crashed gloo workers natively now and
+    then. The cause: two collectives of one gloo process group executing at once on its two worker
+    threads; passes/serialize_collectives.py now waits for each before the next one of its group is
+    issued, and ``bench/stress_gloo_prefetch.py`` reproduces the old failure with
+    ``--disable-serialize``. The environment variable ``HYPER_PARALLEL_PREFETCH_DEPTH`` overrides
+    the default for runs that cannot change the call."""
     from_env = os.environ.get("HYPER_PARALLEL_PREFETCH_DEPTH")
     if from_env:
         if not from_env.isdigit():
             raise ValueError(f"HYPER_PARALLEL_PREFETCH_DEPTH must be a non-negative integer, got {from_env!r}")
         return int(from_env)
-    if not dist.is_initialized():
-        return 1
-    return 0 if dist.get_backend(mesh.get_group(0)) == "gloo" else 1
+    return 1
 
 
 def _offload_shards(model: nn.Module, resolved: ResolvedPlan) -> None:

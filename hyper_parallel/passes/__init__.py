@@ -35,6 +35,7 @@ from .prefetch import prefetch_pass
 from .recompute import recompute_pass
 from .reshard_after_forward import reshard_after_forward_pass
 from .runner import Step, check_disabled, run_steps
+from .serialize_collectives import serialize_collectives_pass
 from .swap import swap_pass
 
 __all__ = ["DEFAULT_GRADIENT_BUCKET_BYTES", "DEFAULT_PREFETCH_DEPTH", "PASSES", "REWRITES", "PassContext",
@@ -77,6 +78,7 @@ PASSES: list[tuple[str, object]] = [
     ("bucketing", bucketing_pass),
     ("prefetch", prefetch_pass),
     ("overlap_reductions", overlap_reductions_pass),
+    ("serialize_collectives", serialize_collectives_pass),
 ]
 
 

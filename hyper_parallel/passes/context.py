@@ -16,8 +16,8 @@ DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb=25
 # DDP's first bucket (the last parameters, whose gradients backward computes first) is small, so
 # the first reduction starts early; 1 MiB as DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``.
 DEFAULT_FIRST_GRADIENT_BUCKET_BYTES = 1024 * 1024
-DEFAULT_PREFETCH_DEPTH = 1  # FSDP units whose all-gather is issued ahead (parallelize picks 0 on gloo)
-DEFAULT_REDUCTIONS_IN_FLIGHT = 1  # gradient reductions of a kind in flight (FSDP2's; 0 on gloo by default)
+DEFAULT_PREFETCH_DEPTH = 1  # FSDP units whose all-gather is issued ahead
+DEFAULT_REDUCTIONS_IN_FLIGHT = 1  # gradient reductions of a kind in flight (FSDP2's)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,9 @@ at any point. N = 1 is FSDP2's schedule (one reduce-scatter in flight: the full-
 reduction reads are freed as backward proceeds); N = 0 leaves every wait where bucketing put it.
 
 ``parallelize(..., reductions_in_flight=)`` sets N; by default 1 where FSDP units are prefetched
-(NCCL/HCCL) and 0 where they are not (gloo, see ``api._default_prefetch_depth``), so one option,
-``prefetch_depth``, still turns all overlap on or off.
+(the default) and 0 where they are not (``prefetch_depth=0``), so one option, ``prefetch_depth``,
+still turns all overlap on or off. On gloo, serialize_collectives (the next pass) also waits for a
+reduction before the next collective of its process group is issued.
 
 Reads: ``hp_bucket`` on the fused reductions (bucketing), ``ctx.reductions_in_flight``.
 Writes: node order only (no node is added or removed), so numerics are unchanged. Idempotent: a

@@ -12,8 +12,9 @@ Explicit lists (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``, in
 ``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued before the wait
 of the unit that names them.
 
-``ctx.prefetch_depth`` 0 (the default on gloo, see ``api._default_prefetch_depth``) moves nothing but
-the explicit lists.
+``ctx.prefetch_depth`` 0 (``parallelize(..., prefetch_depth=0)``; the default is 1) moves nothing but
+the explicit lists. On gloo, serialize_collectives then keeps one collective per process group in
+flight, so a unit's gather is issued right after the previous unit's wait (still before its compute).
 
 Reads: ``hp_bucket``, ``hp_fsdp_phase``, ``hp_fsdp_unit`` on the fused collectives (bucketing),
 ``ctx.prefetch_depth``, ``ctx.explicit_prefetch``.

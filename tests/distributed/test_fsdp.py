@@ -167,11 +167,10 @@ def test_fsdp_bf16_with_padded_labels(dist2):
     assert worst["loss"] < 1e-2, worst
 
 
-def prefetch_order():
+def prefetch_order(depth):
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    model = hp.parallelize(
-        build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh, prefetch_depth=1
-    )
+    options = {} if depth is None else {"prefetch_depth": depth}
+    model = hp.parallelize(build_model("llama"), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh, **options)
     model(**global_batch("llama", 4, 16))["loss"].backward()
     c10d = torch.ops._c10d_functional
     report = {}
@@ -180,8 +179,13 @@ def prefetch_order():
         index = {n: i for i, n in enumerate(nodes)}
         gathers = [n for n in nodes if n.target is c10d.all_gather_into_tensor.default]
         waits = [next(iter(g.users)) for g in gathers]
-        # unit k's gather is issued before unit k-1's wait: it overlaps unit k-1's compute
-        report[name] = [index[gathers[k]] < index[waits[k - 1]] for k in range(1, len(gathers))]
+        # unit k's gather is issued before unit k-1's compute (matmuls; the root's embedding lookup)
+        # and overlaps it (on gloo right after unit k-1's wait: one collective per group in flight,
+        # serialize_collectives)
+        compute = (torch.ops.aten.mm.default, torch.ops.aten.embedding.default)
+        report[name] = [any(n.target in compute for n in nodes[index[gathers[k]]:index[waits[k]]])
+                        for k in range(1, len(gathers))]
+        report[name + "_most_in_flight"] = _most_in_flight(nodes)
         scatters = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
         # at most one reduce-scatter in flight: unit k's is waited for after issuing it, before unit k+1's
         report[name + "_scatter"] = [
@@ -192,8 +196,25 @@ def prefetch_order():
     return report
 
 
-def test_prefetch_issues_next_unit_gather_early_and_bounds_reductions(dist2):
-    report = dist2.run(prefetch_order)[0]
+def _most_in_flight(nodes) -> int:
+    """The most collectives issued and not yet waited at any point of a program."""
+    c10d = torch.ops._c10d_functional
+    open_, most = set(), 0
+    for n in nodes:
+        if n.target is c10d.wait_tensor.default:
+            open_.discard(n.args[0])
+        elif getattr(n.target, "namespace", None) == "_c10d_functional":
+            open_.add(n)
+            most = max(most, len(open_))
+    return most
+
+
+@pytest.mark.parametrize("depth", [1, None], ids=["depth1", "default"])
+def test_prefetch_issues_next_unit_gather_early_and_bounds_reductions(dist2, depth):
+    """Also the default on gloo: prefetch on (one unit ahead), one reduce-scatter in flight."""
+    report = dist2.run(prefetch_order, depth)[0]
+    # gloo: the one data-parallel group never has two collectives in flight (serialize_collectives)
+    assert report["forward_most_in_flight"] == report["backward_most_in_flight"] == 1, report
     assert report["forward"] == [True] * (UNITS - 1)
     assert report["backward"] == [True] * (UNITS - 1)
     assert report["backward_scatter"] == [True] * UNITS
@@ -366,7 +387,10 @@ def explicit_prefetch_and_reduce_op():
     index = {n: i for i, n in enumerate(nodes)}
     gathers = {n.meta["hp_fsdp_unit"]: n for n in nodes if n.target is c10d.all_gather_into_tensor.default}
     wait0 = next(iter(gathers["model.layers.0"].users))
-    early = [index[gathers[f"model.layers.{i}"]] < index[wait0] for i in (1, 2)]
+    # Layers 1 and 2 are gathered before layer 0 computes (its first matmul after its wait); on
+    # gloo each right after the previous collective's wait (serialize_collectives).
+    compute0 = next(n for n in nodes[index[wait0]:] if n.target is torch.ops.aten.mm.default)
+    early = [index[gathers[f"model.layers.{i}"]] < index[compute0] for i in (1, 2)]
 
     # "sum": the dp ranks' gradients summed = world x the gradients of the global mean loss.
     grads_avg = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}

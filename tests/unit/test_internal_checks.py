@@ -247,7 +247,7 @@ def _stage_program():
 
     return SimpleNamespace(
         graph=SimpleNamespace(inputs=[], outputs=[], recvs=[]), forward_gm=lambda *a: (),
-        backward_gm=lambda args: [], num_forward_outputs=0, primal_infos=[],
+        backward_gm=lambda args: [], num_forward_outputs=0, primal_infos=[], tangent_infos=[],
         sends={FORWARD: [], BACKWARD: []},
     )
 
