@@ -1,0 +1,204 @@
+"""Step time and peak memory of data parallelism: hyper_parallel vs PyTorch DDP, side by side.
+
+``python bench/bench_dp_step.py`` spawns ``--world`` (default 4) gloo processes on CPU, one intra-op
+thread each. Both sides replicate the same Llama (seed 0) over a 1-D data-parallel mesh and every
+rank feeds the same local batch (its slice of one global batch) to both:
+
+* hyper_parallel: ``hp.parallelize(model, {}, mesh)`` on a ``("dp",)`` mesh (an empty plan: every
+  parameter replicated, gradients all-reduced in DDP-style buckets, ``bucket_cap_mb=25`` with a
+  small first bucket, issued as backward produces them; compiled on the first call);
+* DDP: ``DistributedDataParallel(model)`` with its defaults (25 MB buckets, 1 MB first bucket), run
+  eagerly.
+
+A step is forward + backward + ``SGD.step`` + ``zero_grad``. Each side gets ``--warmup`` steps
+(hyper_parallel's first one compiles), then ``--steps`` timed steps interleaved hp / DDP so machine
+noise hits both alike; every step starts after a barrier and takes as long as its slowest rank;
+medians are reported. Losses: both sides at step 0 (hp: the global token mean; DDP: each rank's
+local mean, averaged over ranks here, outside the timed steps) and after the timed steps.
+
+Peak memory of one more step per side on rank 0, with ``MemoryTracker`` (live bytes of tensors that
+pass through the dispatcher, parameters and gradients included). DDP's gradient buckets are
+allocated by its C++ reducer when it is built, out of the tracker's sight, and live for the whole
+run (one flat copy of every gradient, as ``gradient_as_bucket_view=False``, DDP's default, keeps
+them): DDP's peak is reported as the tracked peak plus those bucket bytes, and the tracked peak
+alone is in the JSON. hp's buckets are ordinary tensors of its backward program, tracked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hyper_parallel as hp  # noqa: E402
+from _harness import (CommCounter, add_model_args, build_model, hp_collectives, launch,  # noqa: E402
+                      slowest_rank, step, timed_step)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--world", type=int, default=4, help="data-parallel degree = number of processes (default 4)")
+    add_model_args(p)
+    p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12, help="timed steps per side (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both sides' bucket size (default 25)")
+    p.add_argument("--reductions-in-flight", type=int, default=None,
+                   help="hp's buckets in flight while backward goes on (default: hp's choice)")
+    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    return p.parse_args(argv)
+
+
+def _peak(model, opt, batch) -> int:
+    from hyper_parallel.testing.memory_tracker import MemoryTracker
+
+    baseline = list(model.parameters()) + [t for s in opt.state.values() for t in s.values()
+                                           if isinstance(t, torch.Tensor)]
+    with MemoryTracker(baseline) as tracker:
+        step(model, opt, batch)
+    return tracker.peak
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)
+    if args.batch % world:
+        raise ValueError(f"--batch {args.batch} must be a multiple of --world {world}")
+    ref = build_model(args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    local_ids = ids.chunk(world, dim=0)[rank]
+    batch = {"input_ids": local_ids, "labels": local_ids}
+    ref_loss0 = ref(input_ids=ids, labels=ids)["loss"].item()
+
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    options = {"bucket_cap_mb": args.bucket_cap_mb}
+    if args.reductions_in_flight is not None:
+        options["reductions_in_flight"] = args.reductions_in_flight
+    hp_model = hp.parallelize(copy.deepcopy(ref), {}, mesh, **options)
+    hp_opt = torch.optim.SGD(hp_model.parameters(), lr=args.lr)
+    ddp_model = DistributedDataParallel(copy.deepcopy(ref), bucket_cap_mb=args.bucket_cap_mb)
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=args.lr)
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    hp_loss0 = step(hp_model, hp_opt, batch).item()
+    t_compile = time.perf_counter() - t0
+    ddp_loss0 = step(ddp_model, ddp_opt, batch)
+    dist.all_reduce(ddp_loss0)
+    ddp_loss0 = ddp_loss0.item() / world
+
+    for _ in range(args.warmup - 1):
+        timed_step(hp_model, hp_opt, batch)
+        timed_step(ddp_model, ddp_opt, batch)
+    hp_times, ddp_times = [], []
+    for _ in range(args.steps):
+        hp_times.append(timed_step(hp_model, hp_opt, batch))
+        ddp_times.append(timed_step(ddp_model, ddp_opt, batch))
+    times = slowest_rank([t_compile] + hp_times + ddp_times)
+    t_compile, hp_times, ddp_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
+
+    counted = {}
+    for name, model, opt in (("hyper_parallel", hp_model, hp_opt), ("ddp", ddp_model, ddp_opt)):
+        mode = CommCounter()
+        with mode:
+            step(model, opt, batch)
+        counted[name] = mode.calls
+    ddp_tracked = _peak(ddp_model, ddp_opt, batch)
+    ddp_buckets = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
+    peaks = {"hyper_parallel": _peak(hp_model, hp_opt, batch), "ddp": ddp_tracked + ddp_buckets,
+             "ddp_tracked_only": ddp_tracked, "ddp_reducer_buckets": ddp_buckets}
+    # Both sides have taken the same number of SGD steps on the same data: equal weights, so equal
+    # losses (hp's global mean vs the mean of DDP's equal-sized local means).
+    hp_loss_end = step(hp_model, hp_opt, batch).item()
+    ddp_loss_end = step(ddp_model, ddp_opt, batch)
+    dist.all_reduce(ddp_loss_end)
+    ddp_loss_end = ddp_loss_end.item() / world
+    if rank != 0:
+        return None
+    hp_med, ddp_med = statistics.median(hp_times), statistics.median(ddp_times)
+    summary = hp_model.compile_summary()
+    return {
+        "bench": "dp_step",
+        "world_size": world,
+        "mesh": {"dp": world},
+        "config": {
+            "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+            "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
+            "seq_len": args.seq_len, "global_batch": args.batch, "local_batch": args.batch // world,
+            "params": ref.num_parameters(), "bucket_cap_mb": args.bucket_cap_mb,
+        },
+        "threads_per_rank": args.threads,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "loss_step0": {"single_device": ref_loss0, "hyper_parallel": hp_loss0, "ddp_mean_of_ranks": ddp_loss0},
+        "loss_after_steps": {"hyper_parallel": hp_loss_end, "ddp_mean_of_ranks": ddp_loss_end},
+        "hp_first_step_s (compile + step)": t_compile,
+        "step_time_s": {
+            "hyper_parallel": {"median": hp_med, "min": min(hp_times), "max": max(hp_times), "all": hp_times},
+            "ddp": {"median": ddp_med, "min": min(ddp_times), "max": max(ddp_times), "all": ddp_times},
+        },
+        "ratio_hp_over_ddp": hp_med / ddp_med,
+        "peak_bytes_rank0": peaks,
+        "ratio_peak_hp_over_ddp": peaks["hyper_parallel"] / peaks["ddp"],
+        "collectives_per_step": {
+            "hyper_parallel (compile_summary)": hp_collectives(summary),
+            "hyper_parallel (counted)": counted["hyper_parallel"],
+            "ddp (counted)": counted["ddp"],
+        },
+        "fallbacks": summary.get("fallbacks", []),
+    }
+
+
+def print_table(r: dict) -> None:
+    c = r["config"]
+    print(f"\nDP dp={r['world_size']} Llama {c['layers']}L h{c['hidden']} ({c['params']:,} params), "
+          f"global batch {c['global_batch']} ({c['local_batch']}/rank) x seq {c['seq_len']}, "
+          f"buckets {c['bucket_cap_mb']} MB, {r['threads_per_rank']} thread/rank, "
+          f"median of {r['steps']} steps (slowest rank)")
+    l0, le = r["loss_step0"], r["loss_after_steps"]
+    print(f"loss at step 0: single device {l0['single_device']:.6f}, hp {l0['hyper_parallel']:.6f}, "
+          f"DDP (mean of ranks) {l0['ddp_mean_of_ranks']:.6f}; after the timed steps hp "
+          f"{le['hyper_parallel']:.6f}, DDP {le['ddp_mean_of_ranks']:.6f}; hp first step (compile + step) "
+          f"{r['hp_first_step_s (compile + step)']:.1f} s")
+    st, peaks = r["step_time_s"], r["peak_bytes_rank0"]
+    print(f"{'':26}{'hyper_parallel':>16}{'DDP':>16}{'hp/DDP':>10}")
+    print(f"{'step time (ms)':26}{st['hyper_parallel']['median'] * 1e3:>16.1f}"
+          f"{st['ddp']['median'] * 1e3:>16.1f}{r['ratio_hp_over_ddp']:>10.2f}")
+    print(f"{'  min / max (ms)':26}"
+          f"{st['hyper_parallel']['min'] * 1e3:>7.1f} /{st['hyper_parallel']['max'] * 1e3:>6.1f}"
+          f"{st['ddp']['min'] * 1e3:>8.1f} /{st['ddp']['max'] * 1e3:>6.1f}")
+    print(f"{'peak MB (rank 0) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
+          f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
+    print(f"[1] DDP: {peaks['ddp_tracked_only'] / 1e6:.2f} MB tracked + {peaks['ddp_reducer_buckets'] / 1e6:.2f} MB "
+          "of reducer buckets (allocated in C++, alive all run)")
+    colls = r["collectives_per_step"]
+    hp_c, hp_n, dd = colls["hyper_parallel (compile_summary)"], colls["hyper_parallel (counted)"], colls["ddp (counted)"]
+    for kind in sorted(set(hp_c) | set(hp_n) | set(dd)):
+        h = hp_c.get(kind, {"count": 0, "bytes": 0})
+        n = hp_n.get(kind, {"count": 0, "bytes": 0})
+        d = dd.get(kind, {"count": 0, "bytes": 0})
+        counted = "" if n == h else f"  (hp counted: {n['count']}, {n['bytes']:,} B)"
+        print(f"{kind + ' count':26}{h['count']:>16}{d['count']:>16}{counted}")
+        print(f"{kind + ' bytes':26}{h['bytes']:>16,}{d['bytes']:>16,}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    launch(run, print_table, args, args.world, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()
