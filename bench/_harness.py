@@ -9,6 +9,7 @@ collective counter that sees both eager c10d calls and compiled functional colle
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -115,6 +116,70 @@ def slowest_rank(times: list[float]) -> list[float]:
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+@dataclasses.dataclass
+class SideBySide:
+    """What :func:`time_side_by_side` measured: step-0 losses (the peer's averaged over ranks, as
+    eager DDP/FSDP2 return each rank's local mean), hp's first step (compile + step) and the timed
+    steps of both sides, each the slowest rank's."""
+
+    hp_loss0: float
+    peer_loss0: float
+    hp_first_step_s: float
+    hp_times: list
+    peer_times: list
+
+
+def time_side_by_side(hp_side: tuple, peer_side: tuple, batch, warmup: int, steps: int) -> SideBySide:
+    """hp's first step (it compiles) and the peer's, then ``warmup - 1`` and ``steps`` timed steps
+    interleaved hp / peer, so machine noise hits both alike. Each side is (model, optimizer)."""
+    world = dist.get_world_size()
+    dist.barrier()
+    t0 = time.perf_counter()
+    hp_loss0 = step(*hp_side, batch).item()
+    first = time.perf_counter() - t0
+    peer_loss0 = step(*peer_side, batch)
+    dist.all_reduce(peer_loss0)
+    for _ in range(warmup - 1):
+        timed_step(*hp_side, batch)
+        timed_step(*peer_side, batch)
+    hp_times, peer_times = [], []
+    for _ in range(steps):
+        hp_times.append(timed_step(*hp_side, batch))
+        peer_times.append(timed_step(*peer_side, batch))
+    times = slowest_rank([first] + hp_times + peer_times)
+    return SideBySide(hp_loss0, peer_loss0.item() / world, times[0], times[1 : 1 + steps], times[1 + steps :])
+
+
+def count_collectives(sides: dict, batch) -> dict:
+    """{name: collectives of one more step of that (model, optimizer)} with :class:`CommCounter`."""
+    counted = {}
+    for name, (model, opt) in sides.items():
+        mode = CommCounter()
+        with mode:
+            step(model, opt, batch)
+        counted[name] = mode.calls
+    return counted
+
+
+def print_time_rows(step_times: dict, peer: str, ratio: float) -> None:
+    """The step-time rows of a side-by-side table (median, min / max) of hp and ``peer``."""
+    hp, other = step_times["hyper_parallel"], step_times[peer]
+    print(f"{'step time (ms)':26}{hp['median'] * 1e3:>16.1f}{other['median'] * 1e3:>16.1f}{ratio:>10.2f}")
+    print(f"{'  min / max (ms)':26}{hp['min'] * 1e3:>7.1f} /{hp['max'] * 1e3:>6.1f}"
+          f"{other['min'] * 1e3:>8.1f} /{other['max'] * 1e3:>6.1f}")
+
+
+def print_collective_rows(hp_summary: dict, hp_counted: dict, peer_counted: dict) -> None:
+    """Count and bytes per collective kind: hp's compile summary next to the peer's counted calls
+    (hp's counted calls noted where they differ: the per-call agreement all-gather)."""
+    empty = {"count": 0, "bytes": 0}
+    for kind in sorted(set(hp_summary) | set(hp_counted) | set(peer_counted)):
+        h, n, p = hp_summary.get(kind, empty), hp_counted.get(kind, empty), peer_counted.get(kind, empty)
+        counted = "" if n == h else f"  (hp counted: {n['count']}, {n['bytes']:,} B)"
+        print(f"{kind + ' count':26}{h['count']:>16}{p['count']:>16}{counted}")
+        print(f"{kind + ' bytes':26}{h['bytes']:>16,}{p['bytes']:>16,}")
 
 
 def hp_collectives(summary: dict) -> dict:

@@ -31,7 +31,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -39,8 +38,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import (CommCounter, add_model_args, build_model, hp_collectives, launch,  # noqa: E402
-                      slowest_rank, step, timed_step)
+from _harness import (add_model_args, build_model, count_collectives, hp_collectives, launch,  # noqa: E402
+                      print_collective_rows, print_time_rows, step, time_side_by_side)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,30 +90,10 @@ def run(args: argparse.Namespace) -> dict | None:
     ddp_model = DistributedDataParallel(copy.deepcopy(ref), bucket_cap_mb=args.bucket_cap_mb)
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=args.lr)
 
-    dist.barrier()
-    t0 = time.perf_counter()
-    hp_loss0 = step(hp_model, hp_opt, batch).item()
-    t_compile = time.perf_counter() - t0
-    ddp_loss0 = step(ddp_model, ddp_opt, batch)
-    dist.all_reduce(ddp_loss0)
-    ddp_loss0 = ddp_loss0.item() / world
-
-    for _ in range(args.warmup - 1):
-        timed_step(hp_model, hp_opt, batch)
-        timed_step(ddp_model, ddp_opt, batch)
-    hp_times, ddp_times = [], []
-    for _ in range(args.steps):
-        hp_times.append(timed_step(hp_model, hp_opt, batch))
-        ddp_times.append(timed_step(ddp_model, ddp_opt, batch))
-    times = slowest_rank([t_compile] + hp_times + ddp_times)
-    t_compile, hp_times, ddp_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
-
-    counted = {}
-    for name, model, opt in (("hyper_parallel", hp_model, hp_opt), ("ddp", ddp_model, ddp_opt)):
-        mode = CommCounter()
-        with mode:
-            step(model, opt, batch)
-        counted[name] = mode.calls
+    measured = time_side_by_side((hp_model, hp_opt), (ddp_model, ddp_opt), batch, args.warmup, args.steps)
+    hp_loss0, ddp_loss0, t_compile = measured.hp_loss0, measured.peer_loss0, measured.hp_first_step_s
+    hp_times, ddp_times = measured.hp_times, measured.peer_times
+    counted = count_collectives({"hyper_parallel": (hp_model, hp_opt), "ddp": (ddp_model, ddp_opt)}, batch)
     ddp_tracked = _peak(ddp_model, ddp_opt, batch)
     ddp_buckets = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
     peaks = {"hyper_parallel": _peak(hp_model, hp_opt, batch), "ddp": ddp_tracked + ddp_buckets,
@@ -175,24 +154,14 @@ def print_table(r: dict) -> None:
           f"{r['hp_first_step_s (compile + step)']:.1f} s")
     st, peaks = r["step_time_s"], r["peak_bytes_rank0"]
     print(f"{'':26}{'hyper_parallel':>16}{'DDP':>16}{'hp/DDP':>10}")
-    print(f"{'step time (ms)':26}{st['hyper_parallel']['median'] * 1e3:>16.1f}"
-          f"{st['ddp']['median'] * 1e3:>16.1f}{r['ratio_hp_over_ddp']:>10.2f}")
-    print(f"{'  min / max (ms)':26}"
-          f"{st['hyper_parallel']['min'] * 1e3:>7.1f} /{st['hyper_parallel']['max'] * 1e3:>6.1f}"
-          f"{st['ddp']['min'] * 1e3:>8.1f} /{st['ddp']['max'] * 1e3:>6.1f}")
+    print_time_rows(st, "ddp", r["ratio_hp_over_ddp"])
     print(f"{'peak MB (rank 0) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
           f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
     print(f"[1] DDP: {peaks['ddp_tracked_only'] / 1e6:.2f} MB tracked + {peaks['ddp_reducer_buckets'] / 1e6:.2f} MB "
           "of reducer buckets (allocated in C++, alive all run)")
     colls = r["collectives_per_step"]
-    hp_c, hp_n, dd = colls["hyper_parallel (compile_summary)"], colls["hyper_parallel (counted)"], colls["ddp (counted)"]
-    for kind in sorted(set(hp_c) | set(hp_n) | set(dd)):
-        h = hp_c.get(kind, {"count": 0, "bytes": 0})
-        n = hp_n.get(kind, {"count": 0, "bytes": 0})
-        d = dd.get(kind, {"count": 0, "bytes": 0})
-        counted = "" if n == h else f"  (hp counted: {n['count']}, {n['bytes']:,} B)"
-        print(f"{kind + ' count':26}{h['count']:>16}{d['count']:>16}{counted}")
-        print(f"{kind + ' bytes':26}{h['bytes']:>16,}{d['bytes']:>16,}")
+    print_collective_rows(colls["hyper_parallel (compile_summary)"], colls["hyper_parallel (counted)"],
+                          colls["ddp (counted)"])
 
 
 def main(argv=None) -> None:

@@ -48,8 +48,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import (CommCounter, add_model_args, build_model, hp_collectives, launch,  # noqa: E402
-                      slowest_rank, step, timed_step)
+from _harness import (add_model_args, build_model, count_collectives, hp_collectives, launch,  # noqa: E402
+                      print_collective_rows, print_time_rows, step, time_side_by_side)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,34 +100,13 @@ def _build(ref, args, reshard: bool):
 
 def measure(ref, batch, args, reshard: bool) -> dict:
     """Warm up and time hyper_parallel and FSDP2 interleaved for one ``reshard_after_forward``."""
-    world = dist.get_world_size()
     hp_model, hp_opt, fsdp2_model, fsdp2_opt = _build(ref, args, reshard)
 
     # Step 0 (hp compiles): the losses, before any update.
-    dist.barrier()
-    t0 = time.perf_counter()
-    hp_loss0 = step(hp_model, hp_opt, batch).item()
-    t_compile = time.perf_counter() - t0
-    fsdp2_loss0 = step(fsdp2_model, fsdp2_opt, batch)
-    dist.all_reduce(fsdp2_loss0)
-    fsdp2_loss0 = fsdp2_loss0.item() / world
-
-    for _ in range(args.warmup - 1):
-        timed_step(hp_model, hp_opt, batch)
-        timed_step(fsdp2_model, fsdp2_opt, batch)
-    hp_times, fsdp2_times = [], []
-    for _ in range(args.steps):
-        hp_times.append(timed_step(hp_model, hp_opt, batch))
-        fsdp2_times.append(timed_step(fsdp2_model, fsdp2_opt, batch))
-    times = slowest_rank([t_compile] + hp_times + fsdp2_times)
-    t_compile, hp_times, fsdp2_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
-
-    counted = {}
-    for name, model, opt in (("hyper_parallel", hp_model, hp_opt), ("fsdp2", fsdp2_model, fsdp2_opt)):
-        mode = CommCounter()
-        with mode:
-            step(model, opt, batch)
-        counted[name] = mode.calls
+    measured = time_side_by_side((hp_model, hp_opt), (fsdp2_model, fsdp2_opt), batch, args.warmup, args.steps)
+    hp_loss0, fsdp2_loss0, t_compile = measured.hp_loss0, measured.peer_loss0, measured.hp_first_step_s
+    hp_times, fsdp2_times = measured.hp_times, measured.peer_times
+    counted = count_collectives({"hyper_parallel": (hp_model, hp_opt), "fsdp2": (fsdp2_model, fsdp2_opt)}, batch)
 
     hp_med, fsdp2_med = statistics.median(hp_times), statistics.median(fsdp2_times)
     summary = hp_model.compile_summary()
@@ -235,18 +214,8 @@ def print_table(r: dict) -> None:
               f"{l0['hyper_parallel']:.6f}, FSDP2 (global) {l0['fsdp2_global']:.6f}; "
               f"hp first step (compile + step) {res['hp_first_step_s (compile + step)']:.1f} s")
         print(f"{'':26}{'hyper_parallel':>16}{'FSDP2 eager':>16}{'hp/FSDP2':>10}")
-        print(f"{'step time (ms)':26}{st['hyper_parallel']['median'] * 1e3:>16.1f}"
-              f"{st['fsdp2']['median'] * 1e3:>16.1f}{res['ratio_hp_over_fsdp2']:>10.2f}")
-        print(f"{'  min / max (ms)':26}"
-              f"{st['hyper_parallel']['min'] * 1e3:>7.1f} /{st['hyper_parallel']['max'] * 1e3:>6.1f}"
-              f"{st['fsdp2']['min'] * 1e3:>8.1f} /{st['fsdp2']['max'] * 1e3:>6.1f}")
-        for kind in sorted(set(hp_c) | set(hp_n) | set(fs_c)):
-            h = hp_c.get(kind, {"count": 0, "bytes": 0})
-            n = hp_n.get(kind, {"count": 0, "bytes": 0})
-            f = fs_c.get(kind, {"count": 0, "bytes": 0})
-            counted = "" if n == h else f"  (hp counted: {n['count']}, {n['bytes']:,} B)"
-            print(f"{kind + ' count':26}{h['count']:>16}{f['count']:>16}{counted}")
-            print(f"{kind + ' bytes':26}{h['bytes']:>16,}{f['bytes']:>16,}")
+        print_time_rows(st, "fsdp2", res["ratio_hp_over_fsdp2"])
+        print_collective_rows(hp_c, hp_n, fs_c)
 
 
 def main(argv=None) -> None:
