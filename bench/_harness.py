@@ -118,6 +118,21 @@ def slowest_rank(times: list[float]) -> list[float]:
     return t.tolist()
 
 
+def data_parallel_batch(args):
+    """This rank's part of one global batch (``args.batch`` sequences, split over the ranks), the
+    model of the shape flags (seed 0) and its single-device step-0 loss on the whole batch."""
+    import torch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)
+    if args.batch % world:
+        raise ValueError(f"--batch {args.batch} must be a multiple of --world {world}")
+    ref = build_model(args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    local_ids = ids.chunk(world, dim=0)[rank]
+    return ref, {"input_ids": local_ids, "labels": local_ids}, ref(input_ids=ids, labels=ids)["loss"].item()
+
+
 @dataclasses.dataclass
 class SideBySide:
     """What :func:`time_side_by_side` measured: step-0 losses (the peer's averaged over ranks, as

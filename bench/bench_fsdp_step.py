@@ -48,7 +48,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import (add_model_args, build_model, count_collectives, hp_collectives, launch,  # noqa: E402
+from _harness import (add_model_args, count_collectives, data_parallel_batch, hp_collectives, launch,  # noqa: E402
                       print_collective_rows, print_time_rows, step, time_side_by_side)
 
 
@@ -155,14 +155,7 @@ def profile_hp(hp_model, hp_opt, batch, steps: int) -> str:
 
 def run(args: argparse.Namespace) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(args.threads)
-    if args.batch % world:
-        raise ValueError(f"--batch {args.batch} must be a multiple of --world {world}")
-    ref = build_model(args)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
-    local_ids = ids.chunk(world, dim=0)[rank]
-    batch = {"input_ids": local_ids, "labels": local_ids}
-    ref_loss0 = ref(input_ids=ids, labels=ids)["loss"].item()
+    ref, batch, ref_loss0 = data_parallel_batch(args)
 
     reshards = {"both": (True, False), "true": (True,), "false": (False,)}[args.reshard]
     results = [measure(ref, batch, args, r) for r in reshards]
