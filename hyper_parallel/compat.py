@@ -25,6 +25,7 @@ from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
 )
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, optimization_hint  # noqa: F401
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
 
 # --- DTensor internals: specs, schemas and the sharding-strategy registry ------------------------
@@ -276,3 +277,19 @@ def set_group_timeout(group, timeout) -> None:
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout, group)
+
+
+# --- data-dependent sizes (expert regions' all-to-all splits) -------------------------------------
+
+
+def set_size_hint(size, hint: int) -> None:
+    """Record the value estimates (memory, cost model) assume for an unbacked symbolic ``size``."""
+    if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+        size.node.shape_env.var_to_hint_override[size.node.expr] = int(hint)
+
+
+def size_hint(size) -> int:
+    """A concrete int for ``size``: itself, or the hinted value of a data-dependent symbolic size."""
+    if isinstance(size, torch.SymInt):
+        return int(optimization_hint(size, fallback=0))
+    return int(size)

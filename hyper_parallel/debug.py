@@ -20,6 +20,7 @@ import os
 
 import torch
 
+from . import compat
 from .compile.capture import module_fqn_of, source_line
 from .ir import meta
 from .layout import format_placements
@@ -44,8 +45,8 @@ class Collective:
     kind: str
     axis: str  # mesh axis name (or group name if it is not a mesh axis)
     dtype: str
-    shape: tuple[int, ...]  # local input shape
-    nbytes: int  # bytes of the local input
+    shape: tuple  # local input shape; a data-dependent size (expert dispatch) as its symbol's text
+    nbytes: int  # bytes of the local input (data-dependent sizes at their balanced-routing hint)
     node: str
     source: str  # the joint-graph node it serves
 
@@ -79,8 +80,8 @@ def collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> list
                 kind=kind,
                 axis=axis_of_group.get(group, group),
                 dtype=str(val.dtype).replace("torch.", ""),
-                shape=tuple(val.shape),
-                nbytes=val.numel() * val.element_size(),
+                shape=tuple(s if isinstance(s, int) else str(s) for s in val.shape),
+                nbytes=compat.size_hint(val.numel()) * val.element_size(),
                 node=node.name,
                 source=node.meta.get(meta.SOURCE, ""),
             )

@@ -230,9 +230,12 @@ class _MetaRunner:
 
     def fresh(self, val):
         def make(v):
+            if isinstance(v, torch.SymInt):  # a data-dependent size: its hint (compat.size_hint)
+                return compat.size_hint(v)
             if not isinstance(v, torch.Tensor):
                 return v
-            t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+            shape, stride = [compat.size_hint(s) for s in v.shape], [compat.size_hint(s) for s in v.stride()]
+            t = torch.empty_strided(shape, stride, dtype=v.dtype, device="meta")
             self.devices[compat.storage_key(t)] = v.device.type
             return t
 

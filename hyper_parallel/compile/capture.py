@@ -29,6 +29,7 @@ import torch.nn as nn
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
+from ..moe.region import expert_regions
 from .annotations import boundary, boundary_key
 from .decompositions import capture_decompositions
 
@@ -77,6 +78,9 @@ class CapturedGraph:
     # Gradient output slot -> placeholder of the gradient accumulated for it by earlier micro-steps
     # (propagation/accumulation.py); lowering adds the two.
     pending_inputs: dict[int, torch.fx.Node] = dataclasses.field(default_factory=dict)
+    # expert_parallel: module fqn -> (moe.resolve.ExpertRegionPlan, the experts module); lowering
+    # traces the module's forward on each rank's received rows (moe/lowering.py).
+    expert_regions: dict[str, tuple] = dataclasses.field(default_factory=dict)
 
     @property
     def buffer_updates(self) -> tuple[str, ...]:
@@ -180,6 +184,7 @@ def capture(
     args: tuple,
     kwargs: dict,
     boundaries: Mapping[str, Any] | None = None,
+    experts: Mapping[str, Any] | None = None,
 ) -> CapturedGraph:
     """Trace ``model(*args, **kwargs)`` into a joint forward/backward aten graph.
 
@@ -188,7 +193,8 @@ def capture(
     """
     # preserve_node_meta keeps ``fx.traceback.annotate`` metadata (``node.meta["custom"]``, how
     # hp.checkpoint / hp.swap mark code regions) through export and into the joint graph.
-    with _boundary_annotations(model, boundaries or {}), fx_traceback.preserve_node_meta():
+    with _boundary_annotations(model, boundaries or {}), expert_regions(model, experts or {}), \
+            fx_traceback.preserve_node_meta():
         try:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         except Exception as exc:  # re-raised with the fix a user needs most often
@@ -273,6 +279,7 @@ def capture(
         num_user_outputs=num_user_outputs,
         input_paths=input_paths,
         output_paths=output_paths,
+        expert_regions={fqn: (region, model.get_submodule(fqn)) for fqn, region in (experts or {}).items()},
     )
 
 

@@ -179,7 +179,7 @@ def capture_and_lower(
     try:
         with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
                 (wrap_forward() if wrap_forward else contextlib.nullcontext()):
-            captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules)
+            captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts)
             annotated = annotated_regions()
     finally:
         module.__class__ = parallel_cls
@@ -367,7 +367,7 @@ def _saved_summary(program: CompiledProgram) -> dict:
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor) or is_view_of_input(node):
             continue  # inputs (and views of them, such as t(weight)) are held anyway
-        nbytes = val.numel() * val.element_size()
+        nbytes = compat.size_hint(val.numel()) * val.element_size()
         total += nbytes
         if node in region:
             gathered += nbytes

@@ -34,6 +34,8 @@ from .capture import CapturedGraph, module_fqn_of
 from ..errors import internal_error
 from ..ir import meta
 from ..layout import format_placements
+from ..moe.lowering import ExpertLowering
+from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from ..propagation import rules
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class _LocalInterpreter:
     def __init__(self, captured: CapturedGraph, mesh):
         self.captured = captured
         self.mesh = mesh
+        self.experts = ExpertLowering(captured.expert_regions, mesh)
 
     def __call__(self, primals, tangents):
         graph = self.captured.gm.graph
@@ -184,11 +187,24 @@ class _LocalInterpreter:
                 args, kwargs = pytree.tree_unflatten(locals_, tree)
                 return _wrap_replicated(node.target(*args, **kwargs), self.mesh, node)
             args, kwargs = pytree.tree_unflatten(values, tree)
+            if node.target in (EXPERTS, EXPERTS_BACKWARD):
+                return self.expert_region(node, args, layout)
             # Ops our own rules shard where DTensor's kernels cannot (vocab-parallel loss).
             kernel = rules.local_kernel(node.target, node.args, layout) or node.target
             out = kernel(*args, **kwargs)
         _check_agrees(node, out, layout.output)
         return out
+
+    def expert_region(self, node, args, layout):
+        """Dispatch, local experts, combine (moe/lowering.py) on this rank's local tensors."""
+        local = [compat.local_of(a) if isinstance(a, DTensor) else a for a in pytree.tree_leaves(args)]
+        key = local[-1]
+        if node.target is EXPERTS:
+            x, top_k_index, top_k_weights, *params = local[:-1]
+            out = self.experts.forward(x, top_k_index, top_k_weights, params, key)
+            return compat.dtensor_from_spec(out, layout.output)
+        grads = self.experts.backward(local[0], key)
+        return [compat.dtensor_from_spec(g, s) for g, s in zip(grads, layout.output)]
 
     def outputs(self, node, env):
         results = []
@@ -232,7 +248,9 @@ def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, 
 
 def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
     """Build the local joint graph of this rank (see module docstring)."""
-    fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True)
+    # A shape environment lets data-dependent sizes (an expert region's received rows) be traced as
+    # unbacked symbols; every other size stays a plain int.
+    fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True, shape_env=compat.ShapeEnv())
     primals, tangents = placeholder_local_values(captured, fake_mode)
     interpreter = _LocalInterpreter(captured, mesh)
     with fx_traceback.preserve_node_meta():

@@ -85,7 +85,8 @@ _WAIT = NodeWork("wait")
 
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in ``value`` (a tensor, or a tuple/list of them), numel x itemsize."""
-    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return sum(compat.size_hint(t.numel()) * t.element_size()
+               for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 def _arg_vals(node: torch.fx.Node):

@@ -79,12 +79,13 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
             else entry
         )
     inputs, outputs = _merged_layouts("inputs", a.inputs, b.inputs), _merged_layouts("outputs", a.outputs, b.outputs)
+    expert_parallel = _merged_layouts("expert_parallel", a.expert_parallel, b.expert_parallel, "styles")
     options = {}
     for name in ("fully_shard", "recompute", "swap", "pipeline"):
         value_a, value_b = getattr(a, name), getattr(b, name)
         if value_a is not None and value_b is not None and value_a != value_b:
             raise ValueError(
-                f"{name} is given twice with different values: {value_a!r} and {value_b!r}; keep one"
+                f"{name} is given twice with different {what}: {value_a!r} and {value_b!r}; keep one"
             )
         options[name] = value_a if value_a is not None else value_b
     if a.tp_axis == b.tp_axis:
@@ -100,17 +101,18 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
         tp_axis = a.tp_axis if a.tp_axis != "tp" else b.tp_axis
     return ParallelPlan(
         tensor_parallel=tensor_parallel, layouts=layouts, inputs=inputs, outputs=outputs, tp_axis=tp_axis,
-        **options,
+        expert_parallel=expert_parallel, **options,
     )
 
 
-def _merged_layouts(key: str, a: dict, b: dict) -> dict:
-    """``inputs`` or ``outputs`` of two plans; a name both give differently is a ValueError."""
+def _merged_layouts(key: str, a: dict, b: dict, what: str = "layouts") -> dict:
+    """``inputs``, ``outputs`` or ``expert_parallel`` of two plans; a name both give differently is
+    a ValueError."""
     merged = dict(a)
     for name, spec in b.items():
         if name in merged and merged[name] != spec:
             raise ValueError(
-                f"{key}[{name!r}] is given twice with different layouts: {merged[name]!r} and "
+                f"{key}[{name!r}] is given twice with different {what}: {merged[name]!r} and "
                 f"{spec!r}; keep one"
             )
         merged[name] = spec

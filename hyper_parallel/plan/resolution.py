@@ -25,7 +25,7 @@ from ..pipeline.plan import resolve_pipeline
 from ..recompute import ActivationPlan, resolve_activation_plan
 from .recorded import collect_recorded_plan, merge_plans
 from .resolved import ResolvedPlan
-from .resolver import resolve_plan
+from .resolver import check_mesh_axes_used, resolve_plan
 from .values import ParallelPlan
 
 __all__ = ["Resolution", "resolve"]
@@ -103,4 +103,5 @@ def resolve(
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
         # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).
         resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
+    check_mesh_axes_used(resolved, full_plan)
     return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh)

@@ -76,12 +76,14 @@ class ResolvedPlan:
     # Every returned value whole on the non-data-parallel axes, plain tensors (the torch.compile
     # backend: Dynamo's graph expects the model's own output shapes).
     whole_outputs: bool = False
+    # expert_parallel: experts module FQN -> moe.resolve.ExpertRegionPlan.
+    experts: dict = field(default_factory=dict, hash=False)
 
     def input_placements(self, name: str, ndim: int) -> tuple[Placement, ...]:
         """Placements of forward input ``name`` with ``ndim`` dims: the plan's override or the default."""
         override = self.inputs.get(name)
         if override is None:
-            return default_input_placements(self.mesh_dim_names, ndim)
+            return default_input_placements(self.mesh_dim_names, ndim, self.data_parallel_axes)
         return normalize_placements(override, ndim, f"inputs[{name!r}]")
 
     def output_override(self, name: str) -> dict[str, Placement]:
@@ -113,9 +115,13 @@ class ResolvedPlan:
         return "\n".join(lines)
 
 
-def default_input_placements(mesh_dim_names: Iterable[str], ndim: int) -> tuple[Placement, ...]:
-    """Default layout of a forward input: Shard(0) on data-parallel axes, Replicate elsewhere; 0-d replicated."""
+def default_input_placements(mesh_dim_names: Iterable[str], ndim: int,
+                             data_axes: Iterable[str] | None = None) -> tuple[Placement, ...]:
+    """Default layout of a forward input: Shard(0) on data-parallel axes (``data_axes``, by default
+    the ones named so), Replicate elsewhere; 0-d replicated."""
+    data_axes = set(data_axes) if data_axes is not None else None
     return tuple(
-        Shard(0) if ndim > 0 and is_data_parallel_axis(axis) else Replicate()
+        Shard(0) if ndim > 0 and (is_data_parallel_axis(axis) if data_axes is None else axis in data_axes)
+        else Replicate()
         for axis in mesh_dim_names
     )

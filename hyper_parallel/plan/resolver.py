@@ -40,6 +40,7 @@ from .match import (
     _no_match_error,
     match_module_fqns,
 )
+from ..moe.resolve import resolve_expert_parallel
 from .resolved import ActivationConstraint, ModuleConstraints, ResolvedPlan
 from .values import ParallelPlan, _as_plan
 
@@ -231,6 +232,15 @@ class _Resolver:
                         "another dim or fewer axes"
                     )
 
+    def apply_expert_parallel(self) -> dict:
+        regions, placements = resolve_expert_parallel(
+            self.plan.expert_parallel, self.matched, self.modules, self.names, self.shape
+        )
+        for fqn, p in placements.items():
+            module_fqn = next(m for m in regions if fqn.startswith(f"{m}.") or not m)
+            self.set_param(fqn, p, f"{regions[module_fqn].source} ExpertParallel")
+        return regions
+
     def resolve_inputs(self) -> dict[str, tuple[Placement, ...]]:
         if not self.plan.inputs:
             return {}
@@ -312,10 +322,14 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
     tp_axis = _resolve_tp_axis(plan, resolver.names)
     resolver.apply_tensor_parallel(tp_axis)
     resolver.apply_layouts()
+    experts = resolver.apply_expert_parallel()
     resolver.apply_ties()
     resolver.check_divisibility()
     inputs = resolver.resolve_inputs()
-    dp_axes = data_parallel_axes(mesh)
+    # An expert-parallel axis is data-parallel for everything but the experts (its ranks take
+    # different batch rows), as torchtitan borrows expert-parallel ranks from data parallelism.
+    expert_axes = {r.axis for r in experts.values() if r.axis is not None}
+    dp_axes = tuple(a for a in resolver.names if a in data_parallel_axes(mesh) or a in expert_axes)
     outputs = resolver.resolve_outputs(dp_axes)
     # fully_shard / recompute / swap / pipeline are not resolved here: later compiler stages read
     # them from the plan (and reject what they do not support yet).
@@ -334,4 +348,41 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
         tp_axis=tp_axis,
         mesh_dim_names=resolver.names,
         mesh_shape=resolver.shape,
+        experts=experts,
     )
+
+
+def check_mesh_axes_used(resolved: ResolvedPlan, plan: ParallelPlan) -> None:
+    """Every mesh axis of size > 1 is data-parallel or sharded on by some plan entry: an axis
+    nothing uses would only repeat the same computation on each of its ranks (raises ValueError
+    naming the axis and the entry that would use it). Run after FSDP resolution, whose own
+    message about its axes is more precise."""
+    used = set(resolved.data_parallel_axes)
+    names = resolved.mesh_dim_names
+    placements = list(resolved.param_placements.values()) + list(resolved.inputs.values())
+    used.update(a for ps in placements for a, p in zip(names, ps) if not isinstance(p, Replicate))
+    for cons in resolved.modules.values():
+        for ac in (*cons.inputs, *cons.kwarg_inputs.values(), *cons.outputs):
+            if ac is not None:
+                used.update(a for a, p in ac.placements.items() if not isinstance(p, Replicate))
+    for axis, size in zip(names, resolved.mesh_shape):
+        if axis in used or size == 1:
+            continue
+        if axis == "cp":
+            fix = ("context parallelism is not implemented yet: build the mesh without 'cp' "
+                   "(give its ranks to dp_shard)")
+        elif axis == "ep" or any(style.axis == axis for style in plan.expert_parallel.values()):
+            fix = ("add expert_parallel={'model.layers.*.mlp.experts': hp.ExpertParallel()} naming "
+                   "the module that holds the stacked expert weights")
+        elif axis == "pp":
+            fix = "add pipeline=hp.PipelinePlan(...) to split the model into stages over it"
+        elif axis == plan.tp_axis:
+            fix = (f"add tensor_parallel entries (e.g. hp.models.llama_tp_plan()) or layouts that "
+                   f"shard on {axis!r}")
+        else:
+            fix = ("shard on it in a plan entry, or name it 'dp_shard' / 'dp_replicate' (a "
+                   "data-parallel axis: each of its ranks takes different batch rows)")
+        raise ValueError(
+            f"mesh axis {axis!r} (size {size}) is used by no plan entry and is not a data-parallel "
+            f"axis, so its {size} ranks would all compute the same thing; {fix}"
+        )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from hyper_parallel.layout import TensorLayout
+from hyper_parallel.moe.style import parse_expert_style
 from hyper_parallel.styles import ParallelStyle, parse_style
 
 #: Keys of a layouts entry (the shard_module form) and of its "forward" part.
@@ -125,10 +126,12 @@ class ParallelPlan:
       axes and is returned as a DTensor over them (vocab-parallel logits stay sharded); an entry
       such as ``{"logits": Replicate()}`` returns it whole instead. Data-parallel axes always give
       this rank's part of the batch, as for inputs.
+    * ``expert_parallel``: module-FQN glob of an experts module -> :class:`~hyper_parallel.moe.ExpertParallel`
+      (its stacked weights spread over the expert axis, tokens dispatched by all-to-all).
     * ``fully_shard``, ``recompute``, ``swap``, ``pipeline``: options for later compiler stages,
       stored as given.
 
-    None for the four dicts is stored as an empty dict; style names are turned into style objects.
+    None for the five dicts is stored as an empty dict; style names are turned into style objects.
     """
 
     tensor_parallel: dict[str, ParallelStyle] | None = None
@@ -139,6 +142,7 @@ class ParallelPlan:
     recompute: Any = None
     swap: Any = None
     pipeline: Any = None
+    expert_parallel: dict[str, Any] | None = None
     tp_axis: str = "tp"
 
     def __post_init__(self) -> None:
@@ -158,6 +162,12 @@ class ParallelPlan:
         object.__setattr__(self, "inputs", {k: _freeze(v) for k, v in inputs.items()})
         outputs = self._checked_dict("outputs", self.outputs)
         object.__setattr__(self, "outputs", {k: _freeze(v) for k, v in outputs.items()})
+        experts = self._checked_dict("expert_parallel", self.expert_parallel)
+        object.__setattr__(
+            self,
+            "expert_parallel",
+            {k: parse_expert_style(v, f"expert_parallel[{k!r}]") for k, v in experts.items()},
+        )
         if not isinstance(self.tp_axis, str) or not self.tp_axis:
             raise TypeError(f"ParallelPlan(tp_axis=...) must be a mesh axis name, got {self.tp_axis!r}")
 

@@ -45,6 +45,8 @@ from ..errors import internal_error
 from ..ir import meta
 from ..ir.kinds import InputKind, OutputKind
 from ..layout import format_placements
+from ..moe.propagation import expert_op_layout
+from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from .accumulation import GRAD_ACCUM
 from .rules import NoShardingRule, propagate_op
 from .unshard import GATHERED, PREGATHERED
@@ -286,6 +288,10 @@ class _Propagator:
             src = self.spec_of(node.args[0])
             compute = self.resolved.fsdp.compute_placements[node.args[1]]
             return NodeLayout(make_spec(self.mesh, compute, node.meta["val"]), (src,), "unshard")
+        if node.target in (EXPERTS, EXPERTS_BACKWARD):
+            output, wanted = expert_op_layout(node, self.spec_of, make_spec, self.mesh, self.resolved,
+                                              backward=node.target is EXPERTS_BACKWARD)
+            return NodeLayout(output, wanted, "experts")
 
         flat, tree = pytree.tree_flatten((node.args, node.kwargs))
         tensor_nodes = [a for a in flat if isinstance(a, torch.fx.Node) and _is_tensor(a)]

@@ -80,14 +80,15 @@ class CompiledProgram:
         fw, bw, _ = partition_by_phase(joint_gm, num_outputs)
         differentiable = tuple(i in tangents for i in range(captured.num_user_outputs))
         differentiable += (False,) * len(captured.buffer_updates)
-        for phase, gm in (("forward", fw), ("backward", bw)):
-            for n in gm.graph.find_nodes(op="placeholder"):
-                if isinstance(n.meta.get("val"), torch.SymInt):
-                    # Capture traces fake tensors of static shapes (torch.export specialises them).
-                    raise internal_error(
-                        "the runtime", f"placeholder {n.name!r} of the {phase} program is a symbolic "
-                        "size, but capture specialises every shape (dynamic shapes are not supported yet)",
-                    )
+        for n in fw.graph.find_nodes(op="placeholder"):
+            if isinstance(n.meta.get("val"), torch.SymInt):
+                # Capture traces fake tensors of static shapes (torch.export specialises them); only
+                # values computed at run time (an expert region's split sizes) may be symbolic, and
+                # those reach backward as saved integers, never as forward inputs.
+                raise internal_error(
+                    "the runtime", f"placeholder {n.name!r} of the forward program is a symbolic "
+                    "size, but capture specialises every input shape (dynamic shapes are not supported yet)",
+                )
         kept = tuple(o.name for o in captured.outputs if o.kind == "gathered")
         # Backward frees each saved activation after its last use (as eager autograd does), not
         # when it returns: it takes its arguments as one list that it clears.
@@ -158,7 +159,11 @@ class _RunStep(torch.autograd.Function):
         ctx.kept_hook = program.kept_hook
         ctx.on_error = program.on_error
         ctx.primal_meta = [(p.dtype, p.device) if isinstance(p, torch.Tensor) else (None, None) for p in primals]
-        ctx.save_for_backward(*saved)
+        # Integers computed in forward (an expert region's all-to-all split sizes) travel beside
+        # the saved tensors.
+        ctx.saved_is_tensor = [isinstance(s, torch.Tensor) for s in saved]
+        ctx.saved_scalars = [s for s in saved if not isinstance(s, torch.Tensor)]
+        ctx.save_for_backward(*(s for s in saved if isinstance(s, torch.Tensor)))
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
@@ -167,7 +172,9 @@ class _RunStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         program: CompiledProgram = ctx.program
-        args = [*ctx.saved_tensors, *[grad_outputs[i].contiguous() for i in program.tangent_outputs]]
+        tensors, scalars = iter(ctx.saved_tensors), iter(ctx.saved_scalars)
+        saved = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.saved_is_tensor]
+        args = [*saved, *[grad_outputs[i].contiguous() for i in program.tangent_outputs]]
         ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
         grads = _call(ctx.on_error, program.backward_gm, "backward", args, boxed=True)
         if len(grads) != program.num_primals + len(program.kept_gathered):

@@ -21,12 +21,17 @@ from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, MLP, llama_tp_p
 
 
 def build_model(name: str, seed: int = 0, **overrides):
-    """"mlp", "llama" (our example, 4 layers unless overridden) or "hf_llama" (transformers, tiny)."""
+    """"mlp", "llama" (our example, 4 layers unless overridden), "moe" (our example mixture of
+    experts), "hf_llama" or "hf_gpt2" (transformers, tiny)."""
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP(**overrides)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**overrides))
+    if name == "moe":
+        from hyper_parallel.models.moe import MoEConfig, MoEForCausalLM
+
+        return MoEForCausalLM(MoEConfig(**overrides))
     if name == "hf_llama":
         from hyper_parallel.models import tiny_hf_llama
 
@@ -64,6 +69,7 @@ def build_plan(name: str):
         "fsdp_unfused": lambda: {"fully_shard": {"units": ["model.layers.*", ""], "comm_fusion": False}},
         "fsdp_tp": lambda: {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}},
         "gpt2_fsdp_tp": _gpt2_fsdp_tp_plan,
+        "ep": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()}},
     }[name]()
 
 
@@ -84,9 +90,10 @@ def global_batch(model_name: str, batch: int, seq_len: int, seed: int = 1,
 
 
 def local_batch(batch: dict, mesh) -> dict:
-    """This rank's slice: dim 0 split over the data-parallel axes (in mesh order), whole elsewhere."""
+    """This rank's slice: dim 0 split over the data-parallel axes (in mesh order; ``ep`` is one, as
+    under an expert-parallel plan), whole elsewhere."""
     names = mesh.mesh_dim_names
-    dp_axes = [i for i, n in enumerate(names) if n.startswith("dp") or n == "fsdp"]
+    dp_axes = [i for i, n in enumerate(names) if n.startswith("dp") or n in ("fsdp", "ep")]
     degree = math.prod(mesh.size(i) for i in dp_axes) if dp_axes else 1
     index = 0
     for i in dp_axes:

@@ -1,0 +1,142 @@
+"""Lowering of the expert-region ops: dropless dispatch, the experts on local rows, combine.
+
+Called by compile/lower.py for each ``hyper_parallel::experts`` / ``experts_backward`` node with
+this rank's local tensors (already moved to the layouts moe/propagation.py chose). Traced under
+lowering's ``make_fx``, so everything below becomes nodes of the local joint graph:
+
+forward, per rank (``T`` local tokens, ``k`` choices, ``E`` experts, ``ep`` ranks on the axis):
+  1. the ``T*k`` (token, choice) rows sorted by expert (stable), tokens gathered in that order;
+  2. rows per expert (``[E]``) exchanged by an all-to-all of fixed size, then read to the host: the
+     send and receive split sizes (data-dependent, unbacked symbolic sizes in the trace);
+  3. **dispatch**: ``all_to_all_single`` of the sorted rows with those splits; received rows are
+     grouped by source rank, then by local expert;
+  4. the experts module's own forward on the received rows, with this rank's ``E/ep`` expert
+     weights, local expert ids and routing weights of one (so it returns each row's expert output);
+     ``num_experts`` on the module reads ``E/ep`` while it is traced;
+  5. **combine**: the transposed all-to-all brings every row's output home, rows return to
+     (token, choice) order and are weighted and summed over the choices as the module does.
+
+The forward keeps the autograd graph of steps 3–5 (leaves: tokens, routing weights, expert
+weights); the backward op calls ``torch.autograd.grad`` on it, which traces the transposes: the
+output gradient's dispatch all-to-all, the experts' backward, the combine all-to-all back, with
+the forward's split sizes. No capacity factor and no dropped rows: results equal one device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch import nn
+
+from .. import compat
+from ..ir import meta
+from .resolve import ExpertRegionPlan
+
+
+def _all_to_all(x: torch.Tensor, output_splits, input_splits, group_name: str, what: str) -> torch.Tensor:
+    with fx_traceback.annotate({meta.ROLE: meta.ROLE_REDISTRIBUTE, meta.REDISTRIBUTE: what}):
+        out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), output_splits, input_splits, group_name)
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable variable-size all-to-all: its backward is the all-to-all with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group_name, what):
+        ctx.splits = (output_splits, input_splits)
+        ctx.group_name, ctx.what = group_name, what
+        return _all_to_all(x, output_splits, input_splits, group_name, what)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group_name, f"{ctx.what} (backward)"), None, None, None, None
+
+
+@contextlib.contextmanager
+def _num_experts(module: nn.Module, n: int):
+    """The module's ``num_experts`` reads the local count while its forward is traced on local weights."""
+    if not hasattr(module, "num_experts"):
+        yield
+        return
+    old = module.__dict__.get("num_experts")
+    module.num_experts = n
+    try:
+        yield
+    finally:
+        if old is None:
+            del module.num_experts
+        else:
+            module.num_experts = old
+
+
+def _region_forward(x, top_k_index, top_k_weights, params, region: ExpertRegionPlan, module: nn.Module,
+                    group_name: str | None):
+    tokens, k = top_k_index.shape
+    ep, local = region.degree, region.local_experts
+    expert_ids = top_k_index.reshape(-1)
+    order = torch.argsort(expert_ids, stable=True)
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    if ep > 1:
+        counts = torch.zeros(region.num_experts, dtype=torch.int64, device=x.device).scatter_add(
+            0, expert_ids, torch.ones_like(expert_ids)
+        )
+        where = f"experts {region.module_fqn}"
+        received_counts = _all_to_all(counts, [local] * ep, [local] * ep, group_name, f"{where}: rows per expert")
+        send = counts.view(ep, local).sum(1).tolist()
+        receive = received_counts.view(ep, local).sum(1).tolist()
+        for size in send + receive:  # what memory and cost estimates assume: balanced routing
+            compat.set_size_hint(size, tokens * k // ep)
+        received = _AllToAll.apply(rows, receive, send, group_name, f"{where}: dispatch")
+        local_ids = torch.repeat_interleave(
+            torch.arange(local, device=x.device).repeat(ep), received_counts, output_size=received.shape[0]
+        )
+    else:
+        received, local_ids = rows, expert_ids.index_select(0, order)
+    ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
+    with _num_experts(module, local):
+        outputs = torch.func.functional_call(
+            module, dict(zip(region.param_names, params)), (received, local_ids.unsqueeze(1), ones)
+        )
+    if ep > 1:
+        outputs = _AllToAll.apply(outputs, send, receive, group_name, f"{where}: combine")
+    per_choice = torch.empty_like(outputs).index_copy(0, order, outputs)
+    weighted = per_choice.view(tokens, k, -1) * top_k_weights.unsqueeze(-1)
+    return weighted.sum(1).to(x.dtype)
+
+
+class ExpertLowering:
+    """Per-lowering state: the experts modules and the autograd graphs between forward and backward."""
+
+    def __init__(self, regions: dict, mesh):
+        self.regions = regions  # module fqn -> (ExpertRegionPlan, module)
+        self.mesh = mesh
+        self.pending: dict[str, tuple] = {}
+
+    def _group_name(self, region: ExpertRegionPlan) -> str | None:
+        if region.axis is None or region.degree == 1:
+            return None
+        return self.mesh.get_group(region.axis).group_name
+
+    def forward(self, x, top_k_index, top_k_weights, params, key: str) -> torch.Tensor:
+        region, module = self.regions[key]
+        x_leaf = x.detach().requires_grad_(True)
+        w_leaf = top_k_weights.detach().requires_grad_(top_k_weights.is_floating_point())
+        p_leaves = [p.detach().requires_grad_(True) for p in params]
+        with torch.enable_grad():
+            y = _region_forward(x_leaf, top_k_index, w_leaf, p_leaves, region, module, self._group_name(region))
+        self.pending[key] = (y, [x_leaf, w_leaf, *p_leaves])
+        return y.detach()
+
+    def backward(self, grad, key: str) -> list[torch.Tensor]:
+        y, leaves = self.pending.pop(key)
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
+        return [
+            (g if (g := next(grads)) is not None else torch.zeros_like(leaf)) if leaf.requires_grad
+            else torch.zeros_like(leaf)
+            for leaf in leaves
+        ]
