@@ -85,7 +85,7 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
         value_a, value_b = getattr(a, name), getattr(b, name)
         if value_a is not None and value_b is not None and value_a != value_b:
             raise ValueError(
-                f"{name} is given twice with different {what}: {value_a!r} and {value_b!r}; keep one"
+                f"{name} is given twice with different values: {value_a!r} and {value_b!r}; keep one"
             )
         options[name] = value_a if value_a is not None else value_b
     if a.tp_axis == b.tp_axis:
