@@ -36,6 +36,20 @@ class ExpertRegionPlan:
 
 
 def _num_experts(module: nn.Module, params: Mapping[str, nn.Parameter], where: str, fqn: str) -> int:
+    nested = sorted({name.split(".")[0] for name in params if "." in name})
+    if nested:
+        raise TypeError(
+            f"{where}: ExpertParallel on module {fqn!r} ({type(module).__name__}) needs a module that "
+            f"holds the stacked expert weights itself, but it has parameters in submodules {nested}; "
+            f"name the experts module instead (e.g. {fqn + '.' + nested[-1]!r})"
+        )
+    if not any(p.dim() >= 3 for p in params.values()):
+        shapes = {name: tuple(p.shape) for name, p in params.items()}
+        raise TypeError(
+            f"{where}: ExpertParallel on module {fqn!r} ({type(module).__name__}) needs stacked expert "
+            f"weight matrices [num_experts, in, out], but its parameters are {shapes}; name the module "
+            "that holds the stacked expert weights (e.g. 'model.layers.*.mlp.experts')"
+        )
     declared = getattr(module, "num_experts", None)
     leading = {p.shape[0] if p.dim() else None for p in params.values()}
     if declared is None and len(leading) == 1:

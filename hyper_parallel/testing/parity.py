@@ -22,7 +22,7 @@ from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, MLP, llama_tp_p
 
 def build_model(name: str, seed: int = 0, **overrides):
     """"mlp", "llama" (our example, 4 layers unless overridden), "moe" (our example mixture of
-    experts), "hf_llama" or "hf_gpt2" (transformers, tiny)."""
+    experts), "hf_llama", "hf_gpt2", "hf_mixtral" or "hf_qwen2_moe" (transformers, tiny)."""
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP(**overrides)
@@ -36,6 +36,10 @@ def build_model(name: str, seed: int = 0, **overrides):
         from hyper_parallel.models import tiny_hf_llama
 
         return tiny_hf_llama(seed=seed, **overrides)
+    if name in ("hf_mixtral", "hf_qwen2_moe"):
+        from hyper_parallel.models.hf import tiny_hf_moe
+
+        return tiny_hf_moe(name[3:], seed=seed, **overrides)
     if name == "hf_gpt2":
         from hyper_parallel.models.hf import tiny_hf_gpt2
 

@@ -1,0 +1,110 @@
+"""Expert-parallel plan entries (hp.ExpertParallel) and the unused-mesh-axis check, without
+process groups: meshes are hp.Layout stand-ins with the same axis names and sizes."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import hyper_parallel as hp
+from hyper_parallel.layout import Layout
+from hyper_parallel.models.moe import MoEConfig, MoEForCausalLM
+from hyper_parallel.plan import ParallelPlan, merge_plans, resolve_plan
+from hyper_parallel.plan.resolver import check_mesh_axes_used
+
+EXPERTS = "model.layers.*.mlp.experts"
+
+
+def _moe(**overrides):
+    torch.manual_seed(0)
+    return MoEForCausalLM(MoEConfig(num_hidden_layers=2, **overrides))
+
+
+def _ep_plan(**style):
+    return ParallelPlan(expert_parallel={EXPERTS: hp.ExpertParallel(**style)})
+
+
+def test_expert_weights_shard_over_ep_and_ep_is_data_parallel():
+    resolved = resolve_plan(_ep_plan(), _moe(), Layout((2, 2), ("dp", "ep")))
+    assert resolved.data_parallel_axes == ("dp", "ep")
+    assert resolved.param_placements["model.layers.0.mlp.experts.gate_proj"] == (Replicate(), Shard(0))
+    assert resolved.param_placements["model.layers.1.mlp.experts.down_proj"] == (Replicate(), Shard(0))
+    assert resolved.param_placements["model.layers.0.mlp.router.gate.weight"] == (Replicate(), Replicate())
+    region = resolved.experts["model.layers.1.mlp.experts"]
+    assert (region.axis, region.degree, region.num_experts, region.local_experts) == ("ep", 2, 4, 2)
+    assert region.param_names == ("gate_proj", "up_proj", "down_proj")
+    assert resolved.input_placements("input_ids", 2) == (Shard(0), Shard(0))
+
+
+def test_named_axis_and_yaml_forms():
+    plan = ParallelPlan.from_dict({"expert_parallel": {EXPERTS: {"style": "expert_parallel", "axis": "moe"}}})
+    assert plan.expert_parallel[EXPERTS] == hp.ExpertParallel(axis="moe")
+    assert ParallelPlan(expert_parallel={EXPERTS: "expert_parallel"}).expert_parallel[EXPERTS] == hp.ExpertParallel()
+    resolved = resolve_plan(plan, _moe(), Layout((2,), ("moe",)))
+    assert resolved.data_parallel_axes == ("moe",)
+    merged = merge_plans(plan, {"expert_parallel": {EXPERTS: hp.ExpertParallel(axis="moe")}})
+    assert merged.expert_parallel == plan.expert_parallel
+    with pytest.raises(ValueError, match=r"expert_parallel\['model.layers.\*.mlp.experts'\] is given twice with different styles"):
+        merge_plans(plan, _ep_plan())
+    with pytest.raises(TypeError, match=r"expert_parallel\['x'\]: expected hp.ExpertParallel\(\)"):
+        ParallelPlan(expert_parallel={"x": "colwise"})
+
+
+def test_without_the_axis_experts_stay_whole():
+    resolved = resolve_plan(_ep_plan(), _moe(), Layout((2,), ("dp",)))
+    region = resolved.experts["model.layers.0.mlp.experts"]
+    assert (region.axis, region.degree, region.local_experts) == (None, 1, 4)
+    assert resolved.param_placements["model.layers.0.mlp.experts.up_proj"] == (Replicate(),)
+
+
+def test_experts_not_divisible_by_ep():
+    with pytest.raises(ValueError, match=r"module 'model.layers.0.mlp.experts' has 4 experts, which mesh axis 'ep' "
+                                         r"of size 3 does not divide .* from \[1, 2, 4\]"):
+        resolve_plan(_ep_plan(), _moe(), Layout((3,), ("ep",)))
+
+
+def test_module_without_stacked_expert_weights():
+    plan = ParallelPlan(expert_parallel={"model.layers.*.mlp": hp.ExpertParallel()})
+    with pytest.raises(TypeError, match=r"ExpertParallel on module 'model.layers.0.mlp' \(MoEBlock\) needs a module "
+                                        r"that holds the stacked expert weights itself.*\['experts', 'router'\]"):
+        resolve_plan(plan, _moe(), Layout((2,), ("ep",)))
+    plan = ParallelPlan(expert_parallel={"model.layers.*.mlp.router.gate": hp.ExpertParallel()})
+    with pytest.raises(TypeError, match=r"needs stacked expert weight matrices \[num_experts, in, out\], but its "
+                                        r"parameters are \{'weight': \(4, 64\)\}"):
+        resolve_plan(plan, _moe(), Layout((2,), ("ep",)))
+
+
+def test_glob_matching_no_module():
+    plan = ParallelPlan(expert_parallel={"model.layers.*.moe.experts": hp.ExpertParallel()})
+    with pytest.raises(ValueError, match=r"expert_parallel.*model.layers.\*.moe.experts.*matches no module"):
+        resolve_plan(plan, _moe(), Layout((2,), ("ep",)))
+
+
+@pytest.mark.parametrize("axis, plan, fix", [
+    ("ep", {}, r"add expert_parallel=\{'model.layers.\*.mlp.experts': hp.ExpertParallel\(\)\}"),
+    ("cp", {}, r"context parallelism is not implemented yet"),
+    ("tp", {}, r"add tensor_parallel entries"),
+    ("moe", {"expert_parallel": {EXPERTS: hp.ExpertParallel(axis="moe")}}, None),
+    ("stuff", {}, r"shard on it in a plan entry, or name it 'dp_shard' / 'dp_replicate'"),
+])
+def test_an_axis_no_entry_uses_is_an_error(axis, plan, fix):
+    """A mesh axis that no plan entry uses and that is not data-parallel would only repeat the
+    same computation on its ranks: a ValueError naming the axis and the entry that would use it."""
+    plan = ParallelPlan.from_dict(plan)
+    resolved = resolve_plan(plan, _moe(), Layout((2, 2), ("dp", axis)))
+    if fix is None:
+        check_mesh_axes_used(resolved, plan)
+        return
+    with pytest.raises(ValueError, match=rf"mesh axis '{axis}' \(size 2\) is used by no plan entry .*; {fix}"):
+        check_mesh_axes_used(resolved, plan)
+
+
+def test_size_one_axes_and_used_axes_pass():
+    model = _moe()
+    plan = ParallelPlan.from_dict({"expert_parallel": {EXPERTS: hp.ExpertParallel()},
+                                   "tensor_parallel": {"model.layers.*.self_attn.q_proj": "colwise"}})
+    check_mesh_axes_used(resolve_plan(plan, model, Layout((2, 2, 1), ("ep", "tp", "cp"))), plan)
+
+
+def test_ep_times_other_degrees_must_equal_the_world():
+    with pytest.raises(ValueError, match=r"ep\(2\) = 8, but world_size is 4"):
+        hp.ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4)
