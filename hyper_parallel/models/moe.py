@@ -97,9 +97,13 @@ class MoEExperts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add(
             0, expert_ids, torch.ones_like(expert_ids)
         )
+        sizes = counts.tolist()
+        # The last expert takes the rest: the same number, but traced on data-dependent row counts
+        # (expert parallelism) the chunks then provably add up to the rows.
+        sizes[-1] = rows.shape[0] - sum(sizes[:-1])
         outs = [
             (F.silu(chunk @ self.gate_proj[e]) * (chunk @ self.up_proj[e])) @ self.down_proj[e]
-            for e, chunk in enumerate(torch.split(rows, counts.tolist()))
+            for e, chunk in enumerate(torch.split(rows, sizes))
         ]
         by_expert = torch.cat(outs)
         # Back to (token, choice) order, weighted, summed over the k choices.

@@ -87,6 +87,9 @@ def _region_forward(x, top_k_index, top_k_weights, params, region: ExpertRegionP
         where = f"experts {region.module_fqn}"
         received_counts = _all_to_all(counts, [local] * ep, [local] * ep, group_name, f"{where}: rows per expert")
         send = counts.view(ep, local).sum(1).tolist()
+        # Every local row goes to some rank: written as the rest, the splits sum to tokens * k in
+        # the trace too, so the combine brings back a static number of rows.
+        send[-1] = tokens * k - sum(send[:-1])
         receive = received_counts.view(ep, local).sum(1).tolist()
         for size in send + receive:  # what memory and cost estimates assume: balanced routing
             compat.set_size_hint(size, tokens * k // ep)
