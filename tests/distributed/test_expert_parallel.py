@@ -114,3 +114,65 @@ def test_ep_axis_without_an_expert_entry(dist2):
     message = dist2.run(_unused_ep_axis)[0]
     assert message.startswith("ValueError: mesh axis 'ep' (size 2) is used by no plan entry"), message
     assert "expert_parallel={'model.layers.*.mlp.experts': hp.ExpertParallel()}" in message
+
+
+EP_FSDP = {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()},
+           "fully_shard": {"units": ["model.layers.*", ""]}}
+
+
+def test_ep_times_fsdp_parity(dist4):
+    """dp_shard=2 x ep=2: each expert weight is sharded over the dp_shard ranks that hold the same
+    experts (torchtitan's dp_shard_mod_ep) and gathered per layer; dense weights sharded over
+    dp_shard and their gradients reduced over both axes."""
+    results = dist4.run(run_parity, "moe", EP_FSDP, (2, 2), ("dp_shard", "ep"), ignore_fraction=0.3,
+                        model_overrides={"num_hidden_layers": 2})
+    collectives = results[0]["summary"]["collectives"]
+    assert collectives["forward"]["all_gather"]["dp_shard"]["count"] == 3  # one fused gather per unit
+    assert collectives["forward"]["all_to_all"]["ep"]["count"] == 2 * 3
+
+
+def _ep_fsdp_bf16(steps: int = 2) -> dict:
+    """bf16 compute / fp32 reduce (FSDP2's MixedPrecisionPolicy) against one device computing in
+    bf16 from the same fp32 master weights; also where the reduce-scatters sit in backward."""
+    import copy
+
+    import torch.distributed as dist
+
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    master = build_model("moe", num_hidden_layers=2)
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = {**EP_FSDP, "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
+    model = hp.parallelize(copy.deepcopy(master), plan, mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
+    for step in range(steps):
+        full = global_batch("moe", 4, 16, seed=step + 1, ignore_fraction=0.3)
+        compute = copy.deepcopy(master)
+        for p in compute.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        ref_loss = compute(**full)["loss"]
+        ref_loss.backward()
+        loss = model(**local_batch(full, mesh))["loss"]
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2)
+        ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
+        for name, p in model.named_parameters():
+            assert p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=5e-2, atol=2e-3,
+                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        for p, cp in zip(master.parameters(), compute.parameters()):
+            p.grad = cp.grad.float()
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    _, backward = model.compiled_programs()
+    nodes = list(backward.graph.nodes)
+    scatters = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    expert_mm = [i for i, n in enumerate(nodes) if n.target in MM and "experts" in n.meta.get(meta.SOURCE, "")]
+    return {"rank": dist.get_rank(), "scatters": scatters, "expert_mm": expert_mm, "length": len(nodes)}
+
+
+def test_ep_times_fsdp_bf16_reductions_overlap_backward(dist4):
+    """Mixed precision: the loss and every fp32 gradient track the bf16 single-device run, and the
+    first FSDP reduce-scatter is issued before the first layer's expert backward matmuls (the
+    last layer's gradients reduce while earlier layers still compute), not after all of backward."""
+    for result in dist4.run(_ep_fsdp_bf16):
+        assert result["scatters"] and result["expert_mm"]
+        assert result["scatters"][0] < max(result["expert_mm"]), result
