@@ -25,7 +25,15 @@ from torch._functorch._aot_autograd.descriptors import (  # noqa: F401
 )
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, optimization_hint  # noqa: F401
+from torch.fx.experimental.symbolic_shapes import (  # noqa: F401
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    optimization_hint,
+)
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # noqa: F401
+
+# Raised when code traced on data-dependent sizes branches on them or makes a value-sized output.
+DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
 
 # --- DTensor internals: specs, schemas and the sharding-strategy registry ------------------------

@@ -25,6 +25,8 @@ the forward's split sizes. No capacity factor and no dropped rows: results equal
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -111,6 +113,23 @@ def _region_forward(x, top_k_index, top_k_weights, params, region: ExpertRegionP
     return weighted.sum(1).to(x.dtype)
 
 
+def _untraceable(region: ExpertRegionPlan, module: nn.Module, exc: Exception) -> ValueError:
+    """The error for an experts module whose forward cannot run on a data-dependent row count."""
+    torch_dir = os.path.dirname(torch.__file__)
+    ours = os.path.dirname(os.path.dirname(__file__))
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith((torch_dir, ours))]
+    where = f" at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+    return ValueError(
+        f"{region.source}: the forward of experts module {region.module_fqn!r} ({type(module).__name__}) "
+        f"cannot run on a data-dependent number of rows{where} ({str(exc).splitlines()[0]}). Each rank "
+        "receives however many rows the router sends its experts, so the module must not branch on "
+        "tensor values. For transformers MoE models call model.set_experts_implementation('batched_mm') "
+        "(or 'grouped_mm' in bf16 on GPUs); in your own module loop over the experts with "
+        "torch.split(rows, counts.tolist()) as hyper_parallel.models.moe.MoEExperts does."
+    )
+
+
 class ExpertLowering:
     """Per-lowering state: the experts modules and the autograd graphs between forward and backward."""
 
@@ -129,8 +148,11 @@ class ExpertLowering:
         x_leaf = x.detach().requires_grad_(True)
         w_leaf = top_k_weights.detach().requires_grad_(top_k_weights.is_floating_point())
         p_leaves = [p.detach().requires_grad_(True) for p in params]
-        with torch.enable_grad():
-            y = _region_forward(x_leaf, top_k_index, w_leaf, p_leaves, region, module, self._group_name(region))
+        try:
+            with torch.enable_grad():
+                y = _region_forward(x_leaf, top_k_index, w_leaf, p_leaves, region, module, self._group_name(region))
+        except compat.DATA_DEPENDENT_ERRORS as exc:
+            raise _untraceable(region, module, exc) from exc
         self.pending[key] = (y, [x_leaf, w_leaf, *p_leaves])
         return y.detach()
 

@@ -176,3 +176,19 @@ def test_ep_times_fsdp_bf16_reductions_overlap_backward(dist4):
     for result in dist4.run(_ep_fsdp_bf16):
         assert result["scatters"] and result["expert_mm"]
         assert result["scatters"][0] < max(result["expert_mm"]), result
+
+
+def _untraceable_experts() -> str:
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    pmodel = hp.parallelize(build_model("hf_mixtral", experts_implementation="eager"), build_plan("ep"), mesh)
+    return error_message(lambda: pmodel(**local_batch(global_batch("hf_mixtral", 4, 16), mesh)))
+
+
+def test_experts_that_branch_on_routing_are_named(dist2):
+    """HF's "eager" experts loop over the experts that got tokens (Python control flow on tensor
+    values): the error names the module, the line and the fix instead of torch's guard error."""
+    message = dist2.run(_untraceable_experts)[0]
+    assert message.startswith("ValueError: expert_parallel['model.layers.*.mlp.experts']: the forward of "
+                              "experts module 'model.layers.0.mlp.experts' (MixtralExperts) cannot run on a "
+                              "data-dependent number of rows at "), message
+    assert "modeling_mixtral.py" in message and "set_experts_implementation('batched_mm')" in message
