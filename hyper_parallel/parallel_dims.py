@@ -9,7 +9,8 @@ compilation:
 
 * inference: ``dp_shard=-1`` takes whatever ranks the other degrees leave;
 * world size: ``dp_replicate * dp_shard * cp * tp * pp * ep`` must equal it (``ep`` is its own mesh
-  axis, not carved out of the data-parallel ranks);
+  axis, not carved out of the data-parallel ranks; its ranks take different batch rows, so the dense
+  layers are data-parallel over it, as torchtitan borrows expert-parallel ranks from data parallelism);
 * degree rules: ``etp`` is ``tp`` or ``1`` when experts are parallel; ``ulysses_degree`` divides ``cp``;
 * the model (:meth:`ParallelDims.validate_model`): ``tp`` divides the attention and key/value heads
   and the FFN width, ``ep`` the experts, ``cp * tp`` the sequence length, and Ulysses the heads each
@@ -18,8 +19,9 @@ compilation:
 :meth:`ParallelDims.build_mesh` then creates the mesh: one axis per enabled degree (degree > 1), in
 the canonical order :data:`MESH_AXIS_ORDER` (pipeline outermost, tensor parallelism innermost so its
 ranks are neighbours), plus flattened aliases for the groups a training loop needs as a whole:
-``fsdp`` (the axis FSDP shards over), ``dp`` (all data-parallel ranks) and ``loss`` (the ranks a loss
-or token count is reduced over: ``dp`` and ``cp``). The base axes follow the naming of the rest of
+``fsdp`` (the axis FSDP shards over), ``dp`` (all ranks that take different batch rows:
+``dp_replicate``, ``dp_shard`` and ``ep``) and ``loss`` (the ranks a loss or token count is reduced
+over: ``dp`` and ``cp``). The base axes follow the naming of the rest of
 hyper_parallel (``dp*`` axes are data parallel, ``tp`` is the tensor-parallel axis), so the mesh
 goes straight into :func:`hyper_parallel.parallelize`.
 """
@@ -382,13 +384,14 @@ class ParallelDims:
     # ------------------------------------------------------------------ degrees as properties
     @property
     def dp_size(self) -> int:
-        """All data-parallel ranks: ``dp_replicate * dp_shard``."""
-        return self.dp_replicate * self.dp_shard
+        """Ranks that take different batch rows: ``dp_replicate * dp_shard * ep`` (expert-parallel
+        ranks hold different experts but, for every other layer, are data-parallel)."""
+        return self.dp_replicate * self.dp_shard * self.ep
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Ranks that see the same batch: ``cp * tp * pp * ep``."""
-        return self.cp * self.tp * self.pp * self.ep
+        """Ranks that see the same batch rows: ``cp * tp * pp``."""
+        return self.cp * self.tp * self.pp
 
     non_dp_size = non_data_parallel_size
 
@@ -461,7 +464,8 @@ class ParallelDims:
         """The flattened aliases :meth:`build_mesh` registers, ``alias -> FlattenedAxis``.
 
         * ``fsdp``: ``dp_shard``, the axis FSDP shards over (when it exists);
-        * ``dp``: every data-parallel axis, ``dp_replicate`` and/or ``dp_shard``;
+        * ``dp``: every axis whose ranks take different batch rows, ``dp_replicate``, ``dp_shard``
+          and ``ep``;
         * ``loss``: ``dp`` plus ``cp``, the ranks a loss or token count is reduced over (context
           parallel ranks hold different tokens); the same ranks as ``dp`` without ``cp``.
         """
@@ -470,7 +474,7 @@ class ParallelDims:
         def flat(sources):
             return FlattenedAxis(tuple(sources), math.prod(axes[s] for s in sources))
 
-        dp_sources = [a for a in ("dp_replicate", "dp_shard") if a in axes]
+        dp_sources = [a for a in ("dp_replicate", "dp_shard", "ep") if a in axes]
         loss_sources = dp_sources + (["cp"] if "cp" in axes else [])
         out: dict[str, FlattenedAxis] = {}
         if "dp_shard" in axes:

@@ -37,7 +37,7 @@ def test_exported_from_package():
 def test_dp_shard_minus_one_fills_the_remaining_ranks(kwargs, world, expected):
     pd = ParallelDims(**kwargs, world_size=world)
     assert pd.dp_shard == expected
-    assert pd.dp_size == pd.dp_replicate * expected
+    assert pd.dp_size == pd.dp_replicate * expected * pd.ep
     assert pd.dp_size * pd.non_data_parallel_size == world
 
 
@@ -181,10 +181,11 @@ def test_single_rank_mesh_is_one_dp_shard_axis():
          {"fsdp": (("dp_shard",), 2), "dp": (("dp_shard",), 2), "loss": (("dp_shard", "cp"), 4)}),
         # CP without data parallelism: the loss is still reduced over cp.
         (dict(cp=4), 4, {"loss": (("cp",), 4)}),
-        # Pure TP / PP / EP: nothing to flatten; pp and ep never join an alias.
+        # Pure TP / PP: nothing to flatten; pp never joins an alias, ep's ranks take different rows.
         (dict(tp=4), 4, {}),
         (dict(pp=2, dp_shard=2, ep=2), 8,
-         {"fsdp": (("dp_shard",), 2), "dp": (("dp_shard",), 2), "loss": (("dp_shard",), 2)}),
+         {"fsdp": (("dp_shard",), 2), "dp": (("dp_shard", "ep"), 4), "loss": (("dp_shard", "ep"), 4)}),
+        (dict(ep=4), 4, {"dp": (("ep",), 4), "loss": (("ep",), 4)}),
         (dict(), 1, {"fsdp": (("dp_shard",), 1), "dp": (("dp_shard",), 1), "loss": (("dp_shard",), 1)}),
     ],
 )
@@ -207,7 +208,7 @@ def test_enabled_properties_and_sizes():
     pd = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=2, etp=2, world_size=32)
     assert pd.dp_enabled and pd.dp_replicate_enabled and pd.dp_shard_enabled and pd.fsdp_enabled
     assert pd.cp_enabled and pd.tp_enabled and pd.ep_enabled and pd.etp_enabled and not pd.pp_enabled
-    assert (pd.dp_size, pd.non_data_parallel_size, pd.non_dp_size) == (4, 8, 8)
+    assert (pd.dp_size, pd.non_data_parallel_size, pd.non_dp_size) == (8, 4, 4)
     assert ParallelDims(dp_replicate=2, world_size=2).fsdp_enabled  # as in the reference
 
 
