@@ -192,3 +192,26 @@ def test_experts_that_branch_on_routing_are_named(dist2):
                               "experts module 'model.layers.0.mlp.experts' (MixtralExperts) cannot run on a "
                               "data-dependent number of rows at "), message
     assert "modeling_mixtral.py" in message and "set_experts_implementation('batched_mm')" in message
+
+
+def _parallel_dims_mesh() -> dict:
+    import copy
+
+    pd = hp.ParallelDims(dp_shard=2, ep=2, world_size=4)
+    mesh = pd.build_mesh("cpu")
+    reference = build_model("moe", num_hidden_layers=1)
+    model = hp.parallelize(copy.deepcopy(reference), EP_FSDP, mesh)
+    full = global_batch("moe", 4, 16)
+    loss = model(**local_batch(full, mesh))["loss"]
+    ref_loss = reference(**full)["loss"]
+    loss.backward(), ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+    return {"names": mesh.mesh_dim_names, "dp": pd.get_mesh("dp").size(), "loss": pd.get_mesh("loss").size()}
+
+
+def test_parallel_dims_mesh_goes_straight_into_parallelize(dist4):
+    result = dist4.run(_parallel_dims_mesh)[0]
+    assert result == {"names": ("dp_shard", "ep"), "dp": 4, "loss": 4}
