@@ -265,7 +265,8 @@ class MoEForCausalLM(nn.Module):
         if labels is None:
             return CausalLMOutput(logits=logits)
         loss = causal_lm_loss(logits, labels)
-        if aux is not None:
+        if aux is None:
+            return CausalLMOutput(loss=loss, logits=logits)
+        if self.config.router_aux_loss_coef:  # 0: the loss stays the plain token mean
             loss = loss + self.config.router_aux_loss_coef * aux
-            return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux)
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutput(loss=loss, logits=logits, aux_loss=aux)

@@ -196,6 +196,7 @@ def run_pipeline_parity(
     dump_dir: str | None = None,
     model_overrides: dict | None = None,
     ignore_fraction: float = 0.0,
+    model: str = "llama",
 ) -> dict:
     """:func:`run_parity` for a pipelined model: ``pmodel.step`` against forward + backward of the
     single-device model on the whole batch, ``steps`` SGD steps. The optimizer is built before the
@@ -203,14 +204,14 @@ def run_pipeline_parity(
     the model returns logits and ``parallelize(loss_fn=lm_loss)`` / ``step(inputs, targets)`` add
     the loss. Returns this rank's parameter names, losses and the pipeline report."""
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
-    reference = build_model("llama", num_hidden_layers=num_layers, **(model_overrides or {}))
+    reference = build_model(model, num_hidden_layers=num_layers, **(model_overrides or {}))
     parallel = hp.parallelize(copy.deepcopy(reference), plan, mesh, dump_dir=dump_dir,
                               loss_fn=lm_loss if with_loss_fn else None)
     opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
-        full = global_batch("llama", batch, seq_len, seed=step + 1, ignore_fraction=ignore_fraction)
+        full = global_batch(model, batch, seq_len, seed=step + 1, ignore_fraction=ignore_fraction)
         local = local_batch(full, mesh)
         if with_loss_fn:
             loss = parallel.step({"input_ids": local["input_ids"]}, local["labels"])

@@ -215,3 +215,19 @@ def _parallel_dims_mesh() -> dict:
 def test_parallel_dims_mesh_goes_straight_into_parallelize(dist4):
     result = dist4.run(_parallel_dims_mesh)[0]
     assert result == {"names": ("dp_shard", "ep"), "dp": 4, "loss": 4}
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
+def test_ep_with_pipeline_stages(dist4, schedule):
+    """pp=2 x ep=2, one MoE layer per stage, 2 micro-batches (ZB-H1 also cuts each stage's backward
+    into input- and weight-gradient programs). The router's load-balancing loss is left out: under
+    micro-batching it is computed per micro-batch (as in torchtitan and Megatron), which is not the
+    whole-batch value one device computes; the cross-entropy is exact."""
+    from hyper_parallel.testing.parity import run_pipeline_parity
+
+    plan = {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()},
+            "pipeline": hp.PipelinePlan(split_points=["model.layers.1"], num_microbatches=2, schedule=schedule)}
+    results = dist4.run(run_pipeline_parity, plan, (2, 2), ("pp", "ep"), num_layers=2, model="moe",
+                        model_overrides={"router_aux_loss_coef": 0.0}, ignore_fraction=0.3)
+    # One MoE layer per stage: per micro-batch 3 all-to-alls forward and 2 backward.
+    assert results[0]["summary"]["collectives_per_step"]["all_to_all"]["ep"]["count"] == 2 * 5
