@@ -172,9 +172,12 @@ class _RunStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         program: CompiledProgram = ctx.program
-        tensors, scalars = iter(ctx.saved_tensors), iter(ctx.saved_scalars)
-        saved = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.saved_is_tensor]
-        args = [*saved, *[grad_outputs[i].contiguous() for i in program.tangent_outputs]]
+        args = list(ctx.saved_tensors)
+        if ctx.saved_scalars:
+            tensors, scalars = iter(args), iter(ctx.saved_scalars)
+            args = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.saved_is_tensor]
+            del tensors  # it references the first list: only ``args`` may own the saved tensors
+        args += [grad_outputs[i].contiguous() for i in program.tangent_outputs]
         ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
         grads = _call(ctx.on_error, program.backward_gm, "backward", args, boxed=True)
         if len(grads) != program.num_primals + len(program.kept_gathered):
