@@ -14,7 +14,7 @@ from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPol
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
-from .moe import ExpertParallel
+from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 from .parallel_dims import ParallelDims
 from .pipeline import (
     MetaStep, MetaStepType, PipelinePlan, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
@@ -43,6 +43,8 @@ from .styles import (
 __all__ = [
     "CheckpointError",
     "ExpertParallel",
+    "ExpertTensorParallel",
+    "ExpertWeightTensorParallel",
     "CheckpointPolicy",
     "InternalError",
     "checkpoint",

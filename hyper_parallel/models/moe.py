@@ -82,6 +82,9 @@ class MoEExperts(nn.Module):
     one matmul; the per-expert counts are data-dependent.
     """
 
+    # The dim of each weight holding the intermediate size, which hp.ExpertTensorParallel splits.
+    expert_tensor_parallel_dims = {"gate_proj": 2, "up_proj": 2, "down_proj": 1}
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts

@@ -2,6 +2,6 @@
 builds from it (plan resolution in resolve.py, capture ops in region.py, layouts in propagation.py,
 dispatch/combine lowering in lowering.py; docs/architecture.md §2.10)."""
 
-from .style import ExpertParallel
+from .style import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "ExpertWeightTensorParallel"]

@@ -12,7 +12,9 @@ forward, per rank (``T`` local tokens, ``k`` choices, ``E`` experts, ``ep`` rank
      grouped by source rank, then by local expert;
   4. the experts module's own forward on the received rows, with this rank's ``E/ep`` expert
      weights, local expert ids and routing weights of one (so it returns each row's expert output);
-     ``num_experts`` on the module reads ``E/ep`` while it is traced;
+     ``num_experts`` on the module reads ``E/ep`` while it is traced. With expert tensor
+     parallelism the weights are this rank's columns / rows of each expert, the outputs partial
+     sums, all-reduced over the tp axis (and the input gradient likewise in backward);
   5. **combine**: the transposed all-to-all brings every row's output home, rows return to
      (token, choice) order and are weighted and summed over the choices as the module does.
 
@@ -58,6 +60,38 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, input_splits, output_splits, ctx.group_name, f"{ctx.what} (backward)"), None, None, None, None
 
 
+def _all_reduce(x: torch.Tensor, group_name: str, what: str) -> torch.Tensor:
+    with fx_traceback.annotate({meta.ROLE: meta.ROLE_REDISTRIBUTE, meta.REDISTRIBUTE: what}):
+        return torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(x.contiguous(), "sum", group_name))
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    """Expert tensor parallelism's partial outputs summed over the tp ranks; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x, group_name, what):
+        return _all_reduce(x, group_name, what)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _IntoTensorParallel(torch.autograd.Function):
+    """Forward: identity (every tp rank has the rows); backward: the partial input gradients of the
+    split weights summed over the tp ranks."""
+
+    @staticmethod
+    def forward(ctx, x, group_name, what):
+        ctx.group_name, ctx.what = group_name, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group_name, ctx.what), None, None
+
+
 @contextlib.contextmanager
 def _num_experts(module: nn.Module, n: int):
     """The module's ``num_experts`` reads the local count while its forward is traced on local weights."""
@@ -76,7 +110,7 @@ def _num_experts(module: nn.Module, n: int):
 
 
 def _region_forward(x, top_k_index, top_k_weights, params, region: ExpertRegionPlan, module: nn.Module,
-                    group_name: str | None):
+                    group_name: str | None, tp_group_name: str | None):
     tokens, k = top_k_index.shape
     ep, local = region.degree, region.local_experts
     expert_ids = top_k_index.reshape(-1)
@@ -102,10 +136,16 @@ def _region_forward(x, top_k_index, top_k_weights, params, region: ExpertRegionP
     else:
         received, local_ids = rows, expert_ids.index_select(0, order)
     ones = torch.ones(received.shape[0], 1, dtype=top_k_weights.dtype, device=x.device)
+    if tp_group_name is not None:
+        received = _IntoTensorParallel.apply(received, tp_group_name,
+                                             f"experts {region.module_fqn}: input gradient summed over {region.tp_axis}")
     with _num_experts(module, local):
         outputs = torch.func.functional_call(
             module, dict(zip(region.param_names, params)), (received, local_ids.unsqueeze(1), ones)
         )
+    if tp_group_name is not None:
+        outputs = _SumOverTensorParallel.apply(outputs, tp_group_name,
+                                               f"experts {region.module_fqn}: sum over {region.tp_axis}")
     if ep > 1:
         outputs = _AllToAll.apply(outputs, send, receive, group_name, f"{where}: combine")
     per_choice = torch.empty_like(outputs).index_copy(0, order, outputs)
@@ -138,10 +178,10 @@ class ExpertLowering:
         self.mesh = mesh
         self.pending: dict[str, tuple] = {}
 
-    def _group_name(self, region: ExpertRegionPlan) -> str | None:
-        if region.axis is None or region.degree == 1:
+    def _group_name(self, axis: str | None, degree: int) -> str | None:
+        if axis is None or degree == 1:
             return None
-        return self.mesh.get_group(region.axis).group_name
+        return self.mesh.get_group(axis).group_name
 
     def forward(self, x, top_k_index, top_k_weights, params, key: str) -> torch.Tensor:
         region, module = self.regions[key]
@@ -150,7 +190,9 @@ class ExpertLowering:
         p_leaves = [p.detach().requires_grad_(True) for p in params]
         try:
             with torch.enable_grad():
-                y = _region_forward(x_leaf, top_k_index, w_leaf, p_leaves, region, module, self._group_name(region))
+                y = _region_forward(x_leaf, top_k_index, w_leaf, p_leaves, region, module,
+                                    self._group_name(region.axis, region.degree),
+                                    self._group_name(region.tp_axis, region.tp_degree))
         except compat.DATA_DEPENDENT_ERRORS as exc:
             raise _untraceable(region, module, exc) from exc
         self.pending[key] = (y, [x_leaf, w_leaf, *p_leaves])

@@ -29,6 +29,15 @@ class ExpertRegionPlan:
     num_experts: int
     param_names: tuple[str, ...]  # local names, in named_parameters() order
     source: str  # the plan entry, for messages
+    # Expert tensor parallelism: the axis each expert's weights are split over (None: whole) and
+    # its size; weight name -> the dim split (the expert's intermediate size).
+    tp_axis: str | None = None
+    tp_degree: int = 1
+    tp_dims: tuple = ()  # ((weight name, dim), ...)
+    placements: tuple = ()  # ((weight name, full-mesh placements), ...)
+
+    def weight_placements(self, name: str) -> tuple:
+        return dict(self.placements)[name]
 
     @property
     def local_experts(self) -> int:
@@ -94,9 +103,55 @@ def resolve_expert_parallel(
                     f"size {degree} does not divide (each rank holds a whole number of experts); use "
                     f"an {axis!r} size from {divisors}"
                 )
-            regions[fqn] = ExpertRegionPlan(fqn, axis, degree, num_experts, tuple(params), where)
-            for name in params:
-                placements[f"{fqn}.{name}" if fqn else name] = tuple(
-                    Shard(0) if a == axis else Replicate() for a in axis_names
+            tp_axis = style.tensor_parallel_axis
+            tp_dims: dict[str, int] = {}
+            tp_degree = 1
+            if tp_axis is not None:
+                if tp_axis not in axis_names:
+                    raise ValueError(
+                        f"{where}: {type(style).__name__} splits each expert over mesh axis {tp_axis!r}, "
+                        f"which the mesh does not have (axes {list(axis_names)}); add it or set tp_axis="
+                    )
+                tp_degree = mesh_shape[axis_names.index(tp_axis)]
+                tp_dims = _tensor_parallel_dims(style, module, params, where, fqn, tp_degree)
+            weights = {}
+            for name, p in params.items():
+                weights[name] = tuple(
+                    Shard(0) if a == axis else Shard(tp_dims[name]) if a == tp_axis and name in tp_dims
+                    else Replicate() for a in axis_names
                 )
+                placements[f"{fqn}.{name}" if fqn else name] = weights[name]
+            regions[fqn] = ExpertRegionPlan(
+                fqn, axis, degree, num_experts, tuple(params), where, tp_axis, tp_degree,
+                tuple(tp_dims.items()), tuple(weights.items()),
+            )
     return regions, placements
+
+
+def _tensor_parallel_dims(style, module: nn.Module, params, where: str, fqn: str, tp: int) -> dict[str, int]:
+    """Weight name -> the dim (its expert's intermediate size) expert tensor parallelism splits."""
+    declared = dict(style.shard_dims) if style.shard_dims is not None else getattr(
+        module, "expert_tensor_parallel_dims", None)
+    if not declared:
+        raise TypeError(
+            f"{where}: {type(style).__name__} needs to know which dim of each stacked weight of "
+            f"{fqn!r} ({type(module).__name__}) is the expert's intermediate size; pass "
+            f"shard_dims={{name: dim}} for its weights {list(params)} (gate/up: the output dim, down: "
+            "the input dim)"
+        )
+    unknown = sorted(set(declared) - set(params))
+    if unknown:
+        raise ValueError(f"{where}: shard_dims names {unknown}, which {fqn!r} does not have (it has {list(params)})")
+    dims = {name: d % params[name].dim() for name, d in declared.items()}
+    sizes = {name: params[name].shape[d] for name, d in dims.items()}
+    if len(set(sizes.values())) != 1 or 0 in dims.values():
+        raise ValueError(
+            f"{where}: the dims split over tensor parallelism must all be the expert's intermediate "
+            f"size (never dim 0, the experts), but they have sizes {sizes}; a fused gate/up weight "
+            "(twice the intermediate size) would split gate from up, which is not supported yet: "
+            "store gate and up as two weights"
+        )
+    size = next(iter(sizes.values()))
+    if size % tp:
+        raise ValueError(f"{where}: the experts' intermediate size {size} is not divisible by tp={tp}")
+    return dims

@@ -16,10 +16,11 @@ them on its own tokens (the same compiled region, no all-to-all).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ExpertParallel", "parse_expert_style"]
+__all__ = ["ExpertParallel", "ExpertTensorParallel", "ExpertWeightTensorParallel", "parse_expert_style"]
 
 
 @dataclass(frozen=True)
@@ -27,28 +28,85 @@ class ExpertParallel:
     """Shard an experts module's stacked weights over ``axis`` (default ``"ep"``) on dim 0 and route
     tokens to them with a dropless all-to-all dispatch and combine (docs/architecture.md §2.10)."""
 
-    axis: str = "ep"
+    axis: str | None = "ep"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.axis, str) or not self.axis:
-            raise TypeError(f"ExpertParallel(axis=...) takes a mesh axis name, got {self.axis!r}")
+        if self.axis is not None and (not isinstance(self.axis, str) or not self.axis):
+            raise TypeError(f"{type(self).__name__}(axis=...) takes a mesh axis name, got {self.axis!r}")
+
+    @property
+    def tensor_parallel_axis(self) -> str | None:
+        """Mesh axis each expert's weights are split over (None: whole experts)."""
+        return None
 
     def __repr__(self) -> str:
-        return "ExpertParallel()" if self.axis == "ep" else f"ExpertParallel(axis={self.axis!r})"
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(changed)})"
+
+
+@dataclass(frozen=True, repr=False)
+class ExpertTensorParallel(ExpertParallel):
+    """Experts spread over ``axis`` (``"ep"``) and each expert's weights split over ``tp_axis``
+    (``"tp"``), Megatron-style: the gate and up projections by output column, the down projection
+    by input row, so each rank computes a partial sum that one all-reduce over ``tp_axis`` completes.
+    Reference name: HyperParallel's ``ExpertTensorParallel`` (a 2-D ``("ep", "tp")`` mesh).
+
+    ``shard_dims`` maps each stacked weight to the dim holding the expert's intermediate size (the
+    one split over ``tp_axis``); by default the experts module's ``expert_tensor_parallel_dims``
+    attribute (``models.moe.MoEExperts`` has one). Every split dim must have the same size, which
+    also rejects a fused gate/up weight whose contiguous halves would separate gate from up."""
+
+    tp_axis: str = "tp"
+    shard_dims: tuple | None = None  # ((weight name, dim), ...); a dict is accepted
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.shard_dims, dict):  # stored as sorted pairs: the style stays hashable
+            object.__setattr__(self, "shard_dims", tuple(sorted(self.shard_dims.items())))
+        if self.shard_dims is not None and not all(
+                isinstance(n, str) and isinstance(d, int) for n, d in self.shard_dims):
+            raise TypeError(f"{type(self).__name__}(shard_dims=...) maps weight names to dims, got {self.shard_dims!r}")
+
+    @property
+    def tensor_parallel_axis(self) -> str | None:
+        return self.tp_axis
+
+
+@dataclass(frozen=True, repr=False)
+class ExpertWeightTensorParallel(ExpertTensorParallel):
+    """Every rank keeps all experts, each expert's weights split over ``tp_axis`` as
+    :class:`ExpertTensorParallel` splits them; no all-to-all (every tensor-parallel rank routes the
+    same tokens). Reference name: HyperParallel's ``TensorParallel`` applied to expert weights
+    (expert parallelism off); named apart from the dense ``ColwiseParallel`` / ``RowwiseParallel``."""
+
+    axis: str | None = None
+
+
+_STYLES = {
+    "expert_parallel": ExpertParallel, "ExpertParallel": ExpertParallel,
+    "expert_tensor_parallel": ExpertTensorParallel, "ExpertTensorParallel": ExpertTensorParallel,
+    "expert_weight_tensor_parallel": ExpertWeightTensorParallel,
+    "ExpertWeightTensorParallel": ExpertWeightTensorParallel,
+}
 
 
 def parse_expert_style(spec: Any, where: str) -> ExpertParallel:
-    """An expert_parallel plan value: an ``ExpertParallel``, the string ``"expert_parallel"``, or a
-    dict ``{"style": "expert_parallel", "axis": ...}`` (YAML/JSON plans)."""
+    """An expert_parallel plan value: a style object, its name (``"expert_parallel"``,
+    ``"expert_tensor_parallel"``, ``"expert_weight_tensor_parallel"``) or a dict ``{"style": name,
+    **fields}`` (YAML/JSON plans)."""
     if isinstance(spec, ExpertParallel):
         return spec
-    if spec in ("expert_parallel", "ExpertParallel"):
-        return ExpertParallel()
-    if isinstance(spec, dict) and spec.get("style") in ("expert_parallel", "ExpertParallel"):
-        extra = set(spec) - {"style", "axis"}
-        if extra:
-            raise ValueError(f"{where}: unknown field {sorted(extra)[0]!r}; ExpertParallel takes 'axis'")
-        return ExpertParallel(axis=spec.get("axis", "ep"))
+    if isinstance(spec, str) and spec in _STYLES:
+        return _STYLES[spec]()
+    if isinstance(spec, dict) and spec.get("style") in _STYLES:
+        cls = _STYLES[spec["style"]]
+        fields = {k: v for k, v in spec.items() if k != "style"}
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
     raise TypeError(
-        f"{where}: expected hp.ExpertParallel() (or 'expert_parallel'), got {spec!r}"
+        f"{where}: expected hp.ExpertParallel(), hp.ExpertTensorParallel() or "
+        f"hp.ExpertWeightTensorParallel() (or their names), got {spec!r}"
     )

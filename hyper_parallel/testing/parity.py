@@ -59,6 +59,13 @@ def _gpt2_fsdp_tp_plan():
     return {"layouts": layouts, "fully_shard": {"units": ["transformer.h.*", ""]}}
 
 
+def _moe_attention_tp_plan():
+    """llama_tp_plan's entries for the attention, embedding and head of the example MoE (its
+    feed-forward layers are experts, planned by expert_parallel entries)."""
+    entries = llama_tp_plan()["tensor_parallel"]
+    return {"tensor_parallel": {k: v for k, v in entries.items() if ".mlp." not in k}}
+
+
 def build_plan(name: str):
     """Named plans used by the tests: dp ({}), tp, sp (sequence parallel), mlp_tp."""
     return {
@@ -74,6 +81,10 @@ def build_plan(name: str):
         "fsdp_tp": lambda: {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}},
         "gpt2_fsdp_tp": _gpt2_fsdp_tp_plan,
         "ep": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()}},
+        "ep_tp": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertTensorParallel()},
+                          **_moe_attention_tp_plan()},
+        "expert_tp": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertWeightTensorParallel()},
+                              **_moe_attention_tp_plan()},
     }[name]()
 
 

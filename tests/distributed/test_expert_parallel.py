@@ -231,3 +231,20 @@ def test_ep_with_pipeline_stages(dist4, schedule):
                         model_overrides={"router_aux_loss_coef": 0.0}, ignore_fraction=0.3)
     # One MoE layer per stage: per micro-batch 3 all-to-alls forward and 2 backward.
     assert results[0]["summary"]["collectives_per_step"]["all_to_all"]["ep"]["count"] == 2 * 5
+
+
+def test_ep_times_expert_tensor_parallel(dist4):
+    """ep=2 x tp=2 (ExpertTensorParallel): experts spread over ep, each expert's gate/up split by
+    columns and down by rows over tp, attention tensor-parallel too; tokens are dispatched over ep
+    only and the experts' partial outputs all-reduced over tp."""
+    results = dist4.run(run_parity, "moe", "ep_tp", (2, 2), ("ep", "tp"), model_overrides={"num_hidden_layers": 2})
+    collectives = results[0]["summary"]["collectives"]
+    assert set(collectives["forward"]["all_to_all"]) == {"ep"}
+
+
+def test_expert_weight_tensor_parallel_without_ep(dist2):
+    """The reference's TensorParallel on expert weights (hp.ExpertWeightTensorParallel): every rank
+    keeps all experts, split over tp; no all-to-all at all."""
+    results = dist2.run(run_parity, "moe", "expert_tp", (2,), ("tp",), model_overrides={"num_hidden_layers": 2})
+    collectives = results[0]["summary"]["collectives"]
+    assert "all_to_all" not in collectives["forward"] and "all_to_all" not in collectives["backward"]

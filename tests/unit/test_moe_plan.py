@@ -108,3 +108,37 @@ def test_size_one_axes_and_used_axes_pass():
 def test_ep_times_other_degrees_must_equal_the_world():
     with pytest.raises(ValueError, match=r"ep\(2\) = 8, but world_size is 4"):
         hp.ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4)
+
+
+def test_expert_tensor_parallel_splits_each_expert():
+    plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel()})
+    resolved = resolve_plan(plan, _moe(), Layout((2, 2), ("ep", "tp")))
+    assert resolved.data_parallel_axes == ("ep",)
+    p = resolved.param_placements
+    assert p["model.layers.0.mlp.experts.gate_proj"] == (Shard(0), Shard(2))
+    assert p["model.layers.0.mlp.experts.up_proj"] == (Shard(0), Shard(2))
+    assert p["model.layers.0.mlp.experts.down_proj"] == (Shard(0), Shard(1))
+    region = resolved.experts["model.layers.0.mlp.experts"]
+    assert (region.tp_axis, region.tp_degree, dict(region.tp_dims)) == ("tp", 2, {"gate_proj": 2, "up_proj": 2, "down_proj": 1})
+    # Without expert parallelism (the reference's TensorParallel on expert weights).
+    plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertWeightTensorParallel()})
+    resolved = resolve_plan(plan, _moe(), Layout((2,), ("tp",)))
+    assert resolved.param_placements["model.layers.1.mlp.experts.down_proj"] == (Shard(1),)
+    assert resolved.data_parallel_axes == ()
+    assert repr(hp.ExpertWeightTensorParallel()) == "ExpertWeightTensorParallel()"
+    assert ParallelPlan.from_dict({"expert_parallel": {EXPERTS: {"style": "expert_tensor_parallel", "tp_axis": "etp"}}}
+                                  ).expert_parallel[EXPERTS] == hp.ExpertTensorParallel(tp_axis="etp")
+
+
+def test_expert_tensor_parallel_refuses_a_fused_gate_up_weight():
+    """HF keeps gate and up in one [E, 2I, H] weight: a contiguous split over tp would hand one
+    rank all of gate and the other all of up, a silently wrong result; it is refused instead."""
+    from hyper_parallel.models.hf import tiny_hf_moe
+
+    model = tiny_hf_moe("mixtral")
+    plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel(shard_dims={"gate_up_proj": 1, "down_proj": 2})})
+    with pytest.raises(ValueError, match=r"must all be the expert's intermediate size .* sizes \{'down_proj': 32, "
+                                         r"'gate_up_proj': 64\}; a fused gate/up weight"):
+        resolve_plan(plan, model, Layout((2, 2), ("ep", "tp")))
+    with pytest.raises(TypeError, match=r"needs to know which dim of each stacked weight .* pass shard_dims="):
+        resolve_plan(ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel()}), model, Layout((2, 2), ("ep", "tp")))
