@@ -38,13 +38,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "collectives per step, whether it fits the device, and the cost model's step time and MFU.",
     )
     ex.add_argument("--model", default="example",
-                    help="'example' (hyper_parallel.models.LlamaForCausalLM) or hf:<Architecture> "
+                    help="'example' (hyper_parallel.models.LlamaForCausalLM, or models.moe.MoEForCausalLM for a "
+                    "config with num_experts) or hf:<Architecture> "
                     "(transformers, e.g. hf:LlamaForCausalLM); default: example")
     ex.add_argument("--config", default="llama3-8b",
                     help=f"model shape: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file of LlamaConfig "
                     "fields (may name a preset under \"base\"); default: llama3-8b")
     ex.add_argument("--parallel", default="dp_shard=-1",
-                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 (dp_replicate, dp_shard, tp; "
+                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 (dp_replicate, dp_shard, tp, ep, etp; "
                     "-1 infers dp_shard); default: dp_shard=-1")
     ex.add_argument("--world-size", type=int, default=8, help="number of simulated ranks; default: 8")
     ex.add_argument("--rank", type=int, default=0, help="the rank to simulate and report; default: 0")

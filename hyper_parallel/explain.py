@@ -98,14 +98,17 @@ def build_model(source: str, fields: dict[str, Any]) -> tuple[torch.nn.Module, A
 
     if source == "example":
         from .models.llama import LlamaConfig, LlamaForCausalLM
+        from .models.moe import MoEConfig, MoEForCausalLM
 
-        known = {f.name for f in dataclasses.fields(LlamaConfig)}
+        # A config with experts is the example mixture-of-experts decoder.
+        config_cls, model_cls = (MoEConfig, MoEForCausalLM) if "num_experts" in fields else (LlamaConfig, LlamaForCausalLM)
+        known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise ValueError(f"model config: unknown LlamaConfig fields {unknown}; valid fields: {sorted(known)}")
-        config = LlamaConfig(**fields)
+            raise ValueError(f"model config: unknown {config_cls.__name__} fields {unknown}; valid fields: {sorted(known)}")
+        config = config_cls(**fields)
         with init_empty_weights():
-            model = LlamaForCausalLM(config)
+            model = model_cls(config)
         return model, config
     if source.startswith("hf:"):
         return _build_hf(source[3:], fields)
@@ -243,7 +246,7 @@ def explain(
             with open(path, "w") as f:
                 json.dump(trace, f, sort_keys=True)
 
-    dp_degree = math.prod(size for axis, size in axes.items() if axis.startswith("dp"))
+    dp_degree = math.prod(size for axis, size in axes.items() if axis.startswith("dp") or axis == "ep")
     tokens = local_batch * seq_len * dp_degree
     device_bytes = profile.memory_bytes
     if step.get("available"):

@@ -14,6 +14,11 @@ Model presets are the Llama 3 / 3.1 shapes (Meta's published configs) as fields 
   sharded on the sequence dim, reduce-scatter / all-gather instead of all-reduce), the layout
   torchtitan and Megatron-LM train large models with.
 
+Mixture-of-experts shapes (``mixtral-8x7b``, ``deepseek-v3-like``; fields of
+:class:`hyper_parallel.models.moe.MoEConfig`) add an ``expert_parallel`` entry to every plan: the
+experts spread over ``ep`` (``--parallel ep=...``) and, under a ``tp`` plan, each expert split over
+``tp`` too (``hp.ExpertTensorParallel``).
+
 Everything here is pure data and validation (no process group, no torch model is built).
 """
 
@@ -41,14 +46,29 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama3-405b": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                         num_attention_heads=128),
 }
-_MODEL_ALIASES = {"8b": "llama3-8b", "70b": "llama3-70b", "405b": "llama3-405b"}
+# Mixture-of-experts shapes as fields of hyper_parallel.models.moe.MoEConfig (Llama attention):
+# Mixtral 8x7B (Mistral AI's config: 8 experts of width 14336, top-2) and a DeepSeek-V3-like shape
+# (256 routed experts of width 2048, top-8, sigmoid scores, one shared expert, the first 3 layers
+# dense) with grouped-query attention in place of DeepSeek's multi-head latent attention.
+MODEL_PRESETS.update({
+    "mixtral-8x7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                         rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=14336),
+    "deepseek-v3-like": dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, num_hidden_layers=61,
+                             num_attention_heads=128, num_key_value_heads=128, max_position_embeddings=4096,
+                             rms_norm_eps=1e-6, rope_theta=10000.0, num_experts=256, num_experts_per_tok=8,
+                             moe_intermediate_size=2048, shared_expert_intermediate_size=2048,
+                             score_func="sigmoid", first_k_dense_layers=3),
+})
+_MODEL_ALIASES = {"8b": "llama3-8b", "70b": "llama3-70b", "405b": "llama3-405b", "mixtral": "mixtral-8x7b"}
 
 PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp", "tp+sp", "fsdp+tp+sp")
 
 # The degrees ``--parallel`` accepts (ParallelDims fields) and the ones explain can compile today.
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
 _DEGREE_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate"}
-SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp")
+SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "etp")
 
 
 def _choices(names) -> str:
@@ -168,11 +188,19 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
 
     notes: list[str] = []
     plan: dict[str, Any] = {}
+    moe = "num_experts" in config
     if "tp" in name:
         if "tp" not in axes:
             raise ValueError(f"plan {name!r} needs a tensor-parallel axis: add tp=<degree> to --parallel")
         sp = name.endswith("+sp")
         plan.update(llama_tp_plan(sequence_parallel=sp, loss_parallel=sp))
+        if moe and not config.get("first_k_dense_layers"):  # no dense feed-forward layer to split
+            plan["tensor_parallel"] = {k: v for k, v in plan["tensor_parallel"].items() if ".mlp." not in k}
+    if moe:
+        plan["expert_parallel"] = {"model.layers.*.mlp.experts": _expert_style(axes, name)}
+    elif "ep" in axes:
+        raise ValueError("--parallel ep=... spreads the experts of a mixture-of-experts model; this model "
+                         "has none (give a config with num_experts, e.g. --config mixtral-8x7b)")
     if "fsdp" in name:
         if "dp_shard" not in axes:
             raise ValueError(
@@ -189,6 +217,16 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
         if "tp" in name:
             notes += _drop_uneven_vocab_tp(plan, axes, config)
     return PlanChoice(name, plan, notes)
+
+
+def _expert_style(axes: dict[str, int], name: str):
+    """Experts over ``ep`` (when the mesh has it) and, with a tensor-parallel plan, each expert
+    split over ``tp`` as well (ParallelDims' default etp = tp)."""
+    from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
+
+    if "tp" in name and "tp" in axes:
+        return ExpertTensorParallel() if "ep" in axes else ExpertWeightTensorParallel()
+    return ExpertParallel()
 
 
 def _drop_uneven_vocab_tp(plan: dict, axes: dict[str, int], config: dict[str, Any]) -> list[str]:

@@ -149,6 +149,8 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     or None when the arguments can stay as they are.
     """
     register_own_rules()
+    if op is aten.expand.default and args_schema and _has_partial(args_schema[0]):
+        return _reduce_before_expand(op, args_schema, kwargs_schema)
     if op in _VOCAB_PARALLEL_RULES and not kwargs_schema and len(args_schema) == _ARITY[op]:
         decided = _VOCAB_PARALLEL_RULES[op](args_schema)
         if decided is not None:
@@ -180,6 +182,21 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
             if isinstance(s, compat.DTensorSpec)
         ]
     return sharding.output_spec, wanted
+
+
+def _has_partial(spec) -> bool:
+    return isinstance(spec, compat.DTensorSpec) and any(p.is_partial() for p in spec.placements)
+
+
+def _reduce_before_expand(op, args_schema: tuple, kwargs_schema: dict):
+    """An expand of a Partial value reduces the small input, not the expanded result: DTensor's
+    rule keeps the Partial, which then costs a reduction of the broadcast tensor (the backward of a
+    sum over batch-sharded rows, e.g. a mean over tokens, became a reduce-scatter of
+    [global tokens, ...] instead of an all-reduce of the reduced row)."""
+    x = args_schema[0]
+    reduced = _spec(x, tuple(Replicate() if p.is_partial() else p for p in x.placements))
+    output, _ = propagate_op(op, (reduced, *args_schema[1:]), kwargs_schema)
+    return output, [reduced]
 
 
 def _select_with_tensor_kwargs(propagator, schema):

@@ -43,9 +43,10 @@ def _summary_reduction_bytes(table: dict) -> int:
 
 
 def plain_reduction_bytes(plan: dict) -> dict:
-    """The same plan without a pipeline, on a 2 x 2 mesh whose first axis replicates: per rank, the
-    gradient reductions of one step (compile summary, and measured on the second step)."""
-    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp"))
+    """The same plan without a pipeline, on the 2-rank dp mesh a pipeline stage has (the dp row of a
+    2 x 2 mesh): per rank, the gradient reductions of one step (compile summary, and measured on
+    the second step)."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
     model = hp.parallelize(build_model("llama", num_hidden_layers=LAYERS), plan, mesh)
     batch = local_batch(global_batch("llama", 8, 16, ignore_fraction=0.3), mesh)
     model(**batch)["loss"].backward()

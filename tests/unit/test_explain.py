@@ -349,3 +349,31 @@ def test_fsdp_reduce_scatters_overlap_backward_in_the_simulated_step(tmp_path):
     scatters = [e for e in backward if e["cat"] == "comm" and "reduce_scatter" in e["args"]["op"]]
     assert len(scatters) == 4 + 1  # one per layer and the root
     assert sum(e["ts"] < last_matmul for e in scatters) == 3, [(e["ts"], last_matmul) for e in scatters]
+
+
+def test_mixtral_expert_parallel_memory_and_all_to_all_match_analytic():
+    """Mixtral 8x7B shape, one layer, dp_shard=2 x ep=4: each rank keeps 8/4 experts, FSDP-sharded
+    over dp_shard (1 expert's worth of fp32 masters), dense weights FSDP-sharded over dp_shard;
+    per MoE layer forward exchanges the rows per expert (int64) and dispatches and combines
+    T * top-k rows of hidden size in bf16, backward runs the two transposes."""
+    h, ffn, vocab, heads, kv, experts, top_k = 4096, 14336, 32000, 32, 8, 8, 2
+    n, ep, shard, batch, seq = 8, 4, 2, 1, 256
+    report = explain(config="mixtral-8x7b", num_layers=1, parallel=f"dp_shard={shard},ep={ep}", world_size=n,
+                     plan="fsdp", local_batch=batch, seq_len=seq, optimizer="adamw", hardware="h100")
+    hd = h // heads
+    dense = (2 * h + heads * hd * h + 2 * kv * hd * h + h * heads * hd + experts * h  # norms, q, k, v, o, router
+             + 2 * vocab * h + h)  # embedding, lm_head, final norm
+    expert_elems = 3 * experts * h * ffn
+    assert report["memory"]["params"] == (dense // shard + expert_elems // (ep * shard)) * FP32
+    rows = batch * seq * top_k
+    fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
+    assert fwd["all_to_all"] == {"ep": {"count": 3, "bytes": experts * 8 + 2 * rows * h * BF16}}
+    assert bwd["all_to_all"] == {"ep": {"count": 2, "bytes": 2 * rows * h * BF16}}
+    assert report["batch"]["tokens_per_step"] == n * batch * seq  # ep ranks take different rows
+    assert "ep=4" in format_report(report)
+
+
+def test_ep_on_a_dense_model_is_refused():
+    with pytest.raises(ValueError, match=r"--parallel ep=... spreads the experts of a mixture-of-experts model"):
+        explain(config="llama3-8b", num_layers=1, parallel="dp_shard=2,ep=4", world_size=8, plan="fsdp",
+                local_batch=1, seq_len=128)
