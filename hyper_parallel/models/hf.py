@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_hf_gpt2", "tiny_hf_llama", "tiny_hf_llama_config", "tiny_hf_moe"]
+__all__ = ["tiny_hf_gpt2", "tiny_hf_llama", "tiny_hf_llama_config"]
 
 _TINY_LLAMA = dict(
     vocab_size=256,
@@ -101,33 +101,3 @@ def tiny_hf_gpt2(seed: int = 0, **overrides: Any):
     model.train()
     return model
 
-
-# Mixture-of-experts models: the Llama sizes plus 4 experts, 2 per token. The router's auxiliary
-# loss is on (``output_router_logits``) so the returned loss includes it. ``experts_implementation``
-# picks HF's experts kernel; "batched_mm" gathers each row's expert weights (no data-dependent
-# shapes), "grouped_mm" sorts rows by expert (torch's grouped GEMM needs bf16 on most devices).
-_TINY_MOE = dict(
-    _TINY_LLAMA, intermediate_size=32, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, output_router_logits=True,
-    router_aux_loss_coef=0.01, decoder_sparse_step=1, mlp_only_layers=[],
-)
-
-
-def tiny_hf_moe(kind: str = "mixtral", seed: int = 0, experts_implementation: str = "batched_mm", **overrides: Any):
-    """A tiny ``transformers`` mixture-of-experts causal LM: ``kind`` "mixtral"
-    (``MixtralForCausalLM``) or "qwen2_moe" (``Qwen2MoeForCausalLM``, with its shared expert), 2
-    layers, hidden 64, 4 experts of width 32, top-2; built as :func:`tiny_hf_llama` (seeded, train
-    mode, the caller's RNG untouched)."""
-    transformers = _import_transformers()
-    config_cls, model_cls = {
-        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
-        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
-    }[kind]
-    fields = {k: v for k, v in {**_TINY_MOE, **overrides}.items()
-              if k in config_cls().to_dict() or k in ("attn_implementation", "experts_implementation")}
-    config = config_cls(**fields, experts_implementation=experts_implementation)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config)
-    model.train()
-    return model

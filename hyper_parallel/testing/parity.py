@@ -22,7 +22,7 @@ from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, MLP, llama_tp_p
 
 def build_model(name: str, seed: int = 0, **overrides):
     """"mlp", "llama" (our example, 4 layers unless overridden), "moe" (our example mixture of
-    experts), "hf_llama", "hf_gpt2", "hf_mixtral" or "hf_qwen2_moe" (transformers, tiny)."""
+    experts), "hf_llama", "hf_gpt2" or "hf:<Architecture>" (transformers, tiny: models/hf_zoo.py)."""
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP(**overrides)
@@ -36,10 +36,10 @@ def build_model(name: str, seed: int = 0, **overrides):
         from hyper_parallel.models import tiny_hf_llama
 
         return tiny_hf_llama(seed=seed, **overrides)
-    if name in ("hf_mixtral", "hf_qwen2_moe"):
-        from hyper_parallel.models.hf import tiny_hf_moe
+    if name.startswith("hf:"):  # any architecture of hyper_parallel.models.hf_zoo
+        from hyper_parallel.models.hf_zoo import tiny_hf_model
 
-        return tiny_hf_moe(name[3:], seed=seed, **overrides)
+        return tiny_hf_model(name[3:], seed=seed, **overrides)
     if name == "hf_gpt2":
         from hyper_parallel.models.hf import tiny_hf_gpt2
 

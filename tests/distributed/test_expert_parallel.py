@@ -44,12 +44,24 @@ def test_dp_times_ep_with_padded_labels(dist4):
     assert collectives["backward"]["all_reduce"]["dp"]["bytes"] > collectives["backward"]["all_reduce"]["ep"]["bytes"]
 
 
-@pytest.mark.parametrize("model", ["hf_mixtral", "hf_qwen2_moe"])
-def test_hf_moe_models_ep2(dist2, model):
-    """transformers' Mixtral and Qwen2-MoE unchanged (router auxiliary loss included; Qwen2-MoE's
-    shared expert and its gate stay data-parallel): the experts modules become expert regions."""
-    results = dist2.run(run_parity, model, "ep", (2,), ("ep",))
-    assert results[0]["summary"]["fallbacks"] == []
+# transformers' batched experts kernel (no data-dependent shapes of its own); the router's
+# auxiliary loss on, so the returned loss includes it.
+HF_MOE = {"experts_implementation": "batched_mm", "output_router_logits": True, "router_aux_loss_coef": 0.01}
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM"])
+def test_hf_moe_models_ep2(dist2, arch):
+    """transformers' Mixtral, Qwen2-MoE and DeepSeek-V3 unchanged (router auxiliary loss included
+    where the model has one; shared experts, DeepSeek's dense first layer and its latent attention
+    stay data-parallel): their experts modules become expert regions. No op of the MoE layers runs
+    replicated (under plain DP, HF's grouped experts gather every routed token); DeepSeek's latent
+    attention keeps its known replicated copy (tests/distributed/test_hf_models.py)."""
+    overrides = HF_MOE if arch != "DeepseekV3ForCausalLM" else {"experts_implementation": "batched_mm"}
+    results = dist2.run(run_parity, f"hf:{arch}", "ep", (2,), ("ep",), model_overrides=overrides,
+                        ignore_fraction=0.3)
+    fallbacks = results[0]["summary"]["fallbacks"]
+    assert all("(aten.copy.default)" in f and "self.expand_kv(" in f for f in fallbacks), fallbacks
+    assert bool(fallbacks) == (arch == "DeepseekV3ForCausalLM")
 
 
 def _program_structure(batch: int, seq_len: int) -> dict:
@@ -180,8 +192,9 @@ def test_ep_times_fsdp_bf16_reductions_overlap_backward(dist4):
 
 def _untraceable_experts() -> str:
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
-    pmodel = hp.parallelize(build_model("hf_mixtral", experts_implementation="eager"), build_plan("ep"), mesh)
-    return error_message(lambda: pmodel(**local_batch(global_batch("hf_mixtral", 4, 16), mesh)))
+    model = build_model("hf:MixtralForCausalLM", experts_implementation="eager")
+    pmodel = hp.parallelize(model, build_plan("ep"), mesh)
+    return error_message(lambda: pmodel(**local_batch(global_batch("hf:MixtralForCausalLM", 4, 16), mesh)))
 
 
 def test_experts_that_branch_on_routing_are_named(dist2):

@@ -133,12 +133,12 @@ def test_expert_tensor_parallel_splits_each_expert():
 def test_expert_tensor_parallel_refuses_a_fused_gate_up_weight():
     """HF keeps gate and up in one [E, 2I, H] weight: a contiguous split over tp would hand one
     rank all of gate and the other all of up, a silently wrong result; it is refused instead."""
-    from hyper_parallel.models.hf import tiny_hf_moe
+    from hyper_parallel.models.hf_zoo import tiny_hf_model
 
-    model = tiny_hf_moe("mixtral")
+    model = tiny_hf_model("MixtralForCausalLM")
     plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel(shard_dims={"gate_up_proj": 1, "down_proj": 2})})
-    with pytest.raises(ValueError, match=r"must all be the expert's intermediate size .* sizes \{'down_proj': 32, "
-                                         r"'gate_up_proj': 64\}; a fused gate/up weight"):
+    with pytest.raises(ValueError, match=r"must all be the expert's intermediate size .* sizes \{'down_proj': 64, "
+                                         r"'gate_up_proj': 128\}; a fused gate/up weight"):
         resolve_plan(plan, model, Layout((2, 2), ("ep", "tp")))
     with pytest.raises(TypeError, match=r"needs to know which dim of each stacked weight .* pass shard_dims="):
         resolve_plan(ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel()}), model, Layout((2, 2), ("ep", "tp")))
