@@ -21,7 +21,9 @@ def test_ep2_parity_and_collectives(dist2):
     collectives = results[0]["summary"]["collectives"]
     assert collectives["forward"]["all_to_all"]["ep"]["count"] == 2 * 3
     assert collectives["backward"]["all_to_all"]["ep"]["count"] == 2 * 2
-    assert collectives["backward"]["all_reduce"]["ep"]["count"] == 1  # one gradient bucket
+    # One gradient bucket, and per MoE layer the load-balancing loss's gradient row over the
+    # experts ([E] floats), reduced before it is broadcast over the tokens.
+    assert collectives["backward"]["all_reduce"]["ep"] == {"count": 1 + 2, "bytes": 232_704 + 2 * 4 * 4}
     assert results[0]["losses"] == results[1]["losses"]
 
 
