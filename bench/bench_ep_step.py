@@ -14,7 +14,10 @@ thread each, all on one ``("ep",)`` mesh axis. Both sides train the same example
   module's own forward on them, and combines with the transposed all-to-all; the dense parameters
   are wrapped in ``DistributedDataParallel`` (the expert weights excluded). Its loss is each rank's
   local mean (DDP averages the dense gradients), and a hook divides the expert gradients by the
-  world size, so both sides take the same optimizer steps on equal per-rank token counts.
+  world size, so both sides take the same optimizer steps on equal per-rank token counts. Its
+  load-balancing loss uses the whole batch's statistics as hp's (and one device's) does: the
+  routed fractions and mean probabilities are summed over the ranks with the differentiable
+  ``torch.distributed.nn.functional.all_reduce``.
 
 A step is forward + backward + ``SGD.step`` + ``zero_grad``; ``--warmup`` steps each, then
 ``--steps`` timed steps interleaved; medians of the slowest rank. Also reported: the bytes of expert
@@ -102,9 +105,38 @@ def _eager_expert_forward(module, original_forward, num_experts: int, world: int
     return forward
 
 
+def _global_load_balancing_loss(scores, top_k_index):
+    """models.moe.load_balancing_loss over the whole batch: its two per-expert sums all-reduced."""
+    from torch.distributed.nn.functional import all_reduce
+
+    num_experts = scores.shape[-1]
+    routed = (top_k_index.unsqueeze(-1) == torch.arange(num_experts)).sum((0, 1)).float()
+    sums = all_reduce(torch.cat([routed, scores.sum(0).float(),
+                                 torch.tensor([top_k_index.numel(), scores.shape[0]], dtype=torch.float32)]))
+    routed, prob_sum, counts = sums[:num_experts], sums[num_experts:2 * num_experts], sums[2 * num_experts:]
+    return num_experts * ((routed / counts[0]) * (prob_sum / counts[1])).sum()
+
+
+def _block_forward_with_global_aux_loss(block):
+    """MoEBlock.forward with the whole batch's load-balancing loss (as hp computes it)."""
+
+    def forward(x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, index, scores = block.router(tokens)
+        y = block.experts(tokens, index, weights)
+        if block.shared_expert is not None:
+            y = y + block.shared_expert(tokens)
+        return y.view(shape), _global_load_balancing_loss(scores, index)
+
+    return forward
+
+
 def eager_expert_parallel(model, args, rank: int, world: int):
     """The eager reference: local expert slices, all-to-all forward, DDP over the dense parameters."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from hyper_parallel.models.moe import MoEBlock
 
     local = args.experts // world
     expert_names = []
@@ -118,6 +150,9 @@ def eager_expert_parallel(model, args, rank: int, world: int):
             original = module.forward
             module.num_experts = local
             module.forward = _eager_expert_forward(module, original, args.experts, world, dist.group.WORLD)
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            module.forward = _block_forward_with_global_aux_loss(module)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     return DistributedDataParallel(model), expert_names
 

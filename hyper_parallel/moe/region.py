@@ -98,10 +98,13 @@ def expert_regions(model: nn.Module, regions: Mapping[str, ExpertRegionPlan]):
             params = [p for _, p in _module.named_parameters()]
             return experts(x, top_k_index, top_k_weights, params, _region.module_fqn)
 
+        patched.append((module, module.__dict__.get("forward")))  # an instance-level forward to restore
         module.forward = forward
-        patched.append(module)
     try:
         yield
     finally:
-        for module in patched:
-            del module.forward
+        for module, own_forward in patched:
+            if own_forward is None:
+                del module.forward
+            else:
+                module.forward = own_forward
