@@ -263,7 +263,7 @@ def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
             continue
         node.meta[meta.SOURCE] = src.name
         node.meta[meta.ROLE] = custom[meta.ROLE]
-        for key in (meta.REDISTRIBUTE, meta.GRAD_OF):
+        for key in (meta.REDISTRIBUTE, meta.GRAD_OF, meta.EXPERT_CHUNK):
             if key in custom:
                 node.meta[key] = custom[key]
         region = (src.meta.get("custom") or {}).get(meta.REGION)

@@ -38,6 +38,9 @@ SWAP_GROUP = "hp_swap_group"  # True: the region's values move as one host buffe
 SWAP_COPY = "hp_swap_copy"  # "to_host" | "to_device" on the swap pass's copy nodes
 SWAP_TO_HOST, SWAP_TO_DEVICE = "to_host", "to_device"
 
+# --- expert regions (moe/lowering.py; passes/expert_overlap.py) -----------------------------------
+EXPERT_CHUNK = "hp_expert_chunk"  # "<experts module fqn>#<chunk>" on the nodes of one token chunk
+
 # --- gradient and gather fusion (passes/bucketing.py) ---------------------------------------------
 BUCKET = "hp_bucket"  # "<unit> <phase> <kind> (<n> params)" on fused collectives
 
@@ -51,7 +54,7 @@ COPIED_BY_LOWERING = (
 
 ALL_KEYS = (
     LAYOUT, LOSS_MEAN, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD, SOURCE, ROLE, REDISTRIBUTE,
-    GRAD_OF, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET,
+    GRAD_OF, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK,
 )
 
 

@@ -100,4 +100,3 @@ def tiny_hf_gpt2(seed: int = 0, **overrides: Any):
         model = transformers.GPT2LMHeadModel(config)
     model.train()
     return model
-

@@ -185,25 +185,57 @@ class ExpertLowering:
 
     def forward(self, x, top_k_index, top_k_weights, params, key: str) -> torch.Tensor:
         region, module = self.regions[key]
-        x_leaf = x.detach().requires_grad_(True)
-        w_leaf = top_k_weights.detach().requires_grad_(top_k_weights.is_floating_point())
         p_leaves = [p.detach().requires_grad_(True) for p in params]
-        try:
-            with torch.enable_grad():
-                y = _region_forward(x_leaf, top_k_index, w_leaf, p_leaves, region, module,
-                                    self._group_name(region.axis, region.degree),
-                                    self._group_name(region.tp_axis, region.tp_degree))
-        except compat.DATA_DEPENDENT_ERRORS as exc:
-            raise _untraceable(region, module, exc) from exc
-        self.pending[key] = (y, [x_leaf, w_leaf, *p_leaves])
-        return y.detach()
+        groups = (self._group_name(region.axis, region.degree), self._group_name(region.tp_axis, region.tp_degree))
+        chunks = _chunk_sizes(x.shape[0], region.chunks)
+        outputs, pending = [], []
+        for c, (start, size) in enumerate(chunks):
+            # One token chunk (all tokens without overlap): its nodes carry the chunk's name, which
+            # the expert_overlap pass schedules by.
+            with fx_traceback.annotate({meta.EXPERT_CHUNK: f"{key}#{c}"}):
+                x_leaf = _rows(x, start, size, len(chunks)).detach().requires_grad_(True)
+                w = _rows(top_k_weights, start, size, len(chunks))
+                w_leaf = w.detach().requires_grad_(w.is_floating_point())
+                try:
+                    with torch.enable_grad():
+                        y = _region_forward(x_leaf, _rows(top_k_index, start, size, len(chunks)), w_leaf, p_leaves,
+                                            region, module, *groups)
+                except compat.DATA_DEPENDENT_ERRORS as exc:
+                    raise _untraceable(region, module, exc) from exc
+            outputs.append(y.detach())
+            pending.append((y, x_leaf, w_leaf))
+        self.pending[key] = (pending, p_leaves, chunks)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def backward(self, grad, key: str) -> list[torch.Tensor]:
-        y, leaves = self.pending.pop(key)
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
-        return [
-            (g if (g := next(grads)) is not None else torch.zeros_like(leaf)) if leaf.requires_grad
-            else torch.zeros_like(leaf)
-            for leaf in leaves
-        ]
+        """``[d x, d top_k_weights, *d params]``: each chunk's autograd graph differentiated on its
+        own (so its nodes carry its chunk's name), the chunks' rows concatenated, the weights'
+        gradients summed."""
+        pending, p_leaves, chunks = self.pending.pop(key)
+        dx, dw, dparams = [], [], None
+        for c, ((y, x_leaf, w_leaf), (start, size)) in enumerate(zip(pending, chunks)):
+            with fx_traceback.annotate({meta.EXPERT_CHUNK: f"{key}#{c}"}):
+                leaves = [x_leaf, w_leaf, *p_leaves]
+                wanted = [leaf for leaf in leaves if leaf.requires_grad]
+                got = iter(torch.autograd.grad(y, wanted, _rows(grad, start, size, len(chunks)), allow_unused=True))
+                grads = [next(got) if leaf.requires_grad else None for leaf in leaves]
+                grads = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves)]
+            dx.append(grads[0])
+            dw.append(grads[1])
+            dparams = grads[2:] if dparams is None else [a + b for a, b in zip(dparams, grads[2:])]
+        if len(chunks) == 1:
+            return [dx[0], dw[0], *dparams]
+        return [torch.cat(dx), torch.cat(dw), *dparams]
+
+
+def _chunk_sizes(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each token chunk; one chunk when there are too few tokens to split."""
+    if chunks == 1 or tokens < chunks:
+        return [(0, tokens)]
+    base, extra = divmod(tokens, chunks)
+    sizes = [base + (i < extra) for i in range(chunks)]
+    return [(sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+
+
+def _rows(t: torch.Tensor, start: int, size: int, chunks: int) -> torch.Tensor:
+    return t if chunks == 1 else t.narrow(0, start, size)

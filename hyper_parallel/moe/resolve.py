@@ -2,7 +2,8 @@
 
 Reads ``ParallelPlan.expert_parallel`` (glob -> :class:`~hyper_parallel.moe.style.ExpertParallel`),
 the model and the mesh's axis names and sizes. Returns one :class:`ExpertRegionPlan` per matched
-module and the placements of its stacked parameters (``Shard(0)`` on the expert axis). Raises
+module, holding the placements of its stacked parameters (``Shard(0)`` on the expert axis, the
+intermediate dim on the expert tensor-parallel axis). Raises
 ``TypeError`` / ``ValueError`` naming the entry, module and parameter for: a module without
 parameters stacked over the experts on dim 0, an expert count the axis does not divide, a module
 matched twice, an axis the mesh does not have when it is also a data-parallel name.
@@ -35,6 +36,7 @@ class ExpertRegionPlan:
     tp_degree: int = 1
     tp_dims: tuple = ()  # ((weight name, dim), ...)
     placements: tuple = ()  # ((weight name, full-mesh placements), ...)
+    chunks: int = 1  # token chunks per rank: 2 with overlap (passes/expert_overlap.py)
 
     def weight_placements(self, name: str) -> tuple:
         return dict(self.placements)[name]
@@ -77,10 +79,9 @@ def _num_experts(module: nn.Module, params: Mapping[str, nn.Parameter], where: s
 def resolve_expert_parallel(
     entries: Mapping[str, ExpertParallel], matched, modules: Mapping[str, nn.Module],
     axis_names: tuple[str, ...], mesh_shape: tuple[int, ...],
-) -> tuple[dict[str, ExpertRegionPlan], dict[str, tuple]]:
+) -> dict[str, ExpertRegionPlan]:
     """``matched(where, glob)`` gives the module FQNs a glob names (raising when none)."""
     regions: dict[str, ExpertRegionPlan] = {}
-    placements: dict[str, tuple] = {}
     for glob, style in entries.items():
         where = f"expert_parallel[{glob!r}]"
         for fqn in matched("expert_parallel", glob):
@@ -120,12 +121,11 @@ def resolve_expert_parallel(
                     Shard(0) if a == axis else Shard(tp_dims[name]) if a == tp_axis and name in tp_dims
                     else Replicate() for a in axis_names
                 )
-                placements[f"{fqn}.{name}" if fqn else name] = weights[name]
             regions[fqn] = ExpertRegionPlan(
-                fqn, axis, degree, num_experts, tuple(params), where, tp_axis, tp_degree,
-                tuple(tp_dims.items()), tuple(weights.items()),
+                fqn, axis, degree, num_experts, tuple(params), where, tp_axis,
+                tp_degree, tuple(tp_dims.items()), tuple(weights.items()), 2 if style.overlap else 1,
             )
-    return regions, placements
+    return regions
 
 
 def _tensor_parallel_dims(style, module: nn.Module, params, where: str, fqn: str, tp: int) -> dict[str, int]:

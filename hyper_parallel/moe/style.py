@@ -26,13 +26,20 @@ __all__ = ["ExpertParallel", "ExpertTensorParallel", "ExpertWeightTensorParallel
 @dataclass(frozen=True)
 class ExpertParallel:
     """Shard an experts module's stacked weights over ``axis`` (default ``"ep"``) on dim 0 and route
-    tokens to them with a dropless all-to-all dispatch and combine (docs/architecture.md §2.10)."""
+    tokens to them with a dropless all-to-all dispatch and combine (docs/architecture.md §2.10).
+
+    ``overlap=True`` is the reference's ``CommComputeOverlap``: each rank's tokens go through the
+    layer as two chunks, and the ``expert_overlap`` pass interleaves them so one chunk's dispatch
+    and combine run while the other chunk's experts compute (forward and backward)."""
 
     axis: str | None = "ep"
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.axis is not None and (not isinstance(self.axis, str) or not self.axis):
             raise TypeError(f"{type(self).__name__}(axis=...) takes a mesh axis name, got {self.axis!r}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"{type(self).__name__}(overlap=...) is True or False, got {self.overlap!r}")
 
     @property
     def tensor_parallel_axis(self) -> str | None:

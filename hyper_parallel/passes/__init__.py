@@ -30,6 +30,7 @@ from .bucketing import bucketing_pass
 from .cleanup import cleanup_pass
 from .context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH, PassContext
 from .cse import cse_pass
+from .expert_overlap import expert_overlap_pass
 from .overlap_reductions import overlap_reductions_pass
 from .prefetch import prefetch_pass
 from .recompute import recompute_pass
@@ -75,6 +76,7 @@ PASSES: list[tuple[str, object]] = [
     ("recompute", recompute_pass),
     ("reshard_after_forward", reshard_after_forward_pass),
     ("swap", swap_pass),
+    ("expert_overlap", expert_overlap_pass),
     ("bucketing", bucketing_pass),
     ("prefetch", prefetch_pass),
     ("overlap_reductions", overlap_reductions_pass),

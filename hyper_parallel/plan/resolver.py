@@ -233,12 +233,10 @@ class _Resolver:
                     )
 
     def apply_expert_parallel(self) -> dict:
-        regions, placements = resolve_expert_parallel(
-            self.plan.expert_parallel, self.matched, self.modules, self.names, self.shape
-        )
-        for fqn, p in placements.items():
-            module_fqn = next(m for m in regions if fqn.startswith(f"{m}.") or not m)
-            self.set_param(fqn, p, f"{regions[module_fqn].source} ExpertParallel")
+        regions = resolve_expert_parallel(self.plan.expert_parallel, self.matched, self.modules, self.names, self.shape)
+        for region in regions.values():
+            for name, placements in region.placements:
+                self.set_param(_join_fqn(region.module_fqn, name), placements, region.source)
         return regions
 
     def resolve_inputs(self) -> dict[str, tuple[Placement, ...]]:

@@ -81,6 +81,7 @@ def build_plan(name: str):
         "fsdp_tp": lambda: {**llama_tp_plan(), "fully_shard": {"units": ["model.layers.*", ""]}},
         "gpt2_fsdp_tp": _gpt2_fsdp_tp_plan,
         "ep": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()}},
+        "ep_overlap": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel(overlap=True)}},
         "ep_tp": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertTensorParallel()},
                           **_moe_attention_tp_plan()},
         "expert_tp": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertWeightTensorParallel()},

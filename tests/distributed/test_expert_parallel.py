@@ -263,3 +263,64 @@ def test_expert_weight_tensor_parallel_without_ep(dist2):
     results = dist2.run(run_parity, "moe", "expert_tp", (2,), ("tp",), model_overrides={"num_hidden_layers": 2})
     collectives = results[0]["summary"]["collectives"]
     assert "all_to_all" not in collectives["forward"] and "all_to_all" not in collectives["backward"]
+
+
+OVERLAP = {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel(overlap=True)}}
+
+
+@pytest.mark.parametrize("disable", [(), ("expert_overlap",)])
+def test_overlap_parity_with_the_pass_on_and_off(dist2, disable):
+    """overlap=True (the reference's CommComputeOverlap) runs each layer as two token chunks; the
+    expert_overlap pass only reorders them, so both give one device's numbers."""
+    results = dist2.run(run_parity, "moe", OVERLAP, (2,), ("ep",), model_overrides={"num_hidden_layers": 2},
+                        disable_passes=disable, ignore_fraction=0.3)
+    # Two chunks: twice the all-to-alls of test_ep2_parity_and_collectives, the same bytes.
+    assert results[0]["summary"]["collectives"]["forward"]["all_to_all"]["ep"]["count"] == 2 * 2 * 3
+
+
+def _overlap_schedule() -> dict:
+    import copy
+
+    from hyper_parallel.passes.expert_overlap import expert_overlap
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    pmodel = hp.parallelize(build_model("moe", num_hidden_layers=1), OVERLAP, mesh)
+    pmodel(**local_batch(global_batch("moe", 4, 16), mesh))["loss"].backward()
+    result = {}
+    for phase, gm in zip(("forward", "backward"), pmodel.compiled_programs()):
+        rows = []
+        for i, node in enumerate(gm.graph.nodes):
+            chunk = node.meta.get(meta.EXPERT_CHUNK)
+            if chunk is None:
+                continue
+            kind = "a2a" if node.target is A2A else "wait" if node.target is torch.ops._c10d_functional.wait_tensor.default \
+                else "mm" if node.target in MM else None
+            if kind == "wait" and node.args[0].target is not A2A:
+                kind = None
+            if kind:
+                what = node.meta.get(meta.REDISTRIBUTE, "") if kind == "a2a" else \
+                    node.args[0].meta.get(meta.REDISTRIBUTE, "") if kind == "wait" else ""
+                rows.append({"index": i, "kind": kind, "chunk": int(chunk.rsplit("#", 1)[1]), "what": what})
+        once = expert_overlap(copy.deepcopy(gm))
+        order = [n.name for n in once.graph.nodes]
+        result[phase] = {"rows": rows, "idempotent": [n.name for n in expert_overlap(once).graph.nodes] == order}
+    return result
+
+
+def test_overlap_schedule_read_from_the_programs(dist2):
+    """Forward: chunk 1's dispatch is issued before chunk 0's expert matmuls and waited for after
+    them; chunk 0's combine is in flight while chunk 1's experts compute. Backward: chunk 1's
+    combine transpose (its first all-to-all) is in flight during chunk 0's expert backward. A
+    second run of the pass changes nothing."""
+    result = dist2.run(_overlap_schedule)[0]
+    for phase, send, receive in (("forward", "dispatch", "combine"),
+                                 ("backward", "combine (backward)", "dispatch (backward)")):
+        rows, idempotent = result[phase]["rows"], result[phase]["idempotent"]
+        assert idempotent, phase
+
+        def at(kind, chunk, what):
+            return next(r["index"] for r in rows if r["kind"] == kind and r["chunk"] == chunk and r["what"].endswith(what))
+
+        mm = {c: [r["index"] for r in rows if r["kind"] == "mm" and r["chunk"] == c] for c in (0, 1)}
+        assert at("a2a", 1, send) < min(mm[0]) and max(mm[0]) < at("wait", 1, send), (phase, rows)
+        assert at("a2a", 0, receive) < min(mm[1]) and max(mm[1]) < at("wait", 0, receive), (phase, rows)
