@@ -61,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per side (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--overlap", action="store_true",
+                   help="hp.ExpertParallel(overlap=True): two token chunks, all-to-alls overlapped with experts")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
@@ -181,7 +183,8 @@ def run(args: argparse.Namespace) -> dict | None:
     total_expert_bytes = _expert_bytes(ref, expert_names)
 
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    hp_model = hp.parallelize(copy.deepcopy(ref), {"expert_parallel": {EXPERTS: hp.ExpertParallel()}}, mesh)
+    hp_model = hp.parallelize(copy.deepcopy(ref), {"expert_parallel": {EXPERTS: hp.ExpertParallel(overlap=args.overlap)}},
+                              mesh)
     hp_opt = torch.optim.SGD(hp_model.parameters(), lr=args.lr)
     eager, eager_expert_names = eager_expert_parallel(copy.deepcopy(ref), args, rank, world)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=args.lr)
@@ -207,7 +210,7 @@ def run(args: argparse.Namespace) -> dict | None:
             "vocab": args.vocab, "experts": args.experts, "top_k": args.top_k,
             "expert_intermediate": args.expert_intermediate, "seq_len": args.seq_len,
             "global_batch": args.batch, "local_batch": args.batch // world,
-            "params": sum(p.numel() for p in ref.parameters()),
+            "params": sum(p.numel() for p in ref.parameters()), "hp_overlap": args.overlap,
         },
         "threads_per_rank": args.threads,
         "warmup": args.warmup,
@@ -238,7 +241,8 @@ def print_table(r: dict) -> None:
     c = r["config"]
     print(f"\nEP ep={r['world_size']} MoE {c['layers']}L h{c['hidden']}, {c['experts']} experts top-{c['top_k']} "
           f"(width {c['expert_intermediate']}), {c['params']:,} params, global batch {c['global_batch']} "
-          f"({c['local_batch']}/rank) x seq {c['seq_len']}, {r['threads_per_rank']} thread/rank, median of "
+          f"({c['local_batch']}/rank) x seq {c['seq_len']}, hp overlap {c['hp_overlap']}, "
+          f"{r['threads_per_rank']} thread/rank, median of "
           f"{r['steps']} steps (slowest rank)")
     l0, le = r["loss_step0"], r["loss_after_steps"]
     print(f"loss at step 0: single device {l0['single_device']:.6f}, hp {l0['hyper_parallel']:.6f}, eager "

@@ -153,6 +153,18 @@ def _megatron(prefix: str, colwise: tuple[str, ...], rowwise: tuple[str, ...]) -
     return {**{f"{prefix}.{n}": "colwise" for n in colwise}, **{f"{prefix}.{n}": "rowwise" for n in rowwise}}
 
 
+def gpt2_tp_layouts() -> dict[str, Any]:
+    """GPT-2's tensor parallelism as ``layouts``: its ``Conv1D`` weights are [in, out], so the
+    column-parallel c_attn / c_fc split weight dim 1 and bias dim 0 over tp, the row-parallel
+    c_proj weight dim 0."""
+    from torch.distributed.tensor import Shard
+
+    col = {"parameter": {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}}
+    row = {"parameter": {"weight": {"tp": Shard(0)}}}
+    return {"transformer.h.*.attn.c_attn": col, "transformer.h.*.mlp.c_fc": col,
+            "transformer.h.*.attn.c_proj": row, "transformer.h.*.mlp.c_proj": row}
+
+
 def hf_tp_plan(arch: str) -> dict[str, Any] | None:
     """A Megatron tensor-parallel plan for ``arch`` on the ``"tp"`` mesh axis, or ``None``.
 
@@ -204,9 +216,7 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
               **_megatron("transformer.h.*", ("self_attention.query_key_value", "mlp.dense_h_to_4h"),
                           ("self_attention.dense", "mlp.dense_4h_to_h"))}
     elif arch == "GPT2LMHeadModel":
-        from hyper_parallel.testing.parity import _gpt2_fsdp_tp_plan
-
-        return {"layouts": _gpt2_fsdp_tp_plan()["layouts"]}
+        return {"layouts": gpt2_tp_layouts()}
     elif arch == "T5ForConditionalGeneration":
         # The shared embedding is the encoder's and decoder's embed_tokens and (tied) the head.
         tp = {"shared": "rowwise", "lm_head": "colwise"}

@@ -48,15 +48,10 @@ def build_model(name: str, seed: int = 0, **overrides):
 
 
 def _gpt2_fsdp_tp_plan():
-    """HF GPT-2 under FSDP x TP: Conv1D weights are [in, out], so column-parallel c_attn / c_fc split
-    weight dim 1 and bias dim 0 over tp, row-parallel c_proj weight dim 0; units are the blocks."""
-    from torch.distributed.tensor import Shard
+    """HF GPT-2 under FSDP x TP: hf_zoo's Conv1D tensor-parallel layouts, the blocks as units."""
+    from hyper_parallel.models.hf_zoo import gpt2_tp_layouts
 
-    col = {"parameter": {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}}
-    row = {"parameter": {"weight": {"tp": Shard(0)}}}
-    layouts = {"transformer.h.*.attn.c_attn": col, "transformer.h.*.mlp.c_fc": col,
-               "transformer.h.*.attn.c_proj": row, "transformer.h.*.mlp.c_proj": row}
-    return {"layouts": layouts, "fully_shard": {"units": ["transformer.h.*", ""]}}
+    return {"layouts": gpt2_tp_layouts(), "fully_shard": {"units": ["transformer.h.*", ""]}}
 
 
 def _moe_attention_tp_plan():
