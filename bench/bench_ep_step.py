@@ -119,21 +119,6 @@ def _global_load_balancing_loss(scores, top_k_index):
     return num_experts * ((routed / counts[0]) * (prob_sum / counts[1])).sum()
 
 
-def _block_forward_with_global_aux_loss(block):
-    """MoEBlock.forward with the whole batch's load-balancing loss (as hp computes it)."""
-
-    def forward(x):
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
-        weights, index, scores = block.router(tokens)
-        y = block.experts(tokens, index, weights)
-        if block.shared_expert is not None:
-            y = y + block.shared_expert(tokens)
-        return y.view(shape), _global_load_balancing_loss(scores, index)
-
-    return forward
-
-
 def eager_expert_parallel(model, args, rank: int, world: int):
     """The eager reference: local expert slices, all-to-all forward, DDP over the dense parameters."""
     from torch.nn.parallel import DistributedDataParallel
@@ -153,8 +138,8 @@ def eager_expert_parallel(model, args, rank: int, world: int):
             module.num_experts = local
             module.forward = _eager_expert_forward(module, original, args.experts, world, dist.group.WORLD)
     for module in model.modules():
-        if isinstance(module, MoEBlock):
-            module.forward = _block_forward_with_global_aux_loss(module)
+        if isinstance(module, MoEBlock):  # the whole batch's aux loss, as hp (and one device) computes it
+            module.aux_loss_fn = _global_load_balancing_loss
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, expert_names)
     return DistributedDataParallel(model), expert_names
 

@@ -165,7 +165,12 @@ class _SwiGLU(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Router, routed experts and an optional shared expert; returns ``(y, aux_loss)``."""
+    """Router, routed experts and an optional shared expert; returns ``(y, aux_loss)``.
+
+    ``aux_loss_fn(scores, top_k_index)`` computes the auxiliary loss (:func:`load_balancing_loss`
+    by default; an eager expert-parallel script can swap in one that all-reduces its statistics)."""
+
+    aux_loss_fn = staticmethod(load_balancing_loss)
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
@@ -183,7 +188,7 @@ class MoEBlock(nn.Module):
         y = self.experts(tokens, index, weights)
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
-        return y.view(shape), load_balancing_loss(scores, index)
+        return y.view(shape), self.aux_loss_fn(scores, index)
 
 
 class MoEDecoderLayer(nn.Module):

@@ -183,6 +183,18 @@ def run_parity(
             "rank": dist.get_rank()}
 
 
+def bf16_reference_step(master: torch.nn.Module, batch: dict) -> tuple[torch.nn.Module, torch.Tensor]:
+    """One device computing in bf16 from fp32 master weights, as FSDP2's mixed precision does: a
+    bf16 copy of ``master`` runs forward and backward on the whole ``batch``. Returns (the copy, its
+    gradients in ``.grad``; its loss)."""
+    compute = copy.deepcopy(master)
+    for p in compute.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    loss = _loss(compute(**batch))
+    loss.backward()
+    return compute, loss
+
+
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     """``loss_fn`` for pipeline tests: the example Llama's loss on its logits."""
     from hyper_parallel.models.llama import causal_lm_loss

@@ -7,7 +7,8 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.ir import meta
-from hyper_parallel.testing.parity import build_model, build_plan, error_message, global_batch, local_batch, run_parity
+from hyper_parallel.testing.parity import (bf16_reference_step, build_model, build_plan, error_message, global_batch,
+                                           local_batch, run_parity)
 
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 MM = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
@@ -160,11 +161,7 @@ def _ep_fsdp_bf16(steps: int = 2) -> dict:
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
     for step in range(steps):
         full = global_batch("moe", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        compute = copy.deepcopy(master)
-        for p in compute.parameters():
-            p.data = p.data.to(torch.bfloat16)
-        ref_loss = compute(**full)["loss"]
-        ref_loss.backward()
+        compute, ref_loss = bf16_reference_step(master, full)
         loss = model(**local_batch(full, mesh))["loss"]
         loss.backward()
         torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2)

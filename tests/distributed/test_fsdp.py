@@ -117,7 +117,7 @@ def test_fully_shard_calls_compile_like_the_plan(dist2):
 def mixed_precision_parity(steps=3, ignore_fraction=0.0):
     """bf16 compute / fp32 reduce vs one device doing the same casts: fp32 master weights, a bf16
     compute copy each step, gradients cast to fp32 before the SGD step."""
-    from hyper_parallel.testing.parity import local_batch
+    from hyper_parallel.testing.parity import bf16_reference_step, local_batch
 
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     master = build_model("llama")
@@ -130,11 +130,7 @@ def mixed_precision_parity(steps=3, ignore_fraction=0.0):
     worst = {"loss": 0.0, "grad": 0.0}
     for step in range(steps):
         full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=ignore_fraction)
-        compute = copy.deepcopy(master)
-        for p in compute.parameters():
-            p.data = p.data.to(torch.bfloat16)
-        ref_loss = compute(**full)["loss"]
-        ref_loss.backward()
+        compute, ref_loss = bf16_reference_step(master, full)
         loss = model(**local_batch(full, mesh))["loss"]
         loss.backward()
         torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
