@@ -75,6 +75,9 @@ SELECTIVE_SAVE_OPS = frozenset({
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_cudnn_attention.default",
     "_c10d_functional.wait_tensor.default",
+    # An expert region's dispatch and combine: backward reads their received row counts off the
+    # collective itself (sym_size), which would otherwise re-run the all-to-all in backward.
+    "_c10d_functional.all_to_all_single.default",
 })
 
 # Ops whose result must never be recomputed: recomputing them would draw new random numbers. A list,

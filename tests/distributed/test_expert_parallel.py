@@ -323,11 +323,14 @@ def test_overlap_schedule_read_from_the_programs(dist2):
         assert at("a2a", 0, receive) < min(mm[1]) and max(mm[1]) < at("wait", 0, receive), (phase, rows)
 
 
-@pytest.mark.parametrize("activations", [{"recompute": {"model.layers.*": "full"}}, {"swap": {"model.layers.*": True}}])
+@pytest.mark.parametrize("activations", [{"recompute": {"model.layers.*": "full"}},
+                                         {"recompute": {"model.layers.*": "selective"}},
+                                         {"swap": {"model.layers.*": True}}], ids=["full", "selective", "swap"])
 def test_ep_with_recompute_and_swap(dist2, activations):
     """Full recompute re-runs each layer's forward in backward, its three all-to-alls included
-    (every rank recomputes the same ones); swap keeps the layer's saved values in host memory."""
+    (every rank recomputes the same ones); selective keeps the all-to-alls' results (none re-runs);
+    swap keeps the layer's saved values in host memory."""
     plan = {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()}, **activations}
     results = dist2.run(run_parity, "moe", plan, (2,), ("ep",), model_overrides={"num_hidden_layers": 2})
     backward = results[0]["summary"]["collectives"]["backward"]["all_to_all"]["ep"]["count"]
-    assert backward == 2 * (2 + (3 if "recompute" in activations else 0))
+    assert backward == 2 * (2 + (3 if activations.get("recompute", {}).get("model.layers.*") == "full" else 0))
