@@ -130,6 +130,13 @@ def _check_options(options, mode) -> tuple[Any, Any, dict]:
             f"a pipeline plan does not fit the {BACKEND_NAME} backend: a pipelined model trains through "
             "pmodel = hp.parallelize(model, plan, mesh, loss_fn=...) and pmodel.step(inputs, targets)"
         )
+    experts = plan.get("expert_parallel") if isinstance(plan, dict) else getattr(plan, "expert_parallel", None)
+    if experts:
+        # Dynamo would trace the experts' data-dependent row counts itself (and break the graph).
+        raise BackendValueError(
+            f"expert_parallel is not supported through the {BACKEND_NAME} backend yet: parallelize the "
+            "mixture-of-experts model with pmodel = hp.parallelize(model, plan, mesh) and call it eagerly"
+        )
     mesh = options["mesh"]
     if not isinstance(mesh, DeviceMesh):
         raise BackendTypeError(

@@ -217,6 +217,8 @@ def test_graph_breaks_instances_and_optimizer_state(dist2):
     ({"plan": {}, "mesh": "dp"}, TypeError, r"options\['mesh'\] must be a DeviceMesh"),
     ({"plan": {"pipeline": {"schedule": "1F1B"}}, "mesh": None}, ValueError,
      r"a pipeline plan does not fit the hyper_parallel backend.*pmodel.step\(inputs, targets\)"),
+    ({"plan": {"expert_parallel": {"experts": "expert_parallel"}}, "mesh": None}, ValueError,
+     r"expert_parallel is not supported through the hyper_parallel backend yet: .*hp.parallelize"),
 ])
 def test_bad_options(options, error, match):
     compiled = torch.compile(MLP(), backend="hyper_parallel", options=options)
