@@ -1,4 +1,5 @@
-"""Small models (own Llama, MLP, tiny HF Llama) and ready-made plans used by tests, examples, bench.
+"""Small models (own Llama and mixture of experts, MLP, tiny HF models) and ready-made plans used by
+tests, examples, bench.
 
 transformers is only imported when :func:`tiny_hf_llama` is called.
 """
@@ -13,6 +14,7 @@ from hyper_parallel.models.llama import (
     LlamaRMSNorm,
     causal_lm_loss,
 )
+from hyper_parallel.models.moe import MoEConfig, MoEForCausalLM
 from hyper_parallel.models.convnet import ConvNet
 from hyper_parallel.models.mlp import MLP
 from hyper_parallel.models.plans import llama_dp_plan, llama_tp_plan, mlp_tp_plan
@@ -20,6 +22,8 @@ from hyper_parallel.models.plans import llama_dp_plan, llama_tp_plan, mlp_tp_pla
 __all__ = [
     "ConvNet",
     "MLP",
+    "MoEConfig",
+    "MoEForCausalLM",
     "CausalLMOutput",
     "LlamaConfig",
     "LlamaDecoderLayer",

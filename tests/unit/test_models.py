@@ -272,3 +272,65 @@ def test_tiny_hf_llama_is_seeded_and_exports():
     ep = torch.export.export(a, (), {"input_ids": ids, "labels": ids}, strict=False)
     out = ep.module()(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.loss, a(input_ids=ids, labels=ids).loss)
+
+
+# --- the example mixture of experts (hyper_parallel.models.moe) ------------------------------------
+
+
+def _dense_experts_reference(experts, x, index, weights):
+    """Every (token, choice) through its expert one row at a time: what the sorted, split run of
+    MoEExperts must equal."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[t, j])
+            h = torch.nn.functional.silu(x[t] @ experts.gate_proj[e]) * (x[t] @ experts.up_proj[e])
+            out[t] += weights[t, j] * (h @ experts.down_proj[e])
+    return out
+
+
+def test_moe_experts_equal_a_row_by_row_reference_and_skip_unrouted_experts():
+    from hyper_parallel.models.moe import MoEExperts
+
+    torch.manual_seed(0)
+    experts = MoEExperts(num_experts=4, hidden_size=8, intermediate_size=16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, 0, 0.1)
+    x = torch.randn(6, 8)
+    index = torch.tensor([[0, 2], [2, 0], [0, 2], [2, 2], [0, 0], [2, 0]])  # experts 1 and 3 get nothing
+    weights = torch.rand(6, 2)
+    torch.testing.assert_close(experts(x, index, weights), _dense_experts_reference(experts, x, index, weights))
+
+
+def test_moe_forward_loss_aux_loss_and_grads():
+    from hyper_parallel.models.moe import MoEConfig, MoEForCausalLM, load_balancing_loss
+
+    torch.manual_seed(0)
+    config = MoEConfig(num_hidden_layers=2, shared_expert_intermediate_size=16, first_k_dense_layers=1)
+    model = MoEForCausalLM(config)
+    ids = _ids()
+    out = model(ids, labels=ids)
+    assert out["logits"].shape == (B, S, config.vocab_size)
+    torch.testing.assert_close(out["loss"], torch.nn.functional.cross_entropy(
+        out["logits"][:, :-1].reshape(-1, config.vocab_size).float(), ids[:, 1:].reshape(-1)) + 0.01 * out["aux_loss"])
+    out["loss"].backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert isinstance(model.model.layers[0].mlp, torch.nn.Module) and not hasattr(model.model.layers[0].mlp, "experts")
+    # Balanced routing gives the minimum E * sum_e (1/E)(1/E) = 1.
+    scores = torch.full((8, 4), 0.25)
+    index = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert load_balancing_loss(scores, index).item() == pytest.approx(1.0)
+
+
+def test_moe_config_validation_and_sigmoid_router():
+    from hyper_parallel.models.moe import MoEConfig, MoERouter
+
+    with pytest.raises(ValueError, match="score_func='relu'"):
+        MoEConfig(score_func="relu")
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 must be between 1 and num_experts=4"):
+        MoEConfig(num_experts_per_tok=5)
+    router = MoERouter(MoEConfig(score_func="sigmoid", norm_topk_prob=False))
+    weights, index, scores = router(torch.randn(5, 64))
+    assert weights.dtype == torch.float32 and index.shape == (5, 2)
+    torch.testing.assert_close(weights, scores.gather(1, index))
+    assert ((scores > 0) & (scores < 1)).all()
