@@ -31,6 +31,7 @@ from .cleanup import cleanup_pass
 from .context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH, PassContext
 from .cse import cse_pass
 from .expert_overlap import expert_overlap_pass
+from .fuse_small_reductions import fuse_small_reductions_pass
 from .overlap_reductions import overlap_reductions_pass
 from .prefetch import prefetch_pass
 from .recompute import recompute_pass
@@ -78,6 +79,7 @@ PASSES: list[tuple[str, object]] = [
     ("swap", swap_pass),
     ("expert_overlap", expert_overlap_pass),
     ("bucketing", bucketing_pass),
+    ("fuse_small_reductions", fuse_small_reductions_pass),
     ("prefetch", prefetch_pass),
     ("overlap_reductions", overlap_reductions_pass),
     ("serialize_collectives", serialize_collectives_pass),

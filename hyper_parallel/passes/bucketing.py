@@ -178,7 +178,7 @@ def _fuse_all_gather(graph, members, label):
     _erase(graph, members, waits)
 
 
-def _fuse_reduction(graph, members, label):
+def _fuse_reduction(graph, members, label, phase: str = BACKWARD):
     """Fuse reduce-scatters (or all-reduces) of one unit or bucket: issued after the last gradient
     they read. An all-reduce reduces its packed buffer in place (``all_reduce_``), so a bucket is
     held once, not as a packed copy plus an out-of-place result, and each gradient is a view of it
@@ -191,7 +191,7 @@ def _fuse_reduction(graph, members, label):
     size = rest[0] if scatter else 1
     sample = members[0].meta["val"]
     emit = _Builder(graph, anchor, {meta.BUCKET: label, meta.ROLE: meta.ROLE_REDISTRIBUTE,
-                                   PARTITIONER_TAG: tag_value(BACKWARD)})
+                                   PARTITIONER_TAG: tag_value(phase)})
     # Reduce-scatter: each gradient as [world, numel/world] rows, concatenated along dim 1, so rank
     # r's slice of the flat buffer is every gradient's r-th shard. All-reduce: just concatenated.
     cols = [m.args[0].meta["val"].numel() // size for m in members]
@@ -209,7 +209,8 @@ def _fuse_reduction(graph, members, label):
         part = emit(operator.getitem, (parts, i), _fake(sample, [cols[i]]))
         shape = list(wait.meta["val"].shape)
         out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
-        out.meta[meta.GRAD_OF] = member.meta[meta.GRAD_OF]
+        if meta.GRAD_OF in member.meta:
+            out.meta[meta.GRAD_OF] = member.meta[meta.GRAD_OF]
         wait.replace_all_uses_with(out)
     _erase(graph, members, waits)
 
