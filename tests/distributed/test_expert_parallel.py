@@ -22,9 +22,10 @@ def test_ep2_parity_and_collectives(dist2):
     collectives = results[0]["summary"]["collectives"]
     assert collectives["forward"]["all_to_all"]["ep"]["count"] == 2 * 3
     assert collectives["backward"]["all_to_all"]["ep"]["count"] == 2 * 2
-    # One gradient bucket, and per MoE layer the load-balancing loss's gradient row over the
-    # experts ([E] floats), reduced before it is broadcast over the tokens.
-    assert collectives["backward"]["all_reduce"]["ep"] == {"count": 1 + 2, "bytes": 232_704 + 2 * 4 * 4}
+    # One gradient bucket, and the load-balancing loss's gradient rows over the experts ([E] floats
+    # per MoE layer, reduced before they are broadcast over the tokens), both layers' in one
+    # all-reduce (fuse_small_reductions).
+    assert collectives["backward"]["all_reduce"]["ep"] == {"count": 1 + 1, "bytes": 232_704 + 2 * 4 * 4}
     assert results[0]["losses"] == results[1]["losses"]
 
 
