@@ -111,7 +111,8 @@ def resolve_expert_parallel(
                 if tp_axis not in axis_names:
                     raise ValueError(
                         f"{where}: {type(style).__name__} splits each expert over mesh axis {tp_axis!r}, "
-                        f"which the mesh does not have (axes {list(axis_names)}); add it or set tp_axis="
+                        f"which the mesh does not have (axes {list(axis_names)}); add that axis to the mesh "
+                        "or name one of its axes with tp_axis="
                     )
                 tp_degree = mesh_shape[axis_names.index(tp_axis)]
                 tp_dims = _tensor_parallel_dims(style, module, params, where, fqn, tp_degree)
@@ -142,6 +143,15 @@ def _tensor_parallel_dims(style, module: nn.Module, params, where: str, fqn: str
     unknown = sorted(set(declared) - set(params))
     if unknown:
         raise ValueError(f"{where}: shard_dims names {unknown}, which {fqn!r} does not have (it has {list(params)})")
+    whole = sorted(set(params) - set(declared))
+    if whole:
+        # A weight kept whole on every tp rank (a down projection's bias) would enter each rank's
+        # partial output and be summed tp times by the all-reduce.
+        raise ValueError(
+            f"{where}: shard_dims gives no split dim for {whole} of {fqn!r}; under expert tensor "
+            "parallelism every stacked weight is split over tp (a weight kept whole, such as a bias "
+            "added after the down projection, would be summed once per tp rank)"
+        )
     dims = {name: d % params[name].dim() for name, d in declared.items()}
     sizes = {name: params[name].shape[d] for name, d in dims.items()}
     if len(set(sizes.values())) != 1 or 0 in dims.values():

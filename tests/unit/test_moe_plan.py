@@ -142,3 +142,13 @@ def test_expert_tensor_parallel_refuses_a_fused_gate_up_weight():
         resolve_plan(plan, model, Layout((2, 2), ("ep", "tp")))
     with pytest.raises(TypeError, match=r"needs to know which dim of each stacked weight .* pass shard_dims="):
         resolve_plan(ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel()}), model, Layout((2, 2), ("ep", "tp")))
+
+
+def test_expert_tensor_parallel_refuses_a_weight_left_whole():
+    """A weight not split over tp would enter every rank's partial output and be summed tp times."""
+    plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel(shard_dims={"gate_proj": 2, "up_proj": 2})})
+    with pytest.raises(ValueError, match=r"shard_dims gives no split dim for \['down_proj'\] .* summed once per tp rank"):
+        resolve_plan(plan, _moe(), Layout((2, 2), ("ep", "tp")))
+    plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel(tp_axis="etp")})
+    with pytest.raises(ValueError, match=r"mesh axis 'etp', which the mesh does not have .* tp_axis="):
+        resolve_plan(plan, _moe(), Layout((2, 2), ("ep", "tp")))
