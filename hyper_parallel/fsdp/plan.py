@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 import torch
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Replicate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +108,10 @@ class FsdpPlan:
     units: tuple[FsdpUnit, ...]
     unit_of: dict[str, str] = dataclasses.field(hash=False)  # parameter FQN -> unit module FQN
     compute_placements: dict[str, tuple] = dataclasses.field(hash=False)
+    # Expert-parallel axes FSDP also shards over: they are data-parallel for every parameter the
+    # experts do not split, so a dense parameter is stored sharded over shard_axis x these (as
+    # torchtitan shards dense weights over dp_shard x ep), an expert weight over shard_axis only.
+    expert_axes: tuple[str, ...] = ()
     comm_fusion: bool = True
     mixed_precision: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
@@ -130,6 +134,12 @@ class FsdpPlan:
     # "sum" sums the data-parallel ranks' gradients instead, i.e. scales by the dp degree.
     reduce_op: str = "avg"
 
+    @property
+    def data_axes(self) -> tuple[str, ...]:
+        """Every axis whose ranks take different batch rows for FSDP parameters: a gradient is a
+        partial sum over each of these where its parameter is computed replicated."""
+        return tuple(a for a in (self.replicate_axis, self.shard_axis, *self.expert_axes) if a is not None)
+
     def unit(self, module_fqn: str) -> FsdpUnit:
         return next(u for u in self.units if u.module_fqn == module_fqn)
 
@@ -150,9 +160,11 @@ class FsdpPlan:
         if layout == "reduce_scattered":
             return tuple(Partial("sum") if name == self.replicate_axis else p for name, p in zip(axis_names, storage))
         if layout == "unsharded":
-            dp_axes = {self.shard_axis, self.replicate_axis}
+            dp_axes = set(self.data_axes)
+            # An expert weight is computed sharded over the expert axis: each rank's gradient is
+            # already its own experts' whole gradient there, not a partial sum.
             return tuple(
-                Partial("sum") if name in dp_axes else p
+                Partial("sum") if name in dp_axes and isinstance(p, Replicate) else p
                 for name, p in zip(axis_names, self.compute_placements[param])
             )
         raise ValueError(f"unknown gradient layout {layout!r}; expected one of {GRADIENT_LAYOUTS}")

@@ -4,7 +4,10 @@
 on each layer then on the root) say which modules are FSDP units. ``resolve_fully_shard`` turns that
 into what the compiler reads: every parameter of a unit is *stored* sharded on dim 0 over the shard
 axis (and replicated over the HSDP replicate axis), while it is *computed with* in its plain layout
-(the tensor-parallel layout, Replicate over the data-parallel axes). Propagation inserts the
+(the tensor-parallel layout, Replicate over the data-parallel axes). With expert parallelism the
+expert axis is data-parallel for everything but the experts, so dense parameters are stored sharded
+over shard axis x expert axis (torchtitan's dense FSDP over dp_shard x ep) and expert weights, which
+already differ per expert rank, over the shard axis only. Propagation inserts the
 storage → compute redistribution (the all-gather) before first use and sends each gradient back to
 the storage layout (the reduce-scatter, plus the all-reduce over the replicate axis for HSDP); the
 fsdp passes (reshard after forward, bucketing) schedule and fuse those collectives.
@@ -62,6 +65,19 @@ def _fsdp_axes(spec: FullyShard, names: tuple[str, ...]) -> tuple[str | None, st
     )
 
 
+def _expert_axes(spec: FullyShard, resolved: ResolvedPlan, shard_axis: str, replicate_axis) -> tuple[str, ...]:
+    """The expert-parallel axes FSDP shards dense parameters over too: every ``expert_parallel``
+    axis, unless the entry names its axes itself (``mesh_axes``), which is then taken literally."""
+    if spec.mesh_axes is not None:
+        return ()
+    axes = {r.axis for r in resolved.experts.values() if r.axis is not None}
+    names = tuple(resolved.mesh_dim_names)
+    return tuple(
+        a for a in names
+        if a in axes and a in resolved.data_parallel_axes and a not in (shard_axis, replicate_axis)
+    )
+
+
 def _assign_units(spec: FullyShard, model: nn.Module) -> dict[str, str]:
     """Parameter FQN -> the innermost unit module that contains it."""
     module_fqns = [fqn for fqn, _ in model.named_modules()]
@@ -109,32 +125,58 @@ def _assign_units(spec: FullyShard, model: nn.Module) -> dict[str, str]:
     return owner
 
 
-def _storage_placements(compute: tuple, names, sizes, shard_i: int, fqn: str, shape) -> tuple:
+def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn: str, shape) -> tuple:
+    """``compute`` with every FSDP axis in ``fsdp_axes`` (mesh indices, outermost first) that
+    ``fqn`` is computed replicated over turned into a dim-0 shard. The first must be replicated (it
+    is the unit's shard axis); the others are expert-parallel axes, skipped where the parameter is
+    an expert weight (computed sharded over them). Several FSDP axes shard dim 0 in mesh order, so
+    together they are one shard over the flattened ranks."""
     placements = list(compute)
+    shard_i = fsdp_axes[0]
     if not isinstance(placements[shard_i], Replicate):
         raise ValueError(
             f"parameter {fqn!r} has layout {format_placements(compute)}, which is not replicated "
             f"over the FSDP shard axis {names[shard_i]!r}; FSDP shards data-parallel replicas only"
         )
-    # Dim-0 shards of the axes after the shard axis split each FSDP shard further: strided.
-    later = [i for i in range(shard_i + 1, len(names)) if isinstance(compute[i], Shard) and compute[i].dim == 0]
-    earlier = [i for i in range(shard_i) if isinstance(compute[i], Shard) and compute[i].dim == 0]
-    local0 = shape[0] // math.prod(sizes[i] for i in later + earlier) if shape else 0
     if not shape:
         raise ValueError(
             f"parameter {fqn!r} is a scalar: FSDP shards dim 0, leave this module out of the units"
         )
-    if local0 % sizes[shard_i] != 0 and later:
+    axes = [i for i in fsdp_axes if isinstance(compute[i], Replicate)]
+    ranks = math.prod(sizes[j] for j in axes)
+    # Dim-0 shards the parameter is computed with (tensor or expert parallel) are applied first;
+    # the FSDP shards split each of those pieces further, which in DTensor terms is a strided shard
+    # whose split factor is the number of computed dim-0 pieces after it in mesh order.
+    computed0 = [i for i in range(len(names)) if isinstance(compute[i], Shard) and compute[i].dim == 0]
+    local0 = shape[0] // math.prod(sizes[i] for i in computed0)
+    if computed0 and local0 % ranks != 0:
+        if _dim1_shardable(compute, shape, ranks):
+            # What tensor/expert parallelism leaves of dim 0 does not divide over the FSDP ranks
+            # (e.g. one expert per expert-parallel rank): shard dim 1 instead, as torchtitan does
+            # for expert weights. Gathering it is one all-gather and a re-layout of its rows.
+            for i in axes:
+                placements[i] = Shard(1)
+            return tuple(placements)
+        over = " x ".join(f"{names[j]}={sizes[j]}" for j in axes)
         raise ValueError(
-            f"parameter {fqn!r} of shape {tuple(shape)}: its dim 0 per tensor-parallel shard ({local0}) "
-            f"does not divide over {names[shard_i]}={sizes[shard_i]}, and uneven FSDP shards nested "
-            "inside tensor-parallel shards are not supported: use degrees that divide dim 0"
+            f"parameter {fqn!r} of shape {tuple(shape)}: its dim 0 per tensor/expert-parallel shard "
+            f"({local0}) does not divide over {over}, nor does its dim 1, and uneven FSDP shards "
+            "nested inside tensor-parallel shards are not supported: use degrees that divide dim 0"
         )
-    if later:
-        placements[shard_i] = compat.StridedShard(0, split_factor=math.prod(sizes[i] for i in later))
-    else:
-        placements[shard_i] = Shard(0)
+    for i in axes:
+        later = [j for j in computed0 if j > i]
+        placements[i] = (
+            compat.StridedShard(0, split_factor=math.prod(sizes[j] for j in later)) if later else Shard(0)
+        )
     return tuple(placements)
+
+
+def _dim1_shardable(compute: tuple, shape, ranks: int) -> bool:
+    """Dim 1 exists, no computed placement splits it, and it divides over ``ranks``."""
+    return (
+        len(shape) >= 2 and shape[1] % ranks == 0
+        and not any(isinstance(p, Shard) and p.dim == 1 for p in compute)
+    )
 
 
 def _reshard_value(value: Any, unit: str | None, shard_axis: str, size: int) -> bool | int:
@@ -175,12 +217,13 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
     default_reshard = _reshard_value(spec.reshard_after_forward, None, shard_axis, shard_size)
     owner = _assign_units(spec, model)
     params = dict(model.named_parameters(remove_duplicate=False))
-    shard_i = names.index(shard_axis)
+    expert_axes = _expert_axes(spec, resolved, shard_axis, replicate_axis)
+    fsdp_axes = [names.index(shard_axis)] + sorted(names.index(a) for a in expert_axes)
     storage = dict(resolved.param_placements)
     compute = {}
     for fqn, unit in owner.items():
         compute[fqn] = resolved.param_placements[fqn]
-        storage[fqn] = _storage_placements(compute[fqn], names, sizes, shard_i, fqn, params[fqn].shape)
+        storage[fqn] = _storage_placements(compute[fqn], names, sizes, fsdp_axes, fqn, params[fqn].shape)
     units = []
     for unit in dict.fromkeys(owner.values()):
         members = tuple(f for f, u in owner.items() if u == unit)
@@ -198,6 +241,7 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
         units=tuple(units),
         unit_of=owner,
         compute_placements=compute,
+        expert_axes=expert_axes,
         comm_fusion=spec.comm_fusion,
         mixed_precision=spec.mixed_precision,
         offload_policy=spec.offload_policy,

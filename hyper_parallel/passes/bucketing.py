@@ -172,10 +172,43 @@ def _fuse_all_gather(graph, members, label):
         part = emit(operator.getitem, (parts, i), _fake(sample, [size, numels[i]]))
         shape = list(wait.meta["val"].shape)
         out = emit(aten.reshape.default, (part, shape), _fake(sample, shape))
+        if shape[0] == size and len(members) > 1:
+            # One row per rank: the reshape is a strided view into the gathered rows, where the
+            # per-parameter gather gave a contiguous tensor, and a later ``view`` (a dim-1 shard's
+            # re-layout) needs one.
+            out = emit(aten.clone.default, (out,), _fake(sample, shape))
+            out.kwargs = {"memory_format": torch.contiguous_format}
         out.meta[meta.FSDP_PARAM] = member.meta[meta.FSDP_PARAM]
         out.meta[meta.FSDP_UNIT] = member.meta[meta.FSDP_UNIT]
         wait.replace_all_uses_with(out)
     _erase(graph, members, waits)
+
+
+def _relayout_early(graph, members) -> None:
+    """Move the local re-layout lowering put before each member's reduction (a dim-1 shard's
+    split and cat: pure ops, role "redistribute", no collective) from where lowering emitted it,
+    the graph's output at the end of backward, to right after the values it reads, so the
+    reduction can follow the gradient instead of waiting for the end of backward."""
+    where: dict = _position(graph)
+    for member in members:
+        chain: set = set()
+        stack = [member.args[0]]
+        while stack:
+            node = stack.pop()
+            if (node in chain or node.op != "call_function" or not meta.is_redistribute(node)
+                    or node.is_impure() or getattr(node.target, "namespace", None) == "_c10d_functional"):
+                continue
+            chain.add(node)
+            stack.extend(node.all_input_nodes)
+        outside = [i for n in chain for i in n.all_input_nodes if i not in chain]
+        if not outside:
+            continue
+        cursor = max(outside, key=where.__getitem__)
+        # The chain keeps its own (topological) order and lands after its latest outside input.
+        for node in sorted(chain, key=where.__getitem__):
+            cursor.append(node)
+            where[node] = where[cursor]
+            cursor = node
 
 
 def _fuse_reduction(graph, members, label, phase: str = BACKWARD):
@@ -183,6 +216,7 @@ def _fuse_reduction(graph, members, label, phase: str = BACKWARD):
     they read. An all-reduce reduces its packed buffer in place (``all_reduce_``), so a bucket is
     held once, not as a packed copy plus an out-of-place result, and each gradient is a view of it
     (as DDP's ``gradient_as_bucket_view``)."""
+    _relayout_early(graph, members)
     order = _position(graph)
     waits = [_single_wait(m) for m in members]
     anchor = max((m.args[0] for m in members), key=order.__getitem__).next

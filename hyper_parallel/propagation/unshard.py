@@ -144,9 +144,8 @@ def _prepare_gradients(captured: CapturedGraph, fsdp, policy, resolved) -> None:
     scale = 1
     if fsdp.reduce_op == "sum":
         names, sizes = resolved.mesh_dim_names, resolved.mesh_shape
-        for axis in (fsdp.shard_axis, fsdp.replicate_axis):
-            if axis is not None:
-                scale *= sizes[names.index(axis)]
+        for axis in fsdp.data_axes:  # every rank with other batch rows, expert-parallel ones too
+            scale *= sizes[names.index(axis)]
     graph = captured.gm.graph
     output = graph.output_node()
     slots = list(output.args[0])

@@ -136,15 +136,37 @@ EP_FSDP = {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()
            "fully_shard": {"units": ["model.layers.*", ""]}}
 
 
+def _stored(model, names) -> dict:
+    params = dict(model.named_parameters())
+    return {n: (str(params[n].placements), tuple(params[n].to_local().shape)) for n in names}
+
+
+def _ep_fsdp_storage() -> dict:
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    model = hp.parallelize(build_model("moe", num_hidden_layers=2), EP_FSDP, mesh)
+    return _stored(model, ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.experts.gate_proj"])
+
+
 def test_ep_times_fsdp_parity(dist4):
     """dp_shard=2 x ep=2: each expert weight is sharded over the dp_shard ranks that hold the same
-    experts (torchtitan's dp_shard_mod_ep) and gathered per layer; dense weights sharded over
-    dp_shard and their gradients reduced over both axes."""
+    experts (torchtitan's dp_shard_mod_ep) and gathered per layer; dense weights are sharded over
+    all four data-parallel ranks (dp_shard x ep), gathered over both axes and reduce-scattered
+    over both: no dense gradient is all-reduced over ep any more."""
     results = dist4.run(run_parity, "moe", EP_FSDP, (2, 2), ("dp_shard", "ep"), ignore_fraction=0.3,
                         model_overrides={"num_hidden_layers": 2})
     collectives = results[0]["summary"]["collectives"]
-    assert collectives["forward"]["all_gather"]["dp_shard"]["count"] == 3  # one fused gather per unit
+    # One fused gather per unit and axis (the dense weights' second axis is ep).
+    assert collectives["forward"]["all_gather"]["dp_shard"]["count"] == 3
+    assert collectives["forward"]["all_gather"]["ep"]["count"] == 3
+    assert collectives["backward"]["reduce_scatter"]["ep"]["count"] == 3
+    # What is left over ep in backward: the load-balancing loss's [E] gradient rows, one fused
+    # all-reduce of 2 layers x 4 experts x fp32.
+    assert collectives["backward"]["all_reduce"]["ep"] == {"count": 1, "bytes": 2 * 4 * 4}
     assert collectives["forward"]["all_to_all"]["ep"]["count"] == 2 * 3
+    stored = dist4.run(_ep_fsdp_storage)[0]
+    assert stored["model.layers.0.self_attn.q_proj.weight"] == ("(Shard(dim=0), Shard(dim=0))", (16, 64))
+    # 4 experts: 2 per ep rank, split again over dp_shard (one each), strided inside the ep shard.
+    assert stored["model.layers.0.mlp.experts.gate_proj"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", (1, 64, 32))
 
 
 def _ep_fsdp_bf16(steps: int = 2) -> dict:
@@ -155,7 +177,9 @@ def _ep_fsdp_bf16(steps: int = 2) -> dict:
     import torch.distributed as dist
 
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
-    master = build_model("moe", num_hidden_layers=2)
+    # One expert per ep rank (top-1 of 2): dim 0 cannot split over dp_shard, so the expert weights
+    # are FSDP-sharded on dim 1 (as torchtitan does when dp_shard x ep > experts).
+    master = build_model("moe", num_hidden_layers=2, num_experts=2, num_experts_per_tok=1)
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plan = {**EP_FSDP, "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
@@ -178,14 +202,17 @@ def _ep_fsdp_bf16(steps: int = 2) -> dict:
     nodes = list(backward.graph.nodes)
     scatters = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
     expert_mm = [i for i, n in enumerate(nodes) if n.target in MM and "experts" in n.meta.get(meta.SOURCE, "")]
-    return {"rank": dist.get_rank(), "scatters": scatters, "expert_mm": expert_mm, "length": len(nodes)}
+    return {"rank": dist.get_rank(), "scatters": scatters, "expert_mm": expert_mm, "length": len(nodes),
+            "stored": _stored(model, ["model.layers.0.mlp.experts.down_proj"])}
 
 
 def test_ep_times_fsdp_bf16_reductions_overlap_backward(dist4):
-    """Mixed precision: the loss and every fp32 gradient track the bf16 single-device run, and the
+    """Mixed precision, one expert per ep rank (its weights FSDP-sharded on dim 1): the loss and
+    every fp32 gradient track the bf16 single-device run, and the
     first FSDP reduce-scatter is issued before the first layer's expert backward matmuls (the
     last layer's gradients reduce while earlier layers still compute), not after all of backward."""
     for result in dist4.run(_ep_fsdp_bf16):
+        assert result["stored"]["model.layers.0.mlp.experts.down_proj"] == ("(Shard(dim=1), Shard(dim=0))", (1, 16, 64))
         assert result["scatters"] and result["expert_mm"]
         assert result["scatters"][0] < max(result["expert_mm"]), result
 
