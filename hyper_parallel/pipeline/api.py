@@ -49,7 +49,7 @@ from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_var
 from ..runtime.partition import partition_by_phase
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
-from .loss import expose_loss_count
+from .loss import expose_loss_count, loss_combination, loss_source
 from .plan import AUTO, ResolvedPipeline
 from .runtime import PipelineExecutor, StageProgram, flat_steps, program_for, split_stage_backward, sync_microbatches
 from .schedules import (
@@ -290,6 +290,15 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             "without a pipeline, or norms without running statistics (track_running_stats=False)"
         )
     token_mean = expose_loss_count(lowered.local, lowered.captured)
+    if not token_mean and plan.num_microbatches > 1:
+        log.warning(
+            "pipeline: the loss, %s, is not a plain token mean (e.g. cross-entropy plus a router's "
+            "load-balancing loss), so each step averages its %d micro-batch losses: the numbers of "
+            "one device accumulating gradients over the same micro-batches (loss / %d each), not of "
+            "one device on the whole batch when micro-batches count different tokens or the loss "
+            "uses batch statistics. Return the cross-entropy alone for the exact global token mean.",
+            loss_source(lowered.local, lowered.captured), plan.num_microbatches, plan.num_microbatches,
+        )
     stages = split_stages(lowered.local, lowered.captured, split_points, resolved.num_stages)
 
     programs: dict[int, StageProgram] = {}
@@ -353,6 +362,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         "local_stages": list(resolved.local_stages),
         "schedule": plan.schedule,
         "num_microbatches": plan.num_microbatches,
+        "loss": loss_combination(token_mean),  # pipeline/loss.py
         "transfers": [dataclasses.asdict(t) | {"dtype": str(t.dtype)} for t in transfers],
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
         # Per training step of this rank: each program's collectives times its runs in the schedule.

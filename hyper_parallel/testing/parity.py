@@ -100,11 +100,22 @@ def global_batch(model_name: str, batch: int, seq_len: int, seed: int = 1,
     return {"input_ids": ids, "labels": labels}
 
 
+def _data_axes(mesh) -> list[int]:
+    return [i for i, n in enumerate(mesh.mesh_dim_names) if n.startswith("dp") or n in ("fsdp", "ep")]
+
+
+def micro_batch(batch: dict, mesh, m: int, num_microbatches: int) -> dict:
+    """Micro-batch ``m`` of ``num_microbatches`` of the whole step, as a pipeline forms it: every
+    data-parallel rank's m-th chunk of its :func:`local_batch`, concatenated in rank order."""
+    degree = math.prod(mesh.size(i) for i in _data_axes(mesh))
+    return {k: torch.cat([piece.chunk(num_microbatches, dim=0)[m] for piece in v.chunk(degree, dim=0)])
+            for k, v in batch.items()}
+
+
 def local_batch(batch: dict, mesh) -> dict:
     """This rank's slice: dim 0 split over the data-parallel axes (in mesh order; ``ep`` is one, as
     under an expert-parallel plan), whole elsewhere."""
-    names = mesh.mesh_dim_names
-    dp_axes = [i for i, n in enumerate(names) if n.startswith("dp") or n in ("fsdp", "ep")]
+    dp_axes = _data_axes(mesh)
     degree = math.prod(mesh.size(i) for i in dp_axes) if dp_axes else 1
     index = 0
     for i in dp_axes:
@@ -216,12 +227,15 @@ def run_pipeline_parity(
     model_overrides: dict | None = None,
     ignore_fraction: float = 0.0,
     model: str = "llama",
+    reference_microbatches: int = 1,
 ) -> dict:
     """:func:`run_parity` for a pipelined model: ``pmodel.step`` against forward + backward of the
     single-device model on the whole batch, ``steps`` SGD steps. The optimizer is built before the
     first step (it then holds parameters the split releases; they must leave it). ``with_loss_fn``:
     the model returns logits and ``parallelize(loss_fn=lm_loss)`` / ``step(inputs, targets)`` add
-    the loss. Returns this rank's parameter names, losses and the pipeline report."""
+    the loss. ``reference_microbatches=M``: one device accumulates gradients over the same M
+    micro-batches instead (``loss_m / M`` each), the contract of a loss that is not a plain token
+    mean (pipeline/loss.py). Returns this rank's parameter names, losses and the pipeline report."""
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     reference = build_model(model, num_hidden_layers=num_layers, **(model_overrides or {}))
     parallel = hp.parallelize(copy.deepcopy(reference), plan, mesh, dump_dir=dump_dir,
@@ -236,9 +250,13 @@ def run_pipeline_parity(
             loss = parallel.step({"input_ids": local["input_ids"]}, local["labels"])
         else:
             loss = parallel.step(local)
-        ref_loss = _loss(reference(**full))
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
+        ref_loss = torch.zeros(())
+        for m in range(reference_microbatches):
+            chunk = micro_batch(full, mesh, m, reference_microbatches) if reference_microbatches > 1 else full
+            part = _loss(reference(**chunk)) / reference_microbatches
+            part.backward()
+            ref_loss = ref_loss + part.detach()
+        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
         ref_params = dict(reference.named_parameters())
         for name, p in parallel.named_parameters():
             torch.testing.assert_close(

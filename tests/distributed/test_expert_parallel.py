@@ -257,20 +257,26 @@ def test_parallel_dims_mesh_goes_straight_into_parallelize(dist4):
     assert result == {"names": ("dp_shard", "ep"), "dp": 4, "loss": 4}
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "ZBH1"])
-def test_ep_with_pipeline_stages(dist4, schedule):
+@pytest.mark.parametrize("schedule,aux", [("1F1B", False), ("ZBH1", True)])
+def test_ep_with_pipeline_stages(dist4, schedule, aux):
     """pp=2 x ep=2, one MoE layer per stage, 2 micro-batches (ZB-H1 also cuts each stage's backward
-    into input- and weight-gradient programs). The router's load-balancing loss is left out: under
-    micro-batching it is computed per micro-batch (as in torchtitan and Megatron), which is not the
-    whole-batch value one device computes; the cross-entropy is exact."""
+    into input- and weight-gradient programs), padded labels. Without the router's load-balancing
+    loss the loss is the exact token mean over the whole batch. With it the loss is no plain token
+    mean: the load-balancing term is computed per micro-batch (as torchtitan and Megatron do; its
+    batch statistics cannot span micro-batches whose backward runs before the next forward), the
+    step averages the micro-batch losses, and one device accumulating over the same micro-batches
+    is the reference; the pipeline says so (its summary, and a warning at compile)."""
     from hyper_parallel.testing.parity import run_pipeline_parity
 
     plan = {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel()},
             "pipeline": hp.PipelinePlan(split_points=["model.layers.1"], num_microbatches=2, schedule=schedule)}
     results = dist4.run(run_pipeline_parity, plan, (2, 2), ("pp", "ep"), num_layers=2, model="moe",
-                        model_overrides={"router_aux_loss_coef": 0.0}, ignore_fraction=0.3)
+                        model_overrides={} if aux else {"router_aux_loss_coef": 0.0}, ignore_fraction=0.3,
+                        reference_microbatches=2 if aux else 1)
+    summary = results[0]["summary"]
+    assert summary["loss"] == ("mean of the micro-batch losses" if aux else "token mean over the step")
     # One MoE layer per stage: per micro-batch 3 all-to-alls forward and 2 backward.
-    assert results[0]["summary"]["collectives_per_step"]["all_to_all"]["ep"]["count"] == 2 * 5
+    assert summary["collectives_per_step"]["all_to_all"]["ep"]["count"] == 2 * 5
 
 
 def test_ep_times_expert_tensor_parallel(dist4):
