@@ -17,6 +17,7 @@ from typing import Mapping
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
+from .. import compat
 from .style import ExpertParallel
 
 
@@ -116,11 +117,12 @@ def resolve_expert_parallel(
                     )
                 tp_degree = mesh_shape[axis_names.index(tp_axis)]
                 tp_dims = _tensor_parallel_dims(style, module, params, where, fqn, tp_degree)
+                fused = _fused_gate_up(module, params, tp_dims, where, tp_degree)
             weights = {}
             for name, p in params.items():
                 weights[name] = tuple(
-                    Shard(0) if a == axis else Shard(tp_dims[name]) if a == tp_axis and name in tp_dims
-                    else Replicate() for a in axis_names
+                    Shard(0) if a == axis else _tp_placement(tp_dims[name], name in fused)
+                    if a == tp_axis and name in tp_dims else Replicate() for a in axis_names
                 )
             regions[fqn] = ExpertRegionPlan(
                 fqn, axis, degree, num_experts, tuple(params), where, tp_axis,
@@ -154,14 +156,37 @@ def _tensor_parallel_dims(style, module: nn.Module, params, where: str, fqn: str
         )
     dims = {name: d % params[name].dim() for name, d in declared.items()}
     sizes = {name: params[name].shape[d] for name, d in dims.items()}
-    if len(set(sizes.values())) != 1 or 0 in dims.values():
+    size = min(sizes.values())
+    if set(sizes.values()) - {size, 2 * size} or 0 in dims.values():
         raise ValueError(
             f"{where}: the dims split over tensor parallelism must all be the expert's intermediate "
-            f"size (never dim 0, the experts), but they have sizes {sizes}; a fused gate/up weight "
-            "(twice the intermediate size) would split gate from up, which is not supported yet: "
-            "store gate and up as two weights"
+            f"size, or twice it for a fused gate/up weight (never dim 0, the experts), but they have "
+            f"sizes {sizes}; check shard_dims"
         )
-    size = next(iter(sizes.values()))
     if size % tp:
         raise ValueError(f"{where}: the experts' intermediate size {size} is not divisible by tp={tp}")
     return dims
+
+
+def _fused_gate_up(module: nn.Module, params, tp_dims: dict[str, int], where: str, tp: int) -> set[str]:
+    """The weights whose split dim is twice the intermediate size: gate and up fused in one.
+
+    Concatenated ``[gate; up]`` (transformers' default, ``is_concatenated``; the module splits its
+    output with ``chunk(2)``): each tp rank must hold its slice of gate *and* of up, so the dim is
+    split as two halves (a strided shard). Interleaved (``is_concatenated=False``, gate and up
+    alternating): a plain split keeps pairs together when each rank's slice has whole pairs."""
+    sizes = {name: params[name].shape[d] for name, d in tp_dims.items()}
+    size = min(sizes.values())
+    fused = {name for name, s in sizes.items() if s == 2 * size}
+    if fused and not getattr(module, "is_concatenated", True) and (2 * size // tp) % 2:
+        raise ValueError(
+            f"{where}: the interleaved gate/up weights {sorted(fused)} ({2 * size} alternating gate "
+            f"and up columns) do not split over tp={tp} into whole gate/up pairs; use a tp that "
+            f"divides {size}"
+        )
+    return fused if getattr(module, "is_concatenated", True) else set()
+
+
+def _tp_placement(dim: int, fused: bool):
+    """``Shard(dim)``; a concatenated gate/up weight's dim as two halves, each split over tp."""
+    return compat.StridedShard(dim, split_factor=2) if fused else Shard(dim)

@@ -288,6 +288,19 @@ def test_ep_times_expert_tensor_parallel(dist4):
     assert set(collectives["forward"]["all_to_all"]) == {"ep"}
 
 
+def test_hf_mixtral_fused_gate_up_under_expert_tensor_parallel(dist4):
+    """transformers' Mixtral keeps gate and up in one weight, ``gate_up_proj`` [E, 2I, H], whose
+    forward splits with ``chunk(2)``: ep=2 x tp=2 splits it as two halves (each tp rank holds its
+    columns of gate and of up, a strided shard) and ``down_proj`` [E, H, I] by its input dim."""
+    style = hp.ExpertTensorParallel(shard_dims={"gate_up_proj": 1, "down_proj": 2})
+    plan = {"expert_parallel": {"model.layers.*.mlp.experts": style}}
+    results = dist4.run(run_parity, "hf:MixtralForCausalLM", plan, (2, 2), ("ep", "tp"),
+                        model_overrides=HF_MOE, ignore_fraction=0.3)
+    collectives = results[0]["summary"]["collectives"]
+    assert set(collectives["forward"]["all_to_all"]) == {"ep"}
+    assert "tp" in collectives["forward"]["all_reduce"]  # the experts' partial outputs
+
+
 def test_expert_weight_tensor_parallel_without_ep(dist2):
     """The reference's TensorParallel on expert weights (hp.ExpertWeightTensorParallel): every rank
     keeps all experts, split over tp; no all-to-all at all."""

@@ -6,7 +6,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import hyper_parallel as hp
-from hyper_parallel.layout import Layout
+from hyper_parallel import compat
+from hyper_parallel.layout import Layout, format_placements
 from hyper_parallel.models.moe import MoEConfig, MoEForCausalLM
 from hyper_parallel.plan import ParallelPlan, merge_plans, resolve_plan
 from hyper_parallel.plan.resolver import check_mesh_axes_used
@@ -130,18 +131,33 @@ def test_expert_tensor_parallel_splits_each_expert():
                                   ).expert_parallel[EXPERTS] == hp.ExpertTensorParallel(tp_axis="etp")
 
 
-def test_expert_tensor_parallel_refuses_a_fused_gate_up_weight():
-    """HF keeps gate and up in one [E, 2I, H] weight: a contiguous split over tp would hand one
-    rank all of gate and the other all of up, a silently wrong result; it is refused instead."""
+def test_expert_tensor_parallel_splits_a_fused_gate_up_weight_as_two_halves():
+    """HF keeps gate and up in one [E, 2I, H] weight that its forward splits with chunk(2): a
+    contiguous split over tp would hand one rank all of gate and the other all of up (a silently
+    wrong result), so the dim is split as two halves, each over tp (a strided shard). Interleaved
+    gate/up (``is_concatenated=False``) is split plainly, in whole pairs; other size ratios are refused."""
     from hyper_parallel.models.hf_zoo import tiny_hf_model
 
     model = tiny_hf_model("MixtralForCausalLM")
-    plan = ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel(shard_dims={"gate_up_proj": 1, "down_proj": 2})})
-    with pytest.raises(ValueError, match=r"must all be the expert's intermediate size .* sizes \{'down_proj': 64, "
-                                         r"'gate_up_proj': 128\}; a fused gate/up weight"):
-        resolve_plan(plan, model, Layout((2, 2), ("ep", "tp")))
+    mesh = Layout((2, 2), ("ep", "tp"))
+    style = hp.ExpertTensorParallel(shard_dims={"gate_up_proj": 1, "down_proj": 2})
+    region = resolve_plan(ParallelPlan(expert_parallel={EXPERTS: style}), model, mesh).experts["model.layers.0.mlp.experts"]
+    assert format_placements(region.weight_placements("gate_up_proj")) == format_placements(
+        (Shard(0), compat.StridedShard(1, split_factor=2)))
+    assert region.weight_placements("down_proj") == (Shard(0), Shard(2))
+    experts = model.model.layers[0].mlp.experts
+    experts.is_concatenated = False
+    try:
+        region = resolve_plan(ParallelPlan(expert_parallel={EXPERTS: style}), model, mesh).experts["model.layers.0.mlp.experts"]
+        assert region.weight_placements("gate_up_proj") == (Shard(0), Shard(1))
+    finally:
+        experts.is_concatenated = True
+    # gate_proj's dim 1 is the hidden size (64), four times the intermediate size (16).
+    bad = hp.ExpertTensorParallel(shard_dims={"gate_proj": 1, "up_proj": 2, "down_proj": 1})
+    with pytest.raises(ValueError, match=r"must all be the expert's intermediate size, or twice it .* check shard_dims"):
+        resolve_plan(ParallelPlan(expert_parallel={EXPERTS: bad}), _moe(moe_intermediate_size=16), mesh)
     with pytest.raises(TypeError, match=r"needs to know which dim of each stacked weight .* pass shard_dims="):
-        resolve_plan(ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel()}), model, Layout((2, 2), ("ep", "tp")))
+        resolve_plan(ParallelPlan(expert_parallel={EXPERTS: hp.ExpertTensorParallel()}), model, mesh)
 
 
 def test_expert_tensor_parallel_refuses_a_weight_left_whole():
