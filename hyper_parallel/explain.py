@@ -282,8 +282,13 @@ def _flattened_axis_labels(mesh) -> dict[str, str]:
     from . import compat
 
     labels = {}
+    by_ranks: dict[tuple, str] = {}
     for alias, flat in compat.flattened_meshes(mesh).items():
-        labels[flat.get_group(0).group_name] = flat.mesh_dim_names[0] if flat.mesh_dim_names else alias
+        name = flat.mesh_dim_names[0] if flat.mesh_dim_names else alias
+        # Aliases over the same ranks (``loss`` is ``dp`` without cp) share the first one's label:
+        # DTensor may run a multi-axis collective (dense FSDP over dp_shard x ep) on either group.
+        ranks = tuple(flat.mesh.flatten().tolist())
+        labels[flat.get_group(0).group_name] = by_ranks.setdefault(ranks, name)
     return labels
 
 

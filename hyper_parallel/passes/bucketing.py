@@ -16,7 +16,10 @@ backward computes them, per reduce op, group and dtype) share one all-reduce of 
 ``ctx.gradient_bucket_bytes`` (25 MB by default, as DDP; the first bucket at most
 ``ctx.first_gradient_bucket_bytes``, 1 MiB, so the first reduction starts early), issued right
 after the last gradient of the bucket is computed and reduced in place on the packed buffer. A
-gradient alone in its bucket keeps its own all-reduce, moved right after the gradient.
+gradient alone in its bucket keeps its own all-reduce, moved right after the gradient. Before a
+reduction is fused, the local re-layout lowering put between a gradient and its collective (a
+dim-1 shard's split and cat, an uneven shard's padding), emitted at the graph's output, is moved
+next to the gradient, so the fused reduction is not held until the end of backward.
 
 A fused collective reads every member's input and feeds every member's users, so fusing is only
 sound when no member's input depends (through any path, fused collectives of this pass included) on

@@ -353,7 +353,8 @@ def test_fsdp_reduce_scatters_overlap_backward_in_the_simulated_step(tmp_path):
 
 def test_mixtral_expert_parallel_memory_and_all_to_all_match_analytic():
     """Mixtral 8x7B shape, one layer, dp_shard=2 x ep=4: each rank keeps 8/4 experts, FSDP-sharded
-    over dp_shard (1 expert's worth of fp32 masters), dense weights FSDP-sharded over dp_shard;
+    over dp_shard (1 expert's worth of fp32 masters), dense weights FSDP-sharded over all eight
+    data-parallel ranks (dp_shard x ep);
     per MoE layer forward exchanges the rows per expert (int64) and dispatches and combines
     T * top-k rows of hidden size in bf16, backward runs the two transposes."""
     h, ffn, vocab, heads, kv, experts, top_k = 4096, 14336, 32000, 32, 8, 8, 2
@@ -364,7 +365,7 @@ def test_mixtral_expert_parallel_memory_and_all_to_all_match_analytic():
     dense = (2 * h + heads * hd * h + 2 * kv * hd * h + h * heads * hd + experts * h  # norms, q, k, v, o, router
              + 2 * vocab * h + h)  # embedding, lm_head, final norm
     expert_elems = 3 * experts * h * ffn
-    assert report["memory"]["params"] == (dense // shard + expert_elems // (ep * shard)) * FP32
+    assert report["memory"]["params"] == (dense // (shard * ep) + expert_elems // (ep * shard)) * FP32
     rows = batch * seq * top_k
     fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
     assert fwd["all_to_all"] == {"ep": {"count": 3, "bytes": experts * 8 + 2 * rows * h * BF16}}
