@@ -199,6 +199,20 @@ def _reduce_before_expand(op, args_schema: tuple, kwargs_schema: dict):
     return output, [reduced]
 
 
+def propagate_token_mean(op, args_schema: tuple, kwargs_schema: dict):
+    """The division ``sum / count`` of a token-mean loss (``hp_loss_mean``, loss_reduction.py) with
+    partial-sum inputs reduces *both* first. DTensor's rule reduces only the count and leaves the
+    quotient partial, so the loss then needs a second all-reduce that waits for the first; reduced
+    together, the two scalars are independent (fuse_small_reductions packs them into one
+    collective) and the division is one device's ``sum / count``, not a sum of per-rank quotients."""
+    reduced = tuple(
+        _spec(a, tuple(Replicate() if p.is_partial() else p for p in a.placements))
+        if isinstance(a, compat.DTensorSpec) else a for a in args_schema
+    )
+    output, _ = propagate_op(op, reduced, kwargs_schema)
+    return output, [a for a in reduced if isinstance(a, compat.DTensorSpec)]
+
+
 def _select_with_tensor_kwargs(propagator, schema):
     # DTensor's suggested schema (and its dispatch) redistribute positional tensors only, so an op
     # with a tensor keyword argument (SDPA's attn_mask) would run with that tensor unsharded. Pick

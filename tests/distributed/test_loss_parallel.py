@@ -293,8 +293,10 @@ def mixed_precision_fsdp_tp(steps: int = 2) -> dict:
 def test_bf16_fsdp_tp_parity_padded_labels(dist4):
     result = dist4.run(mixed_precision_fsdp_tp)[0]
     # The loss path reads the vocab-sharded logits: no gather; per-token max and exp-sum in fp32
-    # (the loss computes in fp32), the loss's partial sum reduced over tp and then dp.
-    assert [c for c in result["loss_path"] if c[0] != "all_reduce"] == [], result["loss_path"]
+    # (the loss computes in fp32), the loss's partial sum reduced over tp, then the sum and the
+    # token count together over dp (one packed all_reduce_ of 2 values).
+    assert [c for c in result["loss_path"] if c[0] not in ("all_reduce", "all_reduce_")] == [], result["loss_path"]
+    assert ("all_reduce_", "", 2, "torch.float32") in result["loss_path"], result["loss_path"]
     assert all(numel <= 2 * 15 for _, _, numel, _ in result["loss_path"]), result["loss_path"]
     # No tp all-gather at all: the returned logits stay vocab-sharded, in bf16, this dp rank's rows.
     assert not _counts(result["summary"], "forward", "all_gather", "tp"), result["summary"]

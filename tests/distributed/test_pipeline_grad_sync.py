@@ -24,15 +24,16 @@ _REDUCTIONS = (_c10d.all_reduce.default, _c10d.all_reduce_.default, _c10d.reduce
 
 
 class CountGradientReductions(TorchDispatchMode):
-    """Bytes the all-reduces and reduce-scatters that run move (their inputs), scalars excepted
-    (the loss's sum and token count are all-reduced once per micro-batch by design)."""
+    """Bytes the all-reduces and reduce-scatters that run move (their inputs), except the loss's
+    sum and token count (all-reduced once per micro-batch by design, as two scalars or packed in
+    one [2] buffer; no gradient of these models has fewer than 64 elements)."""
 
     def __init__(self):
         super().__init__()
         self.bytes = self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in _REDUCTIONS and args[0].dim() > 0:
+        if func in _REDUCTIONS and args[0].numel() > 2:
             self.bytes += args[0].numel() * args[0].element_size()
             self.count += 1
         return func(*args, **(kwargs or {}))

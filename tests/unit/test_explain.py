@@ -69,10 +69,9 @@ def test_fsdp_64_ranks_memory_and_collectives_match_analytic():
     # One fused reduce-scatter per unit in fp32 (reduce_dtype): its input is the whole padded
     # unit (n shards); each rank keeps 1/n of it.
     assert bwd["reduce_scatter"]["dp_shard"] == {"count": L + 1, "bytes": n * sum(shard.values()) * FP32}
-    # The global loss and token count: one scalar all-reduce each way; nothing else.
-    # The loss: the global token count and the summed loss, each a scalar (the count is reused by
-    # backward), so the mean is over the global batch's tokens.
-    assert fwd["all_reduce"] == {"dp_shard": {"count": 2, "bytes": 8}}
+    # The loss: the summed loss and the global token count (reused by backward), two scalars
+    # packed in one all-reduce, so the mean is over the global batch's tokens; nothing else.
+    assert fwd["all_reduce"] == {"dp_shard": {"count": 1, "bytes": 8}}
     assert set(fwd) == {"all_gather", "all_reduce"} and set(bwd) == {"all_gather", "reduce_scatter"}
 
     assert report["device"]["memory_bytes"] > 0
