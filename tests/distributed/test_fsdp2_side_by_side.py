@@ -4,14 +4,15 @@ Both shard the example Llama with the same units (each ``model.layers[i]``, then
 from the same weights (same seed), get the same per-rank local batches and take 5 SGD steps
 (lr 0.1). FSDP2 runs eagerly on gloo/CPU; hyper_parallel runs its compiled program.
 
-Expected: **bitwise** equal fp32 losses, gradients and parameters, at 2 and 4 ranks. Why it holds:
-
+Expected: **bitwise** equal fp32 gradients and parameters, at 2 and 4 ranks, and losses equal to
+the last bits. Why it holds:
 * Forward: both all-gather the same shards (exact) and run the same aten kernels on the same local
-  batch, so every rank's local loss (cross-entropy mean over its own tokens) is the same bits.
+  batch, so every rank computes the same bits up to its loss.
 * Loss: FSDP2's loss is the rank's local mean; its global loss is ``all_reduce(sum) / world``.
-  hyper_parallel's loss is the mean over ranks lowered as a pre-divided sum
-  (``all_reduce(local_mean / world, "sum")``). Dividing by a power of two is exact in floating
-  point, so both are the same sum of the same values in gloo's order: identical bits.
+  hyper_parallel's loss is one device's ``sum / count``: the ranks' summed losses and token counts
+  all-reduced together, then divided. With equal token counts both are the global mean, rounded at
+  different points (a mean of means against a sum divided once): equal to ``rtol=1e-6``, not
+  bitwise. The loss value feeds no gradient, so this does not reach the gradients.
 * Gradients: FSDP2 (fp32, no divide factor set) reduce-scatters the local-mean gradients with
   ``ReduceOp.AVG`` (``_get_gradient_divide_factors``), i.e. ``sum(g_r) / world``. hyper_parallel's
   ``nll_loss_backward`` uses the *global* token count, so each rank's gradient is ``g_r / world``
@@ -20,8 +21,7 @@ Expected: **bitwise** equal fp32 losses, gradients and parameters, at 2 and 4 ra
   ``i`` of every parameter of the unit), so gloo adds the same values in the same order.
 
 This exactness is a property of power-of-two data-parallel degrees: at 3 ranks (a model whose dims
-divide by 3) the losses of the first steps still match bitwise, but gradients differ in the last
-bit (max |diff| ~5e-8), because ``1 / (3 n)`` is not ``(1 / n) / 3`` in floating point and
+divide by 3) gradients differ in the last bit (max |diff| ~5e-8), because ``1 / (3 n)`` is not ``(1 / n) / 3`` in floating point and
 ``sum(g / 3)`` is not ``sum(g) / 3``. Such runs are equal only to ``assert_close`` defaults.
 """
 
@@ -109,8 +109,9 @@ def _check(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         assert r["placements"] == r["fsdp2_placements"], f"rank {rank}: parameter placements differ"
         for step, s in enumerate(r["steps"]):
-            # Exact float comparison on purpose: see the module docstring for why these are the same bits.
-            assert s["hp"] == s["fsdp2"], f"rank {rank} step {step}: loss hp {s['hp']!r} != FSDP2 {s['fsdp2']!r}"
+            # The loss to its last bits (module docstring); gradients exactly, on purpose.
+            assert abs(s["hp"] - s["fsdp2"]) <= 1e-6 * abs(s["fsdp2"]), \
+                f"rank {rank} step {step}: loss hp {s['hp']!r} != FSDP2 {s['fsdp2']!r}"
             assert not s["grad_diffs"], f"rank {rank} step {step}: gradients differ bitwise: {s['grad_diffs']}"
         assert not r["param_diffs"], f"rank {rank}: parameters after {STEPS} steps differ: {r['param_diffs']}"
     # Every rank reports the same global losses.

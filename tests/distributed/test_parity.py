@@ -20,8 +20,8 @@ def test_data_parallel_2_ranks(dist2, model):
     # All gradients fit one 25 MB bucket: one all-reduce.
     assert _counts(summary, "backward", "all_reduce", "dp") == 1
     # Forward: the global loss; cross-entropy's mean also needs the global count of non-ignored
-    # tokens (one scalar, reduced in forward and reused by backward).
-    assert _counts(summary, "forward", "all_reduce", "dp") == 1 + (model == "llama")
+    # tokens (reduced in forward and reused by backward), packed with the summed loss in one.
+    assert _counts(summary, "forward", "all_reduce", "dp") == 1
 
 
 @pytest.mark.parametrize("plan", ["dp", "fsdp"])
