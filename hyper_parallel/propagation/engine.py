@@ -48,7 +48,7 @@ from ..layout import format_placements
 from ..moe.propagation import expert_op_layout
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from .accumulation import GRAD_ACCUM
-from .rules import NoShardingRule, propagate_op, propagate_token_mean
+from .rules import NoShardingRule, has_partial, propagate_op, propagate_token_mean
 from .unshard import GATHERED, PREGATHERED
 
 log = logging.getLogger(__name__)
@@ -303,7 +303,7 @@ class _Propagator:
         args_schema, kwargs_schema = pytree.tree_unflatten(flat_specs, tree)
         current = tuple(self.spec_of(a) for a in tensor_nodes)
         try:
-            if node.meta.get(meta.LOSS_MEAN) and any(_has_partial(s) for s in current):
+            if node.meta.get(meta.LOSS_MEAN) and any(has_partial(s) for s in current):
                 output_spec, suggested = propagate_token_mean(node.target, args_schema, kwargs_schema)
             else:
                 output_spec, suggested = propagate_op(node.target, args_schema, kwargs_schema)
@@ -447,10 +447,6 @@ def _with_meta(spec, node, mesh):
             for s, v in zip(spec, val)
         )
     return spec
-
-
-def _has_partial(spec) -> bool:
-    return isinstance(spec, compat.DTensorSpec) and any(p.is_partial() for p in spec.placements)
 
 
 def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:

@@ -149,7 +149,7 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     or None when the arguments can stay as they are.
     """
     register_own_rules()
-    if op is aten.expand.default and args_schema and _has_partial(args_schema[0]):
+    if op is aten.expand.default and args_schema and has_partial(args_schema[0]):
         return _reduce_before_expand(op, args_schema, kwargs_schema)
     if op in _VOCAB_PARALLEL_RULES and not kwargs_schema and len(args_schema) == _ARITY[op]:
         decided = _VOCAB_PARALLEL_RULES[op](args_schema)
@@ -184,7 +184,7 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     return sharding.output_spec, wanted
 
 
-def _has_partial(spec) -> bool:
+def has_partial(spec) -> bool:
     return isinstance(spec, compat.DTensorSpec) and any(p.is_partial() for p in spec.placements)
 
 
