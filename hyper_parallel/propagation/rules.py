@@ -185,6 +185,7 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
 
 
 def has_partial(spec) -> bool:
+    """Whether ``spec`` (a DTensorSpec; anything else is not) is a partial result on some axis."""
     return isinstance(spec, compat.DTensorSpec) and any(p.is_partial() for p in spec.placements)
 
 

@@ -169,6 +169,31 @@ def test_ep_times_fsdp_parity(dist4):
     assert stored["model.layers.0.mlp.experts.gate_proj"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))", (1, 64, 32))
 
 
+def _ep_fsdp_gradient_accumulation(micro_steps: int = 2) -> None:
+    """Micro-steps without gradient sync, then one with it, against one device on the whole batch:
+    a kept dense gradient is a partial sum over ep as well as dp_shard, an expert gradient only
+    over dp_shard (each ep rank holds its own experts' whole gradient)."""
+    import copy
+
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    # Without the load-balancing loss: its batch statistics do not add up over micro-steps.
+    reference = build_model("moe", num_hidden_layers=2, router_aux_loss_coef=0.0)
+    model = hp.parallelize(copy.deepcopy(reference), EP_FSDP, mesh)
+    full = global_batch("moe", 4 * micro_steps, 16)
+    reference(**full)["loss"].backward()
+    for i in range(micro_steps):
+        model.set_requires_gradient_sync(i == micro_steps - 1)
+        batch = {k: v[i::micro_steps] for k, v in full.items()}
+        (model(**local_batch(batch, mesh))["loss"] / micro_steps).backward()
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_ep_times_fsdp_gradient_accumulation(dist4):
+    dist4.run(_ep_fsdp_gradient_accumulation)
+
+
 def _ep_fsdp_bf16(steps: int = 2) -> dict:
     """bf16 compute / fp32 reduce (FSDP2's MixedPrecisionPolicy) against one device computing in
     bf16 from the same fp32 master weights; also where the reduce-scatters sit in backward."""
