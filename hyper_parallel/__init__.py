@@ -14,6 +14,7 @@ from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPol
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
+from .cp import AsyncContextParallel, ContextParallel
 from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 from .parallel_dims import ParallelDims
 from .pipeline import (
@@ -42,6 +43,8 @@ from .styles import (
 
 __all__ = [
     "CheckpointError",
+    "AsyncContextParallel",
+    "ContextParallel",
     "ExpertParallel",
     "ExpertTensorParallel",
     "ExpertWeightTensorParallel",

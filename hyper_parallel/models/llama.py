@@ -240,6 +240,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
+        self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
         self.num_kv_groups = config.num_attention_heads // config.num_key_value_heads
         kv_size = config.num_key_value_heads * config.head_dim
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * config.head_dim, bias=False)
@@ -332,11 +333,13 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
     count instead, e.g. the tokens of every micro-batch of a gradient-accumulation step, so the
     micro-steps' losses add up to the mean over the whole step's tokens.
     """
-    shift_logits = logits[:, :-1, :]
-    if shift_logits.dtype != torch.float32:
-        shift_logits = shift_logits.float()
-    shift_labels = labels[:, 1:]
-    flat_logits, flat_labels = shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    # The labels move one left (the last position gets -100, ignored), not the logits: slicing the
+    # logits on the sequence dim would gather them whole when the sequence is sharded (context
+    # parallelism); the labels are a small integer tensor.
+    shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+    flat_logits, flat_labels = logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1)
     if num_items_in_batch is None:
         return F.cross_entropy(flat_logits, flat_labels, reduction="mean")
     return F.cross_entropy(flat_logits, flat_labels, reduction="sum") / num_items_in_batch

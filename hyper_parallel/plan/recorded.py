@@ -80,6 +80,7 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
         )
     inputs, outputs = _merged_layouts("inputs", a.inputs, b.inputs), _merged_layouts("outputs", a.outputs, b.outputs)
     expert_parallel = _merged_layouts("expert_parallel", a.expert_parallel, b.expert_parallel, "styles")
+    context_parallel = _merged_layouts("context_parallel", a.context_parallel, b.context_parallel, "styles")
     options = {}
     for name in ("fully_shard", "recompute", "swap", "pipeline"):
         value_a, value_b = getattr(a, name), getattr(b, name)
@@ -101,7 +102,7 @@ def merge_plans(a: Any, b: Any) -> ParallelPlan:
         tp_axis = a.tp_axis if a.tp_axis != "tp" else b.tp_axis
     return ParallelPlan(
         tensor_parallel=tensor_parallel, layouts=layouts, inputs=inputs, outputs=outputs, tp_axis=tp_axis,
-        expert_parallel=expert_parallel, **options,
+        expert_parallel=expert_parallel, context_parallel=context_parallel, **options,
     )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from hyper_parallel.layout import Placement, Replicate, Shard, format_placements, normalize_placements
 from hyper_parallel.mesh import is_data_parallel_axis
@@ -78,12 +78,19 @@ class ResolvedPlan:
     whole_outputs: bool = False
     # expert_parallel: experts module FQN -> moe.resolve.ExpertRegionPlan.
     experts: dict = field(default_factory=dict, hash=False)
+    # context_parallel: cp.resolve.ContextPlan, or None. Its axis shards inputs' sequence dim (1).
+    context: Any = field(default=None, hash=False)
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """Mesh axes the forward inputs' sequence dim (dim 1) is sharded over by default."""
+        return (self.context.axis,) if self.context is not None else ()
 
     def input_placements(self, name: str, ndim: int) -> tuple[Placement, ...]:
         """Placements of forward input ``name`` with ``ndim`` dims: the plan's override or the default."""
         override = self.inputs.get(name)
         if override is None:
-            return default_input_placements(self.mesh_dim_names, ndim, self.data_parallel_axes)
+            return default_input_placements(self.mesh_dim_names, ndim, self.data_parallel_axes, self.sequence_axes)
         return normalize_placements(override, ndim, f"inputs[{name!r}]")
 
     def output_override(self, name: str) -> dict[str, Placement]:
@@ -116,12 +123,19 @@ class ResolvedPlan:
 
 
 def default_input_placements(mesh_dim_names: Iterable[str], ndim: int,
-                             data_axes: Iterable[str] | None = None) -> tuple[Placement, ...]:
+                             data_axes: Iterable[str] | None = None,
+                             sequence_axes: Iterable[str] = ()) -> tuple[Placement, ...]:
     """Default layout of a forward input: Shard(0) on data-parallel axes (``data_axes``, by default
-    the ones named so), Replicate elsewhere; 0-d replicated."""
+    the ones named so), Shard(1) on context-parallel ``sequence_axes`` for inputs of two or more
+    dims ([batch, sequence, ...]), Replicate elsewhere; 0-d replicated."""
     data_axes = set(data_axes) if data_axes is not None else None
-    return tuple(
-        Shard(0) if ndim > 0 and (is_data_parallel_axis(axis) if data_axes is None else axis in data_axes)
-        else Replicate()
-        for axis in mesh_dim_names
-    )
+    sequence_axes = set(sequence_axes)
+
+    def placement(axis):
+        if ndim > 0 and (is_data_parallel_axis(axis) if data_axes is None else axis in data_axes):
+            return Shard(0)
+        if ndim > 1 and axis in sequence_axes:
+            return Shard(1)
+        return Replicate()
+
+    return tuple(placement(axis) for axis in mesh_dim_names)

@@ -40,6 +40,7 @@ from .match import (
     _no_match_error,
     match_module_fqns,
 )
+from ..cp.resolve import resolve_context_parallel
 from ..moe.resolve import resolve_expert_parallel
 from .resolved import ActivationConstraint, ModuleConstraints, ResolvedPlan
 from .values import ParallelPlan, _as_plan
@@ -239,6 +240,9 @@ class _Resolver:
                 self.set_param(_join_fqn(region.module_fqn, name), placements, region.source)
         return regions
 
+    def apply_context_parallel(self):
+        return resolve_context_parallel(self.plan.context_parallel, self.matched, self.modules, self.names, self.shape)
+
     def resolve_inputs(self) -> dict[str, tuple[Placement, ...]]:
         if not self.plan.inputs:
             return {}
@@ -321,6 +325,7 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
     resolver.apply_tensor_parallel(tp_axis)
     resolver.apply_layouts()
     experts = resolver.apply_expert_parallel()
+    context = resolver.apply_context_parallel()
     resolver.apply_ties()
     resolver.check_divisibility()
     inputs = resolver.resolve_inputs()
@@ -347,6 +352,7 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
         mesh_dim_names=resolver.names,
         mesh_shape=resolver.shape,
         experts=experts,
+        context=context,
     )
 
 
@@ -355,7 +361,7 @@ def check_mesh_axes_used(resolved: ResolvedPlan, plan: ParallelPlan) -> None:
     nothing uses would only repeat the same computation on each of its ranks (raises ValueError
     naming the axis and the entry that would use it). Run after FSDP resolution, whose own
     message about its axes is more precise."""
-    used = set(resolved.data_parallel_axes)
+    used = set(resolved.data_parallel_axes) | set(resolved.sequence_axes)
     names = resolved.mesh_dim_names
     placements = list(resolved.param_placements.values()) + list(resolved.inputs.values())
     used.update(a for ps in placements for a, p in zip(names, ps) if not isinstance(p, Replicate))
@@ -367,8 +373,8 @@ def check_mesh_axes_used(resolved: ResolvedPlan, plan: ParallelPlan) -> None:
         if axis in used or size == 1:
             continue
         if axis == "cp":
-            fix = ("context parallelism is not implemented yet: build the mesh without 'cp' "
-                   "(give its ranks to dp_shard)")
+            fix = ("add context_parallel={'model.layers.*.self_attn': hp.ContextParallel()} to shard "
+                   "the sequence over it, or give its ranks to dp_shard")
         elif axis == "ep" or any(style.axis == axis for style in plan.expert_parallel.values()):
             fix = ("add expert_parallel={'model.layers.*.mlp.experts': hp.ExpertParallel()} naming "
                    "the module that holds the stacked expert weights")

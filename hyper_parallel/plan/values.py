@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from hyper_parallel.layout import TensorLayout
+from hyper_parallel.cp.style import parse_context_style
 from hyper_parallel.moe.style import parse_expert_style
 from hyper_parallel.styles import ParallelStyle, parse_style
 
@@ -128,10 +129,12 @@ class ParallelPlan:
       this rank's part of the batch, as for inputs.
     * ``expert_parallel``: module-FQN glob of an experts module -> :class:`~hyper_parallel.moe.ExpertParallel`
       (its stacked weights spread over the expert axis, tokens dispatched by all-to-all).
+    * ``context_parallel``: module-FQN glob of an attention module -> :class:`~hyper_parallel.cp.ContextParallel`
+      (the sequence sharded over its axis, attention made exact around it).
     * ``fully_shard``, ``recompute``, ``swap``, ``pipeline``: options for later compiler stages,
       stored as given.
 
-    None for the five dicts is stored as an empty dict; style names are turned into style objects.
+    None for the six dicts is stored as an empty dict; style names are turned into style objects.
     """
 
     tensor_parallel: dict[str, ParallelStyle] | None = None
@@ -143,6 +146,7 @@ class ParallelPlan:
     swap: Any = None
     pipeline: Any = None
     expert_parallel: dict[str, Any] | None = None
+    context_parallel: dict[str, Any] | None = None
     tp_axis: str = "tp"
 
     def __post_init__(self) -> None:
@@ -167,6 +171,12 @@ class ParallelPlan:
             self,
             "expert_parallel",
             {k: parse_expert_style(v, f"expert_parallel[{k!r}]") for k, v in experts.items()},
+        )
+        context = self._checked_dict("context_parallel", self.context_parallel)
+        object.__setattr__(
+            self,
+            "context_parallel",
+            {k: parse_context_style(v, f"context_parallel[{k!r}]") for k, v in context.items()},
         )
         if not isinstance(self.tp_axis, str) or not self.tp_axis:
             raise TypeError(f"ParallelPlan(tp_axis=...) must be a mesh axis name, got {self.tp_axis!r}")

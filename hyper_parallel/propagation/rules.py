@@ -66,6 +66,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from ..compat import pytree
 from .. import compat
+from ..cp import attention as cp_attention
 from ..ir import meta
 from ..layout import format_placements
 
@@ -85,12 +86,15 @@ def _sdpa_cpu_strategy(op_schema, num_outputs: int, num_qkv_like: int):
     mask_shape = mask.shape if isinstance(mask, compat.OpStrategy) else None
 
     def row(p, dim):
+        # The sequence (dim 2): the mask is read whole, by whole sequences (cp/attention.py).
         mask_p = [] if mask_shape is None else [
-            p if dim is None or mask_shape[dim] > 1 else Replicate()
+            p if dim in (0, 1) and mask_shape[dim] > 1 else Replicate()
         ]
         return [p] * (num_outputs + num_qkv_like) + mask_p
 
-    strategies = [row(Replicate(), None), row(Shard(0), 0), row(Shard(1), 1)]  # batch, heads
+    # Batch, heads, and the sequence (context parallelism: no DTensor kernel, cp/attention.py
+    # computes it on the shards).
+    strategies = [row(Replicate(), None), row(Shard(0), 0), row(Shard(1), 1), row(Shard(2), 2)]
     return compat.expand_to_full_mesh_op_strategy(
         mesh, op_schema, strategies, input_index=num_outputs
     )
@@ -370,6 +374,9 @@ def local_kernel(op, args: tuple, layout):
     the op). ``args`` are the node's arguments, ``layout`` its ``NodeLayout``. The function takes
     the node's arguments as DTensors already in ``layout.inputs`` and returns DTensors in
     ``layout.output``."""
+    sequence_parallel = cp_attention.local_kernel(op, layout)
+    if sequence_parallel is not None:
+        return sequence_parallel
     if op not in _VOCAB_PARALLEL_RULES or not layout.inputs or len(args) != _ARITY[op]:
         return None
     found = _class_dim_of(op, args, layout.inputs)

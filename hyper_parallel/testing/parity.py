@@ -79,6 +79,7 @@ def build_plan(name: str):
         "ep_overlap": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertParallel(overlap=True)}},
         "ep_tp": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertTensorParallel()},
                           **_moe_attention_tp_plan()},
+        "cp": lambda: {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel()}},
         "expert_tp": lambda: {"expert_parallel": {"model.layers.*.mlp.experts": hp.ExpertWeightTensorParallel()},
                               **_moe_attention_tp_plan()},
     }[name]()
@@ -114,13 +115,19 @@ def micro_batch(batch: dict, mesh, m: int, num_microbatches: int) -> dict:
 
 def local_batch(batch: dict, mesh) -> dict:
     """This rank's slice: dim 0 split over the data-parallel axes (in mesh order; ``ep`` is one, as
-    under an expert-parallel plan), whole elsewhere."""
+    under an expert-parallel plan), dim 1 (the sequence) over a ``cp`` axis (context parallelism),
+    whole elsewhere."""
     dp_axes = _data_axes(mesh)
     degree = math.prod(mesh.size(i) for i in dp_axes) if dp_axes else 1
     index = 0
     for i in dp_axes:
         index = index * mesh.size(i) + mesh.get_local_rank(i)
-    return {k: v.chunk(degree, dim=0)[index] for k, v in batch.items()}
+    out = {k: v.chunk(degree, dim=0)[index] for k, v in batch.items()}
+    if "cp" in mesh.mesh_dim_names:
+        cp = mesh.mesh_dim_names.index("cp")
+        out = {k: v.chunk(mesh.size(cp), dim=1)[mesh.get_local_rank(cp)] if v.dim() > 1 else v
+               for k, v in out.items()}
+    return out
 
 
 def _loss(out) -> torch.Tensor:

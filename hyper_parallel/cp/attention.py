@@ -1,0 +1,119 @@
+"""Context-parallel attention: the sharding rule and local kernels for sequence-sharded SDPA.
+
+Under context parallelism every activation is sharded on its sequence dim over the ``cp`` axis;
+token-wise ops (embedding, norms, linear layers, the loss) need nothing new, but attention mixes
+tokens. Propagation gives the SDPA ops (``_scaled_dot_product_flash_attention_for_cpu`` and its
+backward, ``rules.py``) one more strategy: query, key, value, output and log-sum-exp all
+``Shard(2)`` (the sequence dim) on an axis. DTensor has no kernel for that layout, so lowering asks
+:func:`local_kernel`, which computes it on the shards:
+
+* all-to-all mode (DeepSpeed-Ulysses; ``hp.ContextParallel(mode="all_to_all")``): query, key and
+  value move from sequence- to head-sharded (one all-to-all each, traced as DTensor's ``Shard(2) ->
+  Shard(1)`` redistribution), the ordinary kernel runs on whole sequences of ``heads / cp`` heads,
+  and the output and log-sum-exp move back (``Shard(1) -> Shard(2)``). Backward does the same with
+  the gradient, saved inputs and outputs, and sends the three gradients back. Exact: every head
+  sees the whole sequence in order, so a causal mask means what it does on one device.
+
+The output keeps the memory layout the one-device kernel gives (``[B, S, H, D]`` order), because
+the captured graph views its transpose as ``[B, S, H * D]``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.distributed.tensor import Shard
+
+from .. import compat
+from ..ir import meta
+from ..layout import format_placements
+
+aten = torch.ops.aten
+
+SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+SEQ_DIM = 2  # of query / key / value / output [B, H, S, D] and log-sum-exp [B, H, S]
+HEAD_DIM = 1
+
+
+def sequence_axes(spec) -> tuple[int, ...]:
+    """Mesh axes that shard ``spec``'s sequence dim (plain ``Shard(2)``)."""
+    return tuple(
+        i for i, p in enumerate(spec.placements)
+        if isinstance(p, Shard) and not isinstance(p, compat.StridedShard) and p.dim == SEQ_DIM
+    )
+
+
+def local_kernel(op, layout):
+    """The all-to-all kernel for ``op`` when propagation chose sequence sharding, else None."""
+    if op not in (SDPA, SDPA_BACKWARD) or not layout.inputs:
+        return None
+    axes = sequence_axes(layout.inputs[0])
+    if not axes:
+        return None
+    kernel = _ulysses_forward if op is SDPA else _ulysses_backward
+    return functools.partial(kernel, axes)
+
+
+def _move(dt, axes, src_dim: int, dst_dim: int):
+    """DTensor ``dt`` (``[B, H, S, ...]``) from ``Shard(src_dim)`` to ``Shard(dst_dim)`` on the one
+    axis in ``axes``: one ``all_to_all_single`` of equal chunks, annotated as a redistribution so
+    dumps and summaries show it. (DTensor's own shard-to-shard redistribution on a CPU mesh
+    all-gathers the whole tensor and slices it: n times the bytes.)"""
+    (axis,) = axes
+    spec = compat.spec_of(dt)
+    n = spec.mesh.size(axis)
+    local = compat.local_of(dt)
+    target = tuple(Shard(dst_dim) if i == axis else p for i, p in enumerate(spec.placements))
+    dst = compat.DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
+    annotation = {meta.ROLE: meta.ROLE_REDISTRIBUTE,
+                  meta.REDISTRIBUTE: f"{format_placements(spec.placements)} -> {format_placements(target)}"}
+    with fx_traceback.annotate(annotation):
+        # The dim that becomes sharded, cut in n chunks: chunk j goes to rank j.
+        pieces = local.unflatten(dst_dim, (n, local.shape[dst_dim] // n)).movedim(dst_dim, 0).contiguous()
+        group = spec.mesh.get_group(axis).group_name
+        received = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_to_all_single(pieces, [1] * n, [1] * n, group))
+        # What rank i sent is its piece of the dim that becomes whole: the i-th along it.
+        whole = received.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
+    return compat.dtensor_from_spec(whole, dst)
+
+
+def _one_device_strides(dt):
+    """``dt`` ([B, H, S, D]) laid out in memory as ``[B, S, H, D]``, as the CPU kernel returns it."""
+    local = compat.local_of(dt)
+    if local.dim() == 4:
+        local = local.transpose(1, 2).contiguous().transpose(1, 2)
+    return compat.dtensor_from_spec(local, compat.spec_of(dt))
+
+
+def _check_heads(x, axes, what: str) -> None:
+    spec = compat.spec_of(x)
+    heads = spec.tensor_meta.shape[HEAD_DIM]
+    ranks = 1
+    for i in axes:
+        ranks *= spec.mesh.size(i)
+    if heads % ranks:
+        names = [spec.mesh.mesh_dim_names[i] for i in axes]
+        raise ValueError(
+            f"context parallelism in all-to-all mode splits the {what} heads over {names} "
+            f"({ranks} ranks), but there are {heads}: use a cp degree that divides the heads and "
+            "the key/value heads"
+        )
+
+
+def _ulysses_forward(axes, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    for x, what in ((query, "query"), (key, "key/value")):
+        _check_heads(x, axes, what)
+    q, k, v = (_move(x, axes, SEQ_DIM, HEAD_DIM) for x in (query, key, value))
+    out, lse = SDPA(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return _one_device_strides(_move(out, axes, HEAD_DIM, SEQ_DIM)), _move(lse, axes, HEAD_DIM, SEQ_DIM)
+
+
+def _ulysses_backward(axes, grad_out, query, key, value, out, lse, dropout_p, is_causal, *,
+                      attn_mask=None, scale=None):
+    moved = [_move(x, axes, SEQ_DIM, HEAD_DIM) for x in (grad_out, query, key, value, out, lse)]
+    grads = SDPA_BACKWARD(*moved, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    return tuple(_move(g, axes, HEAD_DIM, SEQ_DIM) for g in grads)

@@ -1,0 +1,82 @@
+"""Plan resolution of ``context_parallel`` entries: the sequence axis and the attention modules.
+
+Reads ``ParallelPlan.context_parallel`` (glob -> :class:`~hyper_parallel.cp.style.ContextParallel`),
+the model's modules and the mesh's axis names and sizes. Returns one :class:`ContextPlan` (or None
+without entries), which ``ResolvedPlan.sequence_axes`` and the default input layout read (inputs of
+two or more dims ``Shard(1)`` over the axis). Raises ``ValueError`` / ``TypeError`` naming the
+entry and module for: entries that disagree on axis or mode, an axis the mesh does not have, a
+mode that is not built yet, and (all-to-all mode) heads the axis does not divide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from torch import nn
+
+from .style import ContextParallel
+
+
+@dataclass(frozen=True)
+class ContextPlan:
+    axis: str
+    degree: int
+    mode: str
+    modules: tuple[str, ...]  # attention module FQNs the entries matched
+    source: str  # the first entry, for messages
+
+
+def _heads(module: nn.Module) -> dict[str, int]:
+    """The head counts an attention module declares (ours, HF's and torch's attribute names)."""
+    config = getattr(module, "config", None)
+    found = {}
+    for label, names in (("heads", ("num_heads", "num_attention_heads", "n_heads")),
+                         ("key/value heads", ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))):
+        for owner in (module, config):
+            value = next((getattr(owner, n) for n in names if isinstance(getattr(owner, n, None), int)), None)
+            if value is not None:
+                found[label] = value
+                break
+    return found
+
+
+def resolve_context_parallel(
+    entries: Mapping[str, ContextParallel], matched, modules: Mapping[str, nn.Module],
+    axis_names: tuple[str, ...], mesh_shape: tuple[int, ...],
+) -> ContextPlan | None:
+    """``matched(where, glob)`` gives the module FQNs a glob names (raising when none)."""
+    if not entries:
+        return None
+    first_glob, first = next(iter(entries.items()))
+    source = f"context_parallel[{first_glob!r}]"
+    fqns: list[str] = []
+    for glob, style in entries.items():
+        where = f"context_parallel[{glob!r}]"
+        if (style.axis, style.mode, type(style)) != (first.axis, first.mode, type(first)):
+            raise ValueError(
+                f"{where} ({style!r}) differs from {source} ({first!r}): one model shards its sequence "
+                "one way; give every entry the same style"
+            )
+        if style.mode == "ring" or style.asynchronous:
+            raise ValueError(
+                f"{where}: ring attention ({style!r}) is not built yet; use "
+                "hp.ContextParallel(mode='all_to_all') (heads and sequence swapped by all-to-all)"
+            )
+        if style.axis not in axis_names:
+            raise ValueError(
+                f"{where}: the sequence is sharded over mesh axis {style.axis!r}, which the mesh does "
+                f"not have (axes {list(axis_names)}); add it (e.g. hp.ParallelDims(cp=2)) or name "
+                "another with ContextParallel(axis=...)"
+            )
+        fqns.extend(f for f in matched("context_parallel", glob) if f not in fqns)
+    degree = mesh_shape[axis_names.index(first.axis)]
+    for fqn in fqns:
+        for label, count in _heads(modules[fqn]).items():
+            if count % degree:
+                raise ValueError(
+                    f"{source}: module {fqn!r} has {count} {label}, which {first.axis}={degree} does "
+                    "not divide; all-to-all context parallelism gives each rank heads / cp of them: "
+                    f"use a cp degree that divides {count}"
+                )
+    return ContextPlan(first.axis, degree, first.mode, tuple(fqns), source)

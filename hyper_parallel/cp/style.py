@@ -1,0 +1,82 @@
+"""``ContextParallel``: the plan entry that shards the sequence over a mesh axis.
+
+Reference names: HyperParallel's ``ContextParallel`` and ``AsyncContextParallel`` ParallelStyles.
+Written in a plan as ``ParallelPlan(context_parallel={"model.layers.*.self_attn":
+hp.ContextParallel(mode="all_to_all")})``: the entry names the attention modules, and its ``axis``
+(``"cp"``) shards every forward input with a sequence dim (``input_ids``, ``labels``, position ids:
+dim 1) over that axis, so each rank computes its slice of the tokens everywhere except inside
+attention, which ``cp/attention.py`` makes exact.
+
+Modes: ``"all_to_all"`` (DeepSpeed-Ulysses: heads and sequence swapped by all-to-all around each
+attention; ``cp`` must divide the heads and key/value heads). ``"ring"`` (K/V blocks passed around
+the ring, load-balanced for causal masks) and ``AsyncContextParallel`` are not built yet and are
+refused with a ``ValueError`` rather than run some other way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AsyncContextParallel", "ContextParallel", "parse_context_style"]
+
+MODES = ("all_to_all", "ring")
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Shard the sequence over ``axis`` (default ``"cp"``); attention in ``mode``.
+
+    ``load_balance`` (ring mode): the sequence in 2·cp chunks, rank r holding chunks r and
+    2·cp−1−r, so causal attention costs every rank the same."""
+
+    mode: str = "all_to_all"
+    load_balance: bool = True
+    axis: str = "cp"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"{type(self).__name__}(mode={self.mode!r}): mode is one of {list(MODES)}")
+        if not isinstance(self.axis, str) or not self.axis:
+            raise TypeError(f"{type(self).__name__}(axis=...) takes a mesh axis name, got {self.axis!r}")
+        if not isinstance(self.load_balance, bool):
+            raise TypeError(f"{type(self).__name__}(load_balance=...) is True or False, got {self.load_balance!r}")
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether the next K/V block's transfer overlaps the current block's attention."""
+        return False
+
+
+@dataclass(frozen=True)
+class AsyncContextParallel(ContextParallel):
+    """:class:`ContextParallel` with each ring step's K/V transfer issued before the current
+    block's attention and waited after it (reference: ``AsyncContextParallel``)."""
+
+    mode: str = "ring"
+
+    @property
+    def asynchronous(self) -> bool:
+        return True
+
+
+_STYLES = {
+    "context_parallel": ContextParallel, "ContextParallel": ContextParallel,
+    "async_context_parallel": AsyncContextParallel, "AsyncContextParallel": AsyncContextParallel,
+}
+
+
+def parse_context_style(spec: Any, where: str) -> ContextParallel:
+    """A context_parallel plan value: a style object, its name, or ``{"style": name, **fields}``."""
+    if isinstance(spec, ContextParallel):
+        return spec
+    if isinstance(spec, str) and spec in _STYLES:
+        return _STYLES[spec]()
+    if isinstance(spec, dict) and spec.get("style", "context_parallel") in _STYLES:
+        cls = _STYLES[spec.get("style", "context_parallel")]
+        fields = {k: v for k, v in spec.items() if k != "style"}
+        try:
+            return cls(**fields)
+        except TypeError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    raise TypeError(f"{where}: expected hp.ContextParallel() (or its name), got {spec!r}")
