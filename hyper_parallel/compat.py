@@ -301,3 +301,30 @@ def size_hint(size) -> int:
     if isinstance(size, torch.SymInt):
         return int(optimization_hint(size, fallback=0))
     return int(size)
+
+
+def eager_strided_shard_sizes() -> None:
+    """Compute ``_StridedShard``'s local sizes and offsets eagerly (idempotent).
+
+    DTensor derives them from ``torch.arange(size)`` split and read back with ``tolist()``: integers
+    in, integers out. Under lowering's ``make_fx`` over fake tensors every one of those ops is traced
+    and each element read back goes through the fake-tensor dispatcher, so a sequence-sharded model
+    (the flatten of ``[batch, sequence]`` gives a strided shard) took ~50 s to lower on a 2-D mesh
+    instead of ~2. With plain-int sizes the computation runs outside fake mode and tracing instead;
+    the result is the same integers."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    original = StridedShard.local_shard_size_and_offset
+    if getattr(original, "_hp_eager", False):
+        return
+
+    def local_shard_size_and_offset(self, curr_local_size, *args, **kwargs):
+        if type(curr_local_size) is int:
+            with unset_fake_temporarily(), disable_proxy_modes_tracing():
+                return original(self, curr_local_size, *args, **kwargs)
+        return original(self, curr_local_size, *args, **kwargs)
+
+    local_shard_size_and_offset._hp_eager = True
+    local_shard_size_and_offset.__doc__ = original.__doc__
+    StridedShard.local_shard_size_and_offset = local_shard_size_and_offset

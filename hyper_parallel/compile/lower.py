@@ -248,6 +248,7 @@ def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, 
 
 def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
     """Build the local joint graph of this rank (see module docstring)."""
+    compat.eager_strided_shard_sizes()  # a strided shard's sizes are integers: not traced
     # A shape environment lets data-dependent sizes (an expert region's received rows) be traced as
     # unbacked symbols; every other size stays a plain int.
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True, shape_env=compat.ShapeEnv())

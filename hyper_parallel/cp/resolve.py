@@ -28,17 +28,16 @@ class ContextPlan:
 
 
 def _heads(module: nn.Module) -> dict[str, int]:
-    """The head counts an attention module declares (ours, HF's and torch's attribute names)."""
+    """The attention heads a module declares (ours, HF's and torch's attribute names). Key/value
+    heads are checked where they reach attention (cp/attention.py): models that repeat them to
+    the query heads first (grouped-query attention in eager form) need no more than the heads."""
     config = getattr(module, "config", None)
-    found = {}
-    for label, names in (("heads", ("num_heads", "num_attention_heads", "n_heads")),
-                         ("key/value heads", ("num_key_value_heads", "num_kv_heads", "n_kv_heads"))):
-        for owner in (module, config):
-            value = next((getattr(owner, n) for n in names if isinstance(getattr(owner, n, None), int)), None)
-            if value is not None:
-                found[label] = value
-                break
-    return found
+    names = ("num_heads", "num_attention_heads", "n_heads")
+    for owner in (module, config):
+        value = next((getattr(owner, n) for n in names if isinstance(getattr(owner, n, None), int)), None)
+        if value is not None:
+            return {"heads": value}
+    return {}
 
 
 def resolve_context_parallel(

@@ -108,10 +108,11 @@ class FsdpPlan:
     units: tuple[FsdpUnit, ...]
     unit_of: dict[str, str] = dataclasses.field(hash=False)  # parameter FQN -> unit module FQN
     compute_placements: dict[str, tuple] = dataclasses.field(hash=False)
-    # Expert-parallel axes FSDP also shards over: they are data-parallel for every parameter the
-    # experts do not split, so a dense parameter is stored sharded over shard_axis x these (as
-    # torchtitan shards dense weights over dp_shard x ep), an expert weight over shard_axis only.
-    expert_axes: tuple[str, ...] = ()
+    # Expert- and context-parallel axes FSDP also shards over: their ranks take other tokens, so
+    # they are data-parallel for every parameter not split over them. A dense parameter is stored
+    # sharded over shard_axis x these (torchtitan's dense FSDP over dp_shard x ep, and its
+    # dp_shard_cp), an expert weight over shard_axis only.
+    extra_shard_axes: tuple[str, ...] = ()
     comm_fusion: bool = True
     mixed_precision: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
@@ -138,7 +139,7 @@ class FsdpPlan:
     def data_axes(self) -> tuple[str, ...]:
         """Every axis whose ranks take different batch rows for FSDP parameters: a gradient is a
         partial sum over each of these where its parameter is computed replicated."""
-        return tuple(a for a in (self.replicate_axis, self.shard_axis, *self.expert_axes) if a is not None)
+        return tuple(a for a in (self.replicate_axis, self.shard_axis, *self.extra_shard_axes) if a is not None)
 
     def unit(self, module_fqn: str) -> FsdpUnit:
         return next(u for u in self.units if u.module_fqn == module_fqn)

@@ -4,10 +4,11 @@
 on each layer then on the root) say which modules are FSDP units. ``resolve_fully_shard`` turns that
 into what the compiler reads: every parameter of a unit is *stored* sharded on dim 0 over the shard
 axis (and replicated over the HSDP replicate axis), while it is *computed with* in its plain layout
-(the tensor-parallel layout, Replicate over the data-parallel axes). With expert parallelism the
-expert axis is data-parallel for everything but the experts, so dense parameters are stored sharded
-over shard axis x expert axis (torchtitan's dense FSDP over dp_shard x ep) and expert weights, which
-already differ per expert rank, over the shard axis only. Propagation inserts the
+(the tensor-parallel layout, Replicate over the data-parallel axes). Expert- and context-parallel
+axes take other tokens, so they are data-parallel for every parameter not split over them: dense
+parameters are stored sharded over shard axis x those axes (torchtitan's dense FSDP over dp_shard x
+ep, and dp_shard x cp) and expert weights, which already differ per expert rank, over the shard
+axis only. Propagation inserts the
 storage → compute redistribution (the all-gather) before first use and sends each gradient back to
 the storage layout (the reduce-scatter, plus the all-reduce over the replicate axis for HSDP); the
 fsdp passes (reshard after forward, bucketing) schedule and fuse those collectives.
@@ -65,16 +66,16 @@ def _fsdp_axes(spec: FullyShard, names: tuple[str, ...]) -> tuple[str | None, st
     )
 
 
-def _expert_axes(spec: FullyShard, resolved: ResolvedPlan, shard_axis: str, replicate_axis) -> tuple[str, ...]:
-    """The expert-parallel axes FSDP shards dense parameters over too: every ``expert_parallel``
-    axis, unless the entry names its axes itself (``mesh_axes``), which is then taken literally."""
+def _extra_shard_axes(spec: FullyShard, resolved: ResolvedPlan, shard_axis: str, replicate_axis) -> tuple[str, ...]:
+    """The expert- and context-parallel axes FSDP shards parameters over too (every
+    ``expert_parallel`` axis and the ``context_parallel`` sequence axis), unless the entry names
+    its axes itself (``mesh_axes``), which is then taken literally."""
     if spec.mesh_axes is not None:
         return ()
-    axes = {r.axis for r in resolved.experts.values() if r.axis is not None}
-    names = tuple(resolved.mesh_dim_names)
+    axes = {r.axis for r in resolved.experts.values() if r.axis is not None} | set(resolved.sequence_axes)
     return tuple(
-        a for a in names
-        if a in axes and a in resolved.data_parallel_axes and a not in (shard_axis, replicate_axis)
+        a for a in resolved.mesh_dim_names
+        if a in axes and a not in (shard_axis, replicate_axis)
     )
 
 
@@ -128,7 +129,7 @@ def _assign_units(spec: FullyShard, model: nn.Module) -> dict[str, str]:
 def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn: str, shape) -> tuple:
     """``compute`` with every FSDP axis in ``fsdp_axes`` (mesh indices, outermost first) that
     ``fqn`` is computed replicated over turned into a dim-0 shard. The first must be replicated (it
-    is the unit's shard axis); the others are expert-parallel axes, skipped where the parameter is
+    is the unit's shard axis); the others are expert- or context-parallel axes, skipped where the parameter is
     an expert weight (computed sharded over them). Several FSDP axes shard dim 0 in mesh order, so
     together they are one shard over the flattened ranks."""
     placements = list(compute)
@@ -217,8 +218,8 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
     default_reshard = _reshard_value(spec.reshard_after_forward, None, shard_axis, shard_size)
     owner = _assign_units(spec, model)
     params = dict(model.named_parameters(remove_duplicate=False))
-    expert_axes = _expert_axes(spec, resolved, shard_axis, replicate_axis)
-    fsdp_axes = [names.index(shard_axis)] + sorted(names.index(a) for a in expert_axes)
+    extra_axes = _extra_shard_axes(spec, resolved, shard_axis, replicate_axis)
+    fsdp_axes = [names.index(shard_axis)] + sorted(names.index(a) for a in extra_axes)
     storage = dict(resolved.param_placements)
     compute = {}
     for fqn, unit in owner.items():
@@ -241,7 +242,7 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
         units=tuple(units),
         unit_of=owner,
         compute_placements=compute,
-        expert_axes=expert_axes,
+        extra_shard_axes=extra_axes,
         comm_fusion=spec.comm_fusion,
         mixed_precision=spec.mixed_precision,
         offload_policy=spec.offload_policy,
