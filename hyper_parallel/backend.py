@@ -137,6 +137,12 @@ def _check_options(options, mode) -> tuple[Any, Any, dict]:
             f"expert_parallel is not supported through the {BACKEND_NAME} backend yet: parallelize the "
             "mixture-of-experts model with pmodel = hp.parallelize(model, plan, mesh) and call it eagerly"
         )
+    context = plan.get("context_parallel") if isinstance(plan, dict) else getattr(plan, "context_parallel", None)
+    if context:
+        raise BackendValueError(
+            f"context_parallel is not supported through the {BACKEND_NAME} backend yet: parallelize the "
+            "model with pmodel = hp.parallelize(model, plan, mesh) and call it eagerly"
+        )
     mesh = options["mesh"]
     if not isinstance(mesh, DeviceMesh):
         raise BackendTypeError(

@@ -61,8 +61,8 @@ class ExpertTensorParallel(ExpertParallel):
 
     ``shard_dims`` maps each stacked weight to the dim holding the expert's intermediate size (the
     one split over ``tp_axis``); by default the experts module's ``expert_tensor_parallel_dims``
-    attribute (``models.moe.MoEExperts`` has one). Every split dim must have the same size, which
-    also rejects a fused gate/up weight whose contiguous halves would separate gate from up."""
+    attribute (``models.moe.MoEExperts`` has one). Every split dim has the intermediate size, or
+    twice it for a fused gate/up weight, which is split as two halves (moe/resolve.py)."""
 
     tp_axis: str = "tp"
     shard_dims: tuple | None = None  # ((weight name, dim), ...); a dict is accepted

@@ -219,6 +219,8 @@ def test_graph_breaks_instances_and_optimizer_state(dist2):
      r"a pipeline plan does not fit the hyper_parallel backend.*pmodel.step\(inputs, targets\)"),
     ({"plan": {"expert_parallel": {"experts": "expert_parallel"}}, "mesh": None}, ValueError,
      r"expert_parallel is not supported through the hyper_parallel backend yet: .*hp.parallelize"),
+    ({"plan": {"context_parallel": {"model.layers.*.self_attn": "context_parallel"}}, "mesh": None}, ValueError,
+     r"context_parallel is not supported through the hyper_parallel backend yet: .*hp.parallelize"),
 ])
 def test_bad_options(options, error, match):
     compiled = torch.compile(MLP(), backend="hyper_parallel", options=options)

@@ -1,0 +1,55 @@
+"""The context_parallel plan entry: styles, plain-dict (YAML) form, merging, resolution on a
+Layout (no process group), the default input layout, and its errors."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import hyper_parallel as hp
+from hyper_parallel.layout import Layout
+from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
+from hyper_parallel.plan import ParallelPlan, merge_plans, resolve_plan
+
+ATTENTION = "model.layers.*.self_attn"
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))
+
+
+def test_styles_and_dict_form():
+    assert hp.ContextParallel() == hp.ContextParallel(mode="all_to_all", load_balance=True, axis="cp")
+    plan = ParallelPlan.from_dict({"context_parallel": {ATTENTION: {"style": "context_parallel", "axis": "seq"}}})
+    assert plan.context_parallel[ATTENTION] == hp.ContextParallel(axis="seq")
+    assert ParallelPlan(context_parallel={ATTENTION: "async_context_parallel"}).context_parallel[ATTENTION].asynchronous
+    merged = merge_plans({"context_parallel": {ATTENTION: hp.ContextParallel()}}, {"fully_shard": {"units": [""]}})
+    assert merged.context_parallel == {ATTENTION: hp.ContextParallel()}
+    with pytest.raises(ValueError, match=r"mode is one of \['all_to_all', 'ring'\]"):
+        hp.ContextParallel(mode="ulysses")
+    with pytest.raises(TypeError, match=r"context_parallel\['x'\]: expected hp.ContextParallel\(\)"):
+        ParallelPlan(context_parallel={"x": 3})
+
+
+def test_sequence_axis_shards_inputs_on_dim_1():
+    resolved = resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel()}}, _llama(),
+                            Layout((2, 2), ("dp", "cp")))
+    assert resolved.sequence_axes == ("cp",)
+    assert resolved.context.modules == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    assert resolved.input_placements("input_ids", 2) == (Shard(0), Shard(1))
+    assert resolved.input_placements("lengths", 1) == (Shard(0), Replicate())  # no sequence dim
+    assert resolved.data_parallel_axes == ("dp",)  # cp ranks hold other tokens, not other rows
+
+
+def test_errors_name_the_entry():
+    model, mesh = _llama(), Layout((2,), ("cp",))
+    with pytest.raises(ValueError, match=r"ring attention .* is not built yet; use hp.ContextParallel\(mode='all_to_all'\)"):
+        resolve_plan({"context_parallel": {ATTENTION: hp.AsyncContextParallel()}}, model, mesh)
+    with pytest.raises(ValueError, match=r"mesh axis 'seq', which the mesh does not have"):
+        resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel(axis="seq")}}, model, mesh)
+    with pytest.raises(ValueError, match=r"differs from context_parallel\['model.layers.0.self_attn'\]"):
+        resolve_plan({"context_parallel": {"model.layers.0.self_attn": hp.ContextParallel(),
+                                           "model.layers.1.self_attn": hp.ContextParallel(mode="ring")}},
+                     model, mesh)
+    with pytest.raises(ValueError, match=r"has 4 heads, which cp=8 does not divide"):
+        resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel()}}, model, Layout((8,), ("cp",)))
