@@ -97,10 +97,10 @@ def test_megatron_tp_8_ranks_memory_and_collectives_match_analytic():
 
     fwd, bwd = report["collectives"]["forward"], report["collectives"]["backward"]
     activation = batch * seq * h * BF16
-    # The cross-entropy runs on the vocab-sharded logits (fp32, positions 0..s-2): one fp32 value
+    # The cross-entropy runs on the vocab-sharded logits (fp32, every position): one fp32 value
     # per token for the log-softmax's max and exp-sum forward, the loss's partial sum (a scalar),
     # and the log-softmax backward's per-token sum.
-    tokens = batch * (seq - 1) * FP32
+    tokens = batch * seq * FP32  # the loss reads every position (the last one's label is ignored)
     # Forward: o_proj and down_proj partial sums per layer, plus the vocab-parallel embedding.
     assert fwd["all_reduce"] == {"tp": {"count": 2 * L + 1 + 3, "bytes": (2 * L + 1) * activation + 2 * tokens + FP32}}
     # Backward mirrors it: the q/k/v and gate/up input gradients (each group summed, then reduced
@@ -122,7 +122,7 @@ def test_megatron_sequence_parallel_8_ranks_collectives_match_analytic():
     # attention / MLP input and lm_head's input is all-gathered from them. The logits are never
     # gathered: the cross-entropy runs on the vocab shards, with per-token (fp32) all-reduces of
     # the log-softmax's max and exp-sum and the loss's partial sum, and the caller gets a DTensor.
-    tokens = batch * (seq - 1) * FP32
+    tokens = batch * seq * FP32
     assert fwd["reduce_scatter"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * full}}
     assert fwd["all_gather"] == {"tp": {"count": 2 * L + 1, "bytes": (2 * L + 1) * shard}}
     assert fwd["all_reduce"] == {"tp": {"count": 3, "bytes": 2 * tokens + FP32}}

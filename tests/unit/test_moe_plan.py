@@ -82,7 +82,7 @@ def test_glob_matching_no_module():
 
 @pytest.mark.parametrize("axis, plan, fix", [
     ("ep", {}, r"add expert_parallel=\{'model.layers.\*.mlp.experts': hp.ExpertParallel\(\)\}"),
-    ("cp", {}, r"context parallelism is not implemented yet"),
+    ("cp", {}, r"add context_parallel=\{.model.layers.\*.self_attn.: hp.ContextParallel\(\)\} to shard the sequence"),
     ("tp", {}, r"add tensor_parallel entries"),
     ("moe", {"expert_parallel": {EXPERTS: hp.ExpertParallel(axis="moe")}}, None),
     ("stuff", {}, r"shard on it in a plan entry, or name it 'dp_shard' / 'dp_replicate'"),

@@ -251,7 +251,7 @@ def test_plan_defaults():
     assert repr(plan) == "ParallelPlan()"
     assert PLAN_KEYS == (
         "tensor_parallel", "layouts", "inputs", "outputs", "fully_shard", "recompute", "swap", "pipeline",
-        "expert_parallel", "tp_axis",
+        "expert_parallel", "context_parallel", "tp_axis",
     )
 
 
