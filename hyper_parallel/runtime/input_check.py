@@ -31,10 +31,12 @@ from ..compile.capture import CapturedGraph, module_fqn_of
 aten = torch.ops.aten
 
 # Ops an index tensor may pass through between the user's input and its use: they only reshape or
-# select (HF's label shift is a slice), so every value they pass on is one of the input's.
+# select, or pad (a label shift pads with the ignore index and slices), so every value they pass on
+# is one of the input's or a padding value; the input's own values are what is checked.
 _PASS_THROUGH = {
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
     aten.alias.default, aten.contiguous.default, aten.flatten.using_ints, aten.slice.Tensor, BOUNDARY,
+    aten.constant_pad_nd.default,
 }
 _LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 
