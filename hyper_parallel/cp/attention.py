@@ -8,9 +8,9 @@ backward, ``rules.py``) one more strategy: query, key, value, output and log-sum
 :func:`local_kernel`, which computes it on the shards:
 
 * all-to-all mode (DeepSpeed-Ulysses; ``hp.ContextParallel(mode="all_to_all")``): query, key and
-  value move from sequence- to head-sharded (one all-to-all each, traced as DTensor's ``Shard(2) ->
-  Shard(1)`` redistribution), the ordinary kernel runs on whole sequences of ``heads / cp`` heads,
-  and the output and log-sum-exp move back (``Shard(1) -> Shard(2)``). Backward does the same with
+  value move from sequence- to head-sharded (one ``all_to_all_single`` each, annotated as the
+  ``Shard(2) -> Shard(1)`` redistribution it is), the ordinary kernel runs on whole sequences of
+  ``heads / cp`` heads, and the output and log-sum-exp move back (``Shard(1) -> Shard(2)``). Backward does the same with
   the gradient, saved inputs and outputs, and sends the three gradients back. Exact: every head
   sees the whole sequence in order, so a causal mask means what it does on one device.
 
@@ -53,6 +53,12 @@ def local_kernel(op, layout):
     axes = sequence_axes(layout.inputs[0])
     if not axes:
         return None
+    if len(axes) > 1:
+        names = [layout.inputs[0].mesh.mesh_dim_names[i] for i in axes]
+        raise ValueError(
+            f"attention's sequence is sharded over several mesh axes {names}; context parallelism "
+            "shards it over one: give the context_parallel entries one axis"
+        )
     kernel = _ulysses_forward if op is SDPA else _ulysses_backward
     return functools.partial(kernel, axes)
 
