@@ -213,6 +213,18 @@ def bf16_reference_step(master: torch.nn.Module, batch: dict) -> tuple[torch.nn.
     return compute, loss
 
 
+def assert_matches_bf16_reference(model, loss, compute: torch.nn.Module, ref_loss, what: str = "") -> None:
+    """A mixed-precision step (bf16 compute, fp32 reduction) against :func:`bf16_reference_step`'s
+    ``compute`` copy and loss: the loss and every fp32 gradient within bf16's tolerances (the two
+    runs round partial sums at different points)."""
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}loss: {m}")
+    ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=5e-2, atol=2e-3,
+                                   msg=lambda m, name=name: f"{what}grad of {name}: {m}")
+
+
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     """``loss_fn`` for pipeline tests: the example Llama's loss on its logits."""
     from hyper_parallel.models.llama import causal_lm_loss

@@ -7,7 +7,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.ir import meta
-from hyper_parallel.testing.parity import (bf16_reference_step, build_model, build_plan, error_message, global_batch,
+from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model, build_plan, error_message, global_batch,
                                            local_batch, run_parity)
 
 A2A = torch.ops._c10d_functional.all_to_all_single.default
@@ -214,12 +214,7 @@ def _ep_fsdp_bf16(steps: int = 2) -> dict:
         compute, ref_loss = bf16_reference_step(master, full)
         loss = model(**local_batch(full, mesh))["loss"]
         loss.backward()
-        torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2)
-        ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
-        for name, p in model.named_parameters():
-            assert p.grad.dtype == torch.float32, name
-            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=5e-2, atol=2e-3,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        assert_matches_bf16_reference(model, loss, compute, ref_loss, f"step {step} ")
         for p, cp in zip(master.parameters(), compute.parameters()):
             p.grad = cp.grad.float()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
