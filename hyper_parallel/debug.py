@@ -38,6 +38,21 @@ COLLECTIVE_KINDS = {
 }
 
 
+# A ring transfer of context parallelism (cp/ring.py) is an all_to_all_single in which each rank
+# sends its whole tensor to one peer: a point-to-point send/recv, counted and priced as one.
+SEND_RECV = "send_recv"
+
+
+def collective_kind(node: torch.fx.Node) -> str | None:
+    """The kind a node of a lowered program counts as ("all_gather", ..., "send_recv"), or None."""
+    if node.op != "call_function":
+        return None
+    kind = COLLECTIVE_KINDS.get(node.target)
+    if kind == "all_to_all" and meta.CP_RING in node.meta:
+        return SEND_RECV
+    return kind
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective of a program: what a user counts and what the SPMD check compares."""
@@ -70,7 +85,7 @@ def group_axis_names(mesh, fsdp=None) -> dict[str, str]:
 def collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> list[Collective]:
     out = []
     for node in gm.graph.nodes:
-        kind = COLLECTIVE_KINDS.get(node.target) if node.op == "call_function" else None
+        kind = collective_kind(node)
         if kind is None:
             continue
         val = node.args[0].meta["val"]

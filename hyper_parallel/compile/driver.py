@@ -24,6 +24,7 @@ from torch.distributed.tensor import Shard
 
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
+from ..cp.check import check_attention_stays_sharded
 from .. import compat
 from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
@@ -191,7 +192,8 @@ def capture_and_lower(
     run_rewrites(captured, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
                                        fsdp=resolved.fsdp, on_pass=dumper.rewrite, timings=timings))
     report = propagate(captured, resolved, mesh)
-    local = lower(captured, mesh)
+    check_attention_stays_sharded(captured.gm, resolved.context, mesh)
+    local = lower(captured, mesh, resolved.context)
     dumper.graph("lowered", local)
     return Lowered(captured, resolved, report, local, input_placements, annotated, timings)
 

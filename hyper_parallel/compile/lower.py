@@ -24,7 +24,7 @@ import operator
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
@@ -33,6 +33,7 @@ from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from .capture import CapturedGraph, module_fqn_of
 from ..errors import internal_error
 from ..ir import meta
+from ..cp.load_balance import Balancer
 from ..layout import format_placements
 from ..moe.lowering import ExpertLowering
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
@@ -48,10 +49,12 @@ def local_shape(spec) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | None = None) -> DTensor:
+def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | None = None,
+                  balancer: Balancer | None = None) -> DTensor:
     """Move ``dt`` to ``target``'s placements, tracing the collectives this needs.
 
-    ``grad_of`` names the parameter when this is a gradient's way to its storage layout."""
+    ``grad_of`` names the parameter when this is a gradient's way to its storage layout;
+    ``balancer`` keeps the load-balanced sequence order of ring attention (cp/load_balance.py)."""
     current = compat.spec_of(dt)
     if current.placements == target.placements:
         return dt
@@ -70,10 +73,18 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
                 placements[axis] = Partial("sum")
         src = compat.DTensorSpec(current.mesh, tuple(placements), tensor_meta=current.tensor_meta)
         dst = compat.DTensorSpec(target.mesh, target.placements, tensor_meta=current.tensor_meta)
-        for step in _reduction_steps(src, dst):
-            local = compat.redistribute_local_tensor(local, src, step)
-            src = step
+        if balancer is not None:
+            local = balancer.redistribute(local, src, dst, _move)
+        else:
+            local = _move(local, src, dst)
     return compat.dtensor_from_spec(local, dst)
+
+
+def _move(local: torch.Tensor, src, dst) -> torch.Tensor:
+    for step in _reduction_steps(src, dst):
+        local = compat.redistribute_local_tensor(local, src, step)
+        src = step
+    return local
 
 
 def _reduction_steps(src, dst) -> list:
@@ -134,17 +145,26 @@ def _wrap_replicated(value, mesh, node):
 
 
 class _LocalInterpreter:
-    def __init__(self, captured: CapturedGraph, mesh):
+    def __init__(self, captured: CapturedGraph, mesh, context=None):
         self.captured = captured
         self.mesh = mesh
+        self.context = context  # cp/resolve.py:ContextPlan or None
         self.experts = ExpertLowering(captured.expert_regions, mesh)
+        self.balancer = _balancer(captured, mesh, context)
+
+    def redistribute(self, dt, target, source_node_name: str, grad_of: str | None = None):
+        return _redistribute(dt, target, source_node_name, grad_of, self.balancer)
 
     def __call__(self, primals, tangents):
         graph = self.captured.gm.graph
         env: dict[torch.fx.Node, object] = {}
         flat_inputs = list(primals) + list(tangents)
-        for node, local in zip(graph.find_nodes(op="placeholder"), flat_inputs):
-            env[node] = compat.dtensor_from_spec(local, node.meta[meta.LAYOUT].output)
+        for node, local, info in zip(graph.find_nodes(op="placeholder"), flat_inputs, self.captured.inputs):
+            spec = node.meta[meta.LAYOUT].output
+            if self.balancer is not None and info.kind in (InputKind.INPUT, InputKind.TANGENT):
+                with fx_traceback.annotate({meta.SOURCE: node.name}):
+                    local = self.balancer.entry(local, spec)  # the user's sequence order -> balanced
+            env[node] = compat.dtensor_from_spec(local, spec)
         result = None
         for node in graph.nodes:
             if node.op == "placeholder":
@@ -164,7 +184,7 @@ class _LocalInterpreter:
             parent, idx = node.args
             return env[parent][idx]
         if node.target in (BOUNDARY, BOUNDARY_GRAD, UNSHARD):
-            return _redistribute(env[node.args[0]], layout.output, node.name)
+            return self.redistribute(env[node.args[0]], layout.output, node.name)
 
         flat, tree = pytree.tree_flatten((node.args, node.kwargs))
         wanted = iter(layout.inputs)
@@ -177,7 +197,7 @@ class _LocalInterpreter:
                     # Masked partials (vocab-parallel embedding indices) carry the mask they were
                     # made with; DTensor's dispatch creates them itself from the same choice.
                     if not any(_is_masked(p) for p in target.placements):
-                        v = _redistribute(v, target, node.name)
+                        v = self.redistribute(v, target, node.name)
                 values.append(v)
             else:
                 values.append(a)
@@ -190,7 +210,7 @@ class _LocalInterpreter:
             if node.target in (EXPERTS, EXPERTS_BACKWARD):
                 return self.expert_region(node, args, layout)
             # Ops our own rules shard where DTensor's kernels cannot (vocab-parallel loss).
-            kernel = rules.local_kernel(node.target, node.args, layout) or node.target
+            kernel = rules.local_kernel(node.target, node.args, layout, self.context, node.name) or node.target
             out = kernel(*args, **kwargs)
         _check_agrees(node, out, layout.output)
         return out
@@ -219,19 +239,46 @@ class _LocalInterpreter:
             value = env[slot]
             pending = self.captured.pending_inputs.get(i)
             if pending is not None:
-                value = _add_pending(value, env[pending], slot.name, grad_of)
-            results.append(compat.local_of(_redistribute(value, want, "output", grad_of)))
+                value = _add_pending(value, env[pending], slot.name, grad_of, self.balancer)
+            local = compat.local_of(self.redistribute(value, want, "output", grad_of))
+            if self.balancer is not None and info.kind in (OutputKind.OUTPUT, OutputKind.INPUT_GRAD):
+                with fx_traceback.annotate({meta.SOURCE: slot.name}):
+                    local = self.balancer.exit(local, want)  # balanced -> the user's sequence order
+            results.append(local)
         return results
 
 
-def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of: str) -> DTensor:
+def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of: str,
+                 balancer: Balancer | None) -> DTensor:
     """``grad`` + the gradient accumulated for it by earlier micro-steps, added where ``grad``'s
     way to its final layout passes through ``pending``'s layout (propagation/accumulation.py)."""
     spec = compat.spec_of(pending)
-    grad = _redistribute(grad, spec, source_node_name, grad_of)
+    grad = _redistribute(grad, spec, source_node_name, grad_of, balancer)
     with fx_traceback.annotate({meta.SOURCE: source_node_name, meta.ROLE: meta.ROLE_ACCUMULATE}):
         total = compat.local_of(grad) + compat.local_of(pending)
     return compat.dtensor_from_spec(total, spec)
+
+
+def _balancer(captured: CapturedGraph, mesh, context) -> Balancer | None:
+    """The load-balanced order's bookkeeping when ring attention balances the sequence: its length
+    is dim 1 of the user inputs sharded on the sequence axis."""
+    if context is None or not context.balanced:
+        return None
+    axis = mesh.mesh_dim_names.index(context.axis)
+    lengths = {
+        node.meta[meta.LAYOUT].output.tensor_meta.shape[1]
+        for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs)
+        if info.kind == InputKind.INPUT and isinstance(node.meta[meta.LAYOUT].output, compat.DTensorSpec)
+        and node.meta[meta.LAYOUT].output.placements[axis] == Shard(1)
+    }
+    if not lengths:
+        return None
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{context.source}: the inputs sharded over {context.axis!r} have sequences of different "
+            f"lengths {sorted(lengths)}; load-balanced ring attention reorders one sequence: give "
+            "every sequence input the same length or use load_balance=False")
+    return Balancer(mesh, context.axis, lengths.pop())
 
 
 def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, list]:
@@ -246,14 +293,15 @@ def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, 
     return primals, tangents
 
 
-def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
-    """Build the local joint graph of this rank (see module docstring)."""
+def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
+    """Build the local joint graph of this rank (see module docstring). ``context``: the plan's
+    ``ContextPlan`` (sequence-parallel attention kernels, the load-balanced order)."""
     compat.eager_strided_shard_sizes()  # a strided shard's sizes are integers: not traced
     # A shape environment lets data-dependent sizes (an expert region's received rows) be traced as
     # unbacked symbols; every other size stays a plain int.
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True, shape_env=compat.ShapeEnv())
     primals, tangents = placeholder_local_values(captured, fake_mode)
-    interpreter = _LocalInterpreter(captured, mesh)
+    interpreter = _LocalInterpreter(captured, mesh, context)
     with fx_traceback.preserve_node_meta():
         local_gm = compat.make_fx(interpreter, tracing_mode="fake", pre_dispatch=False)(primals, tangents)
     sources = {n.name: n for n in captured.gm.graph.nodes}
@@ -264,7 +312,7 @@ def lower(captured: CapturedGraph, mesh) -> torch.fx.GraphModule:
             continue
         node.meta[meta.SOURCE] = src.name
         node.meta[meta.ROLE] = custom[meta.ROLE]
-        for key in (meta.REDISTRIBUTE, meta.GRAD_OF, meta.EXPERT_CHUNK):
+        for key in (meta.REDISTRIBUTE, meta.GRAD_OF, meta.EXPERT_CHUNK, meta.CP_RING):
             if key in custom:
                 node.meta[key] = custom[key]
         region = (src.meta.get("custom") or {}).get(meta.REGION)

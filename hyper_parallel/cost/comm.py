@@ -11,8 +11,9 @@ reduce then inter-node ring) are not modelled: an inter-node ring is the conserv
 Ring algorithm with ``n`` ranks and a buffer of ``B`` bytes (the full, unsharded size):
 all-gather and reduce-scatter each send ``(n-1)/n * B`` per rank in ``n-1`` steps; all-reduce is a
 reduce-scatter plus an all-gather, ``2(n-1)/n * B`` in ``2(n-1)`` steps; all-to-all sends
-``(n-1)/n * B``; broadcast pipelines ``B`` through the ring in ``n-1`` steps. Time = steps x alpha
-+ bytes / (bandwidth x link efficiency).
+``(n-1)/n * B``; broadcast pipelines ``B`` through the ring in ``n-1`` steps; a send/recv (one
+step of ring attention, cp/ring.py) sends ``B`` to one peer in one step. Time = steps x alpha +
+bytes / (bandwidth x link efficiency).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,8 @@ def ring_volume(kind: str, input_bytes: int, n: int) -> tuple[int, float]:
         return 2 * (n - 1), 2 * (n - 1) / n * full
     if kind == "broadcast":
         return n - 1, float(full)
+    if kind == "send_recv":
+        return 1, float(full)
     return n - 1, (n - 1) / n * full
 
 

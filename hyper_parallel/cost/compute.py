@@ -47,12 +47,27 @@ WAIT_TARGET = c10d.wait_tensor.default
 # Schema says it allocates, but the kernel returns a view (as in memory.py).
 
 
-def _cpu_flash_forward(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+def _causal_fraction(query, key, is_causal) -> float:
+    """Share of the query-key pairs a causal mask leaves (flash kernels skip masked tiles): the
+    lower triangle with its diagonal, top-left aligned as the CPU kernel masks."""
+    if not is_causal:
+        return 1.0
+    q, k = query.shape[-2], key.shape[-2]
+    if not q or not k:
+        return 1.0
+    visible = q * (q + 1) // 2 if q <= k else k * (k + 1) // 2 + (q - k) * k  # sum of min(i + 1, k)
+    return visible / (q * k)
 
 
-def _cpu_flash_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+def _cpu_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs) -> int:
+    full = flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+    return int(full * _causal_fraction(query, key, is_causal))
+
+
+def _cpu_flash_backward(grad_out, query, key, value, out=None, lse=None, dropout_p=0.0, is_causal=False,
+                        *args, out_val=None, **kwargs) -> int:
+    full = flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return int(full * _causal_fraction(query, key, is_causal))
 
 
 # Ops torch's registry lacks (checked for torch 2.13): the CPU flash-attention kernels SDPA

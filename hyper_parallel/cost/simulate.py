@@ -31,7 +31,8 @@ from ..compat import pytree
 from ..compile.capture import module_fqn_of
 from ..compat import op_overload_name
 from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
-from .compute import COLLECTIVE_KIND, node_work, roofline_time, tensor_bytes
+from ..debug import collective_kind
+from .compute import node_work, roofline_time, tensor_bytes
 from .hardware import HardwareProfile, get_profile
 from ..ir import meta
 
@@ -195,7 +196,7 @@ class _Simulator:
 
     def _collective(self, node: torch.fx.Node, nbytes: int, phase: str) -> None:
         axis = self._axis(node)
-        kind = COLLECTIVE_KIND[node.target]
+        kind = collective_kind(node)
         # Issuing costs the compute stream a launch; the transfer then waits for the comm stream.
         issue = self.profile.op_overhead_s
         if issue > 0:

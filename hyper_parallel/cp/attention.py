@@ -1,4 +1,4 @@
-"""Context-parallel attention: the sharding rule and local kernels for sequence-sharded SDPA.
+"""Context-parallel attention: the local kernels for sequence-sharded SDPA.
 
 Under context parallelism every activation is sharded on its sequence dim over the ``cp`` axis;
 token-wise ops (embedding, norms, linear layers, the loss) need nothing new, but attention mixes
@@ -6,6 +6,9 @@ tokens. Propagation gives the SDPA ops (``_scaled_dot_product_flash_attention_fo
 backward, ``rules.py``) one more strategy: query, key, value, output and log-sum-exp all
 ``Shard(2)`` (the sequence dim) on an axis. DTensor has no kernel for that layout, so lowering asks
 :func:`local_kernel`, which computes it on the shards:
+
+* ring mode (``hp.ContextParallel(mode="ring")``): ``cp/ring.py``, K/V blocks passed around the cp
+  ring and merged by log-sum-exp, optionally in the load-balanced order of ``cp/load_balance.py``;
 
 * all-to-all mode (DeepSpeed-Ulysses; ``hp.ContextParallel(mode="all_to_all")``): query, key and
   value move from sequence- to head-sharded (one ``all_to_all_single`` each, annotated as the
@@ -29,6 +32,7 @@ from torch.distributed.tensor import Shard
 from .. import compat
 from ..ir import meta
 from ..layout import format_placements
+from .ring import ring_kernels
 
 aten = torch.ops.aten
 
@@ -46,8 +50,10 @@ def sequence_axes(spec) -> tuple[int, ...]:
     )
 
 
-def local_kernel(op, layout):
-    """The all-to-all kernel for ``op`` when propagation chose sequence sharding, else None."""
+def local_kernel(op, layout, context=None, name: str = ""):
+    """The local kernel for ``op`` when propagation chose sequence sharding, else None: ring
+    attention (``cp/ring.py``) when ``context`` (the ``ContextPlan``) asks for it, else the
+    all-to-all kernel below. ``name`` is the node's, for the ring's tags and messages."""
     if op not in (SDPA, SDPA_BACKWARD) or not layout.inputs:
         return None
     axes = sequence_axes(layout.inputs[0])
@@ -59,8 +65,22 @@ def local_kernel(op, layout):
             f"attention's sequence is sharded over several mesh axes {names}; context parallelism "
             "shards it over one: give the context_parallel entries one axis"
         )
+    if context is not None and context.mode == "ring":
+        forward, backward = ring_kernels(axes[0], context.load_balance, context.asynchronous, name)
+        if op is SDPA:
+            return functools.partial(_ring_forward, forward, layout.output)
+        return functools.partial(_ring_backward, backward, layout.output)
     kernel = _ulysses_forward if op is SDPA else _ulysses_backward
     return functools.partial(kernel, axes)
+
+
+def _ring_forward(kernel, specs, *args, **kwargs):
+    out, lse = kernel(*args, **kwargs)
+    return _one_device_strides(compat.dtensor_from_spec(out, specs[0])), compat.dtensor_from_spec(lse, specs[1])
+
+
+def _ring_backward(kernel, specs, *args, **kwargs):
+    return tuple(compat.dtensor_from_spec(g, s) for g, s in zip(kernel(*args, **kwargs), specs))
 
 
 def _move(dt, axes, src_dim: int, dst_dim: int):

@@ -4,8 +4,9 @@ Reads ``ParallelPlan.context_parallel`` (glob -> :class:`~hyper_parallel.cp.styl
 the model's modules and the mesh's axis names and sizes. Returns one :class:`ContextPlan` (or None
 without entries), which ``ResolvedPlan.sequence_axes`` and the default input layout read (inputs of
 two or more dims ``Shard(1)`` over the axis). Raises ``ValueError`` / ``TypeError`` naming the
-entry and module for: entries that disagree on axis or mode, an axis the mesh does not have, a
-mode that is not built yet, and (all-to-all mode) heads the axis does not divide.
+entry and module for: entries that disagree, an axis the mesh does not have, and (all-to-all mode)
+heads the axis does not divide. A sequence the ring's load balancing cannot cut in ``2·cp`` chunks
+is refused at the first call (``cp/load_balance.py``), where its length is known.
 """
 
 from __future__ import annotations
@@ -22,9 +23,16 @@ from .style import ContextParallel
 class ContextPlan:
     axis: str
     degree: int
-    mode: str
+    mode: str  # "ring" | "all_to_all"
+    load_balance: bool  # ring mode: the sequence in 2·cp chunks, rank r holding r and 2·cp−1−r
+    asynchronous: bool  # ring mode: each K/V transfer overlaps the current block (ring_overlap pass)
     modules: tuple[str, ...]  # attention module FQNs the entries matched
     source: str  # the first entry, for messages
+
+    @property
+    def balanced(self) -> bool:
+        """Whether sequence-sharded values inside the program are in the load-balanced order."""
+        return self.mode == "ring" and self.load_balance and self.degree > 1
 
 
 def _heads(module: nn.Module) -> dict[str, int]:
@@ -52,15 +60,10 @@ def resolve_context_parallel(
     fqns: list[str] = []
     for glob, style in entries.items():
         where = f"context_parallel[{glob!r}]"
-        if (style.axis, style.mode, type(style)) != (first.axis, first.mode, type(first)):
+        if style != first or type(style) is not type(first):
             raise ValueError(
                 f"{where} ({style!r}) differs from {source} ({first!r}): one model shards its sequence "
                 "one way; give every entry the same style"
-            )
-        if style.mode == "ring" or style.asynchronous:
-            raise ValueError(
-                f"{where}: ring attention ({style!r}) is not built yet; use "
-                "hp.ContextParallel(mode='all_to_all') (heads and sequence swapped by all-to-all)"
             )
         if style.axis not in axis_names:
             raise ValueError(
@@ -70,7 +73,7 @@ def resolve_context_parallel(
             )
         fqns.extend(f for f in matched("context_parallel", glob) if f not in fqns)
     degree = mesh_shape[axis_names.index(first.axis)]
-    for fqn in fqns:
+    for fqn in fqns if first.mode == "all_to_all" else ():
         for label, count in _heads(modules[fqn]).items():
             if count % degree:
                 raise ValueError(
@@ -78,4 +81,4 @@ def resolve_context_parallel(
                     "not divide; all-to-all context parallelism gives each rank heads / cp of them: "
                     f"use a cp degree that divides {count}"
                 )
-    return ContextPlan(first.axis, degree, first.mode, tuple(fqns), source)
+    return ContextPlan(first.axis, degree, first.mode, first.load_balance, first.asynchronous, tuple(fqns), source)

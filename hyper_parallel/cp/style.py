@@ -7,10 +7,20 @@ hp.ContextParallel(mode="all_to_all")})``: the entry names the attention modules
 dim 1) over that axis, so each rank computes its slice of the tokens everywhere except inside
 attention, which ``cp/attention.py`` makes exact.
 
-Modes: ``"all_to_all"`` (DeepSpeed-Ulysses: heads and sequence swapped by all-to-all around each
-attention; ``cp`` must divide the heads and key/value heads). ``"ring"`` (K/V blocks passed around
-the ring, load-balanced for causal masks) and ``AsyncContextParallel`` are not built yet and are
-refused with a ``ValueError`` rather than run some other way.
+Modes:
+
+* ``"all_to_all"`` (DeepSpeed-Ulysses, the default): heads and sequence swapped by all-to-all
+  around each attention; ``cp`` must divide the heads and key/value heads. Every rank computes
+  whole sequences of its heads, so the work is balanced whatever the mask (``load_balance`` is not
+  read).
+* ``"ring"``: K/V blocks passed around the cp ring, blockwise attention merged by log-sum-exp,
+  any cp degree (``cp/ring.py``). With ``load_balance=True`` (default) the sequence is cut in
+  ``2·cp`` chunks and rank r computes with chunks r and 2·cp−1−r, so a causal mask costs every rank
+  the same (``cp/load_balance.py``); the compiled program reorders the tokens itself.
+
+``AsyncContextParallel`` is ring mode with each K/V transfer overlapping the current block's
+attention (the ``ring_overlap`` pass). In every mode each rank passes its contiguous slice of the
+sequence (``hp.shard_sequence``) and gets its slice of sequence-shaped outputs back.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ MODES = ("all_to_all", "ring")
 class ContextParallel:
     """Shard the sequence over ``axis`` (default ``"cp"``); attention in ``mode``.
 
-    ``load_balance`` (ring mode): the sequence in 2·cp chunks, rank r holding chunks r and
+    ``load_balance`` (ring mode): the sequence in 2·cp chunks, rank r computing with chunks r and
     2·cp−1−r, so causal attention costs every rank the same."""
 
     mode: str = "all_to_all"

@@ -41,6 +41,10 @@ SWAP_TO_HOST, SWAP_TO_DEVICE = "to_host", "to_device"
 # --- expert regions (moe/lowering.py; passes/expert_overlap.py) -----------------------------------
 EXPERT_CHUNK = "hp_expert_chunk"  # "<experts module fqn>#<chunk>" on the nodes of one token chunk
 
+# --- context parallelism (cp/ring.py; passes/ring_overlap.py, passes/cse.py, debug.py) -----------
+# {"attention": node, "moves": "kv" | "dkv", "step": t, "overlap": bool} on a ring transfer
+CP_RING = "hp_cp_ring"
+
 # --- gradient and gather fusion (passes/bucketing.py) ---------------------------------------------
 BUCKET = "hp_bucket"  # "<unit> <phase> <kind> (<n> params)" on fused collectives
 
@@ -54,7 +58,7 @@ COPIED_BY_LOWERING = (
 
 ALL_KEYS = (
     LAYOUT, LOSS_MEAN, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD, SOURCE, ROLE, REDISTRIBUTE,
-    GRAD_OF, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK,
+    GRAD_OF, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK, CP_RING,
 )
 
 

@@ -36,6 +36,7 @@ from .overlap_reductions import overlap_reductions_pass
 from .prefetch import prefetch_pass
 from .recompute import recompute_pass
 from .reshard_after_forward import reshard_after_forward_pass
+from .ring_overlap import ring_overlap_pass
 from .runner import Step, check_disabled, run_steps
 from .serialize_collectives import serialize_collectives_pass
 from .swap import swap_pass
@@ -78,6 +79,7 @@ PASSES: list[tuple[str, object]] = [
     ("reshard_after_forward", reshard_after_forward_pass),
     ("swap", swap_pass),
     ("expert_overlap", expert_overlap_pass),
+    ("ring_overlap", ring_overlap_pass),
     ("bucketing", bucketing_pass),
     ("fuse_small_reductions", fuse_small_reductions_pass),
     ("prefetch", prefetch_pass),

@@ -5,7 +5,7 @@ consumers is communicated twice (under tensor parallelism the logits are all-gat
 loss and once for the user-visible output). Two nodes with the same target and the same arguments
 compute the same thing; the later one is replaced by the earlier one.
 
-Reads: nothing from ``node.meta``. Writes: removes duplicate nodes (their users are rewired to the
+Reads: ``hp_cp_ring`` (ring attention's transfers are never merged). Writes: removes duplicate nodes (their users are rewired to the
 survivor, whose meta is kept). Pure ops and ``_c10d_functional`` collectives and waits qualify
 (functional collectives are pure by construction: same input, group and size, same result); ops
 with side effects or randomness never do. Idempotent; numerics unchanged.
@@ -16,12 +16,17 @@ from __future__ import annotations
 import torch
 
 from .. import compat
+from ..ir import meta
 
 _C10D_NAMESPACE = "_c10d_functional"
 
 
 def _eligible(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
+        return False
+    if meta.CP_RING in node.meta:
+        # Ring attention sends K/V around the ring again in backward on purpose: reusing forward's
+        # transfers would keep every rank's K/V blocks alive until backward (cp/ring.py).
         return False
     target = node.target
     if isinstance(target, compat.OpOverload):  # the type of every torch.ops.<ns>.<op>.<overload>

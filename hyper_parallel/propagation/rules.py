@@ -368,13 +368,14 @@ def _class_dim_of(op, args, specs) -> tuple[int, int] | None:
     return None
 
 
-def local_kernel(op, args: tuple, layout):
+def local_kernel(op, args: tuple, layout, context=None, name: str = ""):
     """For lowering: the function that computes ``op`` on local shards when propagation chose the
     vocab-parallel layout for this node (its class dim sharded), else None (DTensor's dispatch runs
     the op). ``args`` are the node's arguments, ``layout`` its ``NodeLayout``. The function takes
     the node's arguments as DTensors already in ``layout.inputs`` and returns DTensors in
-    ``layout.output``."""
-    sequence_parallel = cp_attention.local_kernel(op, layout)
+    ``layout.output``. ``context`` (the plan's ``ContextPlan``) picks the sequence-parallel
+    attention kernel; ``name`` is the node's."""
+    sequence_parallel = cp_attention.local_kernel(op, layout, context, name)
     if sequence_parallel is not None:
         return sequence_parallel
     if op not in _VOCAB_PARALLEL_RULES or not layout.inputs or len(args) != _ARITY[op]:

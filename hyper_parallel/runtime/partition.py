@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from ..errors import internal_error
+from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, phases_of
 from .collective_inputs import hold_collective_inputs, release_after_wait
 
@@ -35,14 +36,23 @@ def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Nod
     return new
 
 
+def _ring_transfer(wait: torch.fx.Node) -> bool:
+    issue = wait.args[0]
+    return isinstance(issue, torch.fx.Node) and meta.CP_RING in issue.meta
+
+
 def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
     # wait_tensor counts as impure for fx's DCE; a wait whose result nobody reads (and its
-    # collective) is dead here all the same, since every rank drops the same ones.
+    # collective) is dead here all the same, since every rank drops the same ones. Except a ring
+    # attention transfer (cp/ring.py): a rank whose queries precede a block's keys does not read
+    # it, but the rank it comes from sends it all the same.
     changed = True
     while changed:
         changed = False
         for node in reversed(list(graph.nodes)):
             if node.op in ("placeholder", "output") or node.users:
+                continue
+            if node.target is torch.ops._c10d_functional.wait_tensor.default and _ring_transfer(node):
                 continue
             if node.target is torch.ops._c10d_functional.wait_tensor.default or not node.is_impure():
                 graph.erase_node(node)

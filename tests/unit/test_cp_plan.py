@@ -43,8 +43,6 @@ def test_sequence_axis_shards_inputs_on_dim_1():
 
 def test_errors_name_the_entry():
     model, mesh = _llama(), Layout((2,), ("cp",))
-    with pytest.raises(ValueError, match=r"ring attention .* is not built yet; use hp.ContextParallel\(mode='all_to_all'\)"):
-        resolve_plan({"context_parallel": {ATTENTION: hp.AsyncContextParallel()}}, model, mesh)
     with pytest.raises(ValueError, match=r"mesh axis 'seq', which the mesh does not have"):
         resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel(axis="seq")}}, model, mesh)
     with pytest.raises(ValueError, match=r"differs from context_parallel\['model.layers.0.self_attn'\]"):
@@ -53,3 +51,17 @@ def test_errors_name_the_entry():
                      model, mesh)
     with pytest.raises(ValueError, match=r"has 4 heads, which cp=8 does not divide"):
         resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel()}}, model, Layout((8,), ("cp",)))
+    with pytest.raises(ValueError, match=r"differs from context_parallel\['model.layers.0.self_attn'\]"):
+        resolve_plan({"context_parallel": {"model.layers.0.self_attn": hp.ContextParallel(mode="ring"),
+                                           "model.layers.1.self_attn": hp.AsyncContextParallel()}},
+                     model, mesh)
+
+
+def test_ring_mode_resolves_any_degree():
+    """Ring attention splits the sequence, not the heads: cp=8 over 4 heads is fine."""
+    context = resolve_plan({"context_parallel": {ATTENTION: hp.AsyncContextParallel(load_balance=False)}}, _llama(),
+                           Layout((8,), ("cp",))).context
+    assert (context.mode, context.degree, context.load_balance, context.asynchronous) == ("ring", 8, False, True)
+    assert not context.balanced
+    assert resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel(mode="ring")}}, _llama(),
+                        Layout((2,), ("cp",))).context.balanced

@@ -1,0 +1,241 @@
+"""Ring attention: sequence-sharded SDPA computed block by block while K/V travel around the cp ring.
+
+``hp.ContextParallel(mode="ring")``. Each rank keeps its query rows and, in ``cp`` steps, sees
+every rank's key/value block: at step ``t`` it holds the block of rank ``r − t`` and sends the block
+it holds to rank ``r + 1`` for the next step, so it sends exactly ``cp − 1`` K/V blocks per
+attention forward (key and value stacked: one transfer per step). Each block's attention runs the
+ordinary CPU flash kernel and returns its output and log-sum-exp; blocks merge exactly:
+``lse = logaddexp(lse_a, lse_b)``, ``out = out_a·exp(lse_a − lse) + out_b·exp(lse_b − lse)`` (fp32).
+
+Causal masks: a block whose keys all come after the rank's queries is skipped, one whose keys all
+come before is computed without a mask, and the rank's own block with the causal mask (its tokens
+are in increasing order, so the one-device mask on the local block is the right one also when it
+holds two balanced chunks, ``cp/load_balance.py``). An explicit additive mask is sliced to the
+block's query rows and key columns; rows a block masks entirely are given ``lse = −inf`` so they
+add nothing (the kernel itself reports 0 for them).
+
+Backward (exact): with the forward's merged output and log-sum-exp, the flash backward of one block
+gives that block's exact share of dQ, dK and dV. K/V go around the ring again; each block's dK/dV
+accumulator (fp32 for half-precision inputs) travels with it and reaches its owner after ``cp − 1``
+transfers, the last carrying every other rank's share. dQ stays local.
+
+Transfers are ``all_to_all_single`` calls in which a rank sends its whole tensor to its successor
+and nothing to anyone else (as torch's ``permute_tensor``): functional, traceable, and on NCCL a
+send/recv pair. Each is tagged ``hp_cp_ring`` (attention node, what moves, step; and whether the
+plan asked for overlap), so ``debug.collectives`` counts it as a ``send_recv`` and the
+``ring_overlap`` pass can sink its wait past the current block's attention (AsyncContextParallel).
+As lowered, every transfer is waited for at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx.traceback as fx_traceback
+
+from .. import compat
+from ..ir import meta
+from .load_balance import rank_chunks
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+SEQ = 2  # the sequence dim of query / key / value / output [B, H, S, D] and log-sum-exp [B, H, S]
+
+
+class Ring:
+    """One attention node's ring on the cp axis ``axis`` of ``mesh``."""
+
+    def __init__(self, mesh, axis: int, balanced: bool, overlap: bool, name: str):
+        self.mesh, self.axis = mesh, axis
+        self.n = mesh.size(axis)
+        self.rank = mesh.get_local_rank(axis)
+        self.group = mesh.get_group(axis).group_name
+        self.balanced, self.overlap, self.name = balanced, overlap, name
+
+    def source(self, step: int) -> int:
+        """The rank whose K/V block this rank holds at ``step``."""
+        return (self.rank - step) % self.n
+
+    def shift(self, x: torch.Tensor, what: str, step: int) -> torch.Tensor:
+        """``x`` sent to the next rank on the ring; returns what the previous rank sent."""
+        rows = x.shape[0]
+        send = [rows if p == (self.rank + 1) % self.n else 0 for p in range(self.n)]
+        recv = [rows if p == (self.rank - 1) % self.n else 0 for p in range(self.n)]
+        tag = {meta.CP_RING: {"attention": self.name, "moves": what, "step": step, "overlap": self.overlap}}
+        with fx_traceback.annotate(tag):
+            sent = c10d.all_to_all_single(x.contiguous(), recv, send, self.group)
+            return c10d.wait_tensor(sent)
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Key and value stacked, to travel as one block (tagged, so CSE keeps backward's own)."""
+        with fx_traceback.annotate({meta.CP_RING: {"attention": self.name, "moves": "kv", "step": 0,
+                                                   "overlap": self.overlap}}):
+            return torch.stack([k, v])
+
+    def ranges(self, rank: int, length: int) -> list[tuple[int, int]]:
+        """Global token ranges of ``rank``'s local sequence (``length`` tokens), in local order."""
+        if self.balanced:
+            half = length // 2
+            return [(c * half, (c + 1) * half) for c in rank_chunks(rank, self.n)]
+        return [(rank * length, (rank + 1) * length)]
+
+    def blocks(self, source: int, length: int, causal: bool) -> list[tuple[slice, slice, bool]]:
+        """Kernel calls for this rank's queries against ``source``'s keys: (query rows, key
+        rows, causal) in local indices."""
+        whole = slice(0, length)
+        if not causal:
+            return [(whole, whole, False)]
+        if source == self.rank:
+            return [(whole, whole, True)]  # both in increasing order: the one-device mask holds
+        calls = []
+        q_ranges, k_ranges = self.ranges(self.rank, length), self.ranges(source, length)
+        piece = length // len(q_ranges)
+        visible_by_row = []
+        for qi, (q0, _) in enumerate(q_ranges):
+            # Chunks never overlap partly: a key chunk is wholly before or wholly after a query one.
+            visible = [ki for ki, (_, k1) in enumerate(k_ranges) if k1 <= q0]
+            visible_by_row.append(tuple(visible))
+        k_piece = length // len(k_ranges)
+        for qi, visible in enumerate(visible_by_row):
+            if not visible:
+                continue
+            rows = slice(qi * piece, (qi + 1) * piece)
+            keys = slice(visible[0] * k_piece, (visible[-1] + 1) * k_piece)
+            if calls and calls[-1][1] == keys and calls[-1][0].stop == rows.start:
+                calls[-1] = (slice(calls[-1][0].start, rows.stop), keys, False)
+            else:
+                calls.append((rows, keys, False))
+        return calls
+
+
+def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
+    return x.narrow(SEQ, rows.start, rows.stop - rows.start)
+
+
+def _take(x: torch.Tensor, dim: int, index_ranges, part: slice) -> torch.Tensor:
+    """Entries of ``x`` along ``dim`` at the global ``index_ranges`` (a rank's tokens), then its
+    local ``part`` of them."""
+    pieces = [x.narrow(dim, a, b - a) for a, b in index_ranges]
+    local = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+    return local.narrow(dim, part.start, part.stop - part.start)
+
+
+def _mask_block(mask, ring: Ring, source: int, length: int, rows: slice, keys: slice):
+    """The whole additive mask's entries for this rank's query ``rows`` against ``source``'s ``keys``."""
+    if mask is None:
+        return None
+    by_rows = _take(mask, mask.dim() - 2, ring.ranges(ring.rank, length), rows)
+    return _take(by_rows, mask.dim() - 1, ring.ranges(source, length), keys)
+
+
+def _merge(out, lse, rows: slice, block_out, block_lse):
+    """``out``/``lse`` (fp32, every local row) with one block's result on ``rows`` merged in."""
+    old_out, old_lse = _rows(out, rows), lse.narrow(SEQ, rows.start, rows.stop - rows.start)
+    new_lse = torch.logaddexp(old_lse, block_lse)
+    safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    merged = old_out * torch.exp(old_lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
+    return _splice(out, rows, merged), _splice(lse, rows, new_lse)
+
+
+def _splice(x, rows: slice, part):
+    if rows.start == 0 and rows.stop == x.shape[SEQ]:
+        return part
+    pieces = [x.narrow(SEQ, 0, rows.start), part, x.narrow(SEQ, rows.stop, x.shape[SEQ] - rows.stop)]
+    return torch.cat([p for p in pieces if p.shape[SEQ]], dim=SEQ)
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def forward(ring: Ring, q, k, v, is_causal: bool, mask, scale):
+    """Local output and log-sum-exp of this rank's queries against the whole sequence."""
+    length = q.shape[SEQ]
+    acc = _accumulate_dtype(q.dtype)
+    out = lse = None
+    kv = ring.pack(k, v)
+    for step in range(ring.n):
+        source = ring.source(step)
+        following = ring.shift(kv, "kv", step + 1) if step + 1 < ring.n else None
+        for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
+            block_mask = _mask_block(mask, ring, source, length, rows, keys)
+            o, l = SDPA(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), 0.0, causal,
+                        attn_mask=block_mask, scale=scale)
+            o, l = o.to(acc), l.to(acc)
+            if block_mask is not None:  # rows this block masks entirely add nothing
+                hidden = torch.isneginf(block_mask).all(-1).expand_as(l)
+                l = torch.where(hidden, torch.full_like(l, float("-inf")), l)
+            if out is None:
+                full = torch.zeros(q.shape, dtype=acc, device=q.device)
+                out, lse = full, torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+            out, lse = _merge(out, lse, rows, o, l)
+        if following is not None:
+            kv = following
+    # A row no key is visible to (only under an explicit mask): 0 and lse 0, as the one-device kernel.
+    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return out.to(q.dtype), lse
+
+
+def backward(ring: Ring, grad_out, q, k, v, out, lse, is_causal: bool, mask, scale):
+    """dQ, dK, dV of this rank's blocks (each rank's dK/dV complete after the ring closes)."""
+    length = q.shape[SEQ]
+    acc = _accumulate_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv = ring.pack(k, v)
+    own = travelling = None
+    for step in range(ring.n):
+        source = ring.source(step)
+        following = ring.shift(kv, "kv", step + 1) if step + 1 < ring.n else None
+        arrived = ring.shift(travelling, "dkv", step) if step >= 2 else None
+        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+        for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
+            block_mask = _mask_block(mask, ring, source, length, rows, keys)
+            gq, gk, gv = SDPA_BACKWARD(
+                _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
+                _rows(out, rows), lse.narrow(SEQ, rows.start, rows.stop - rows.start), 0.0, causal,
+                attn_mask=block_mask, scale=scale)
+            dq = _splice(dq, rows, _rows(dq, rows) + gq.to(acc))
+            grads = torch.stack([gk, gv]).to(acc)
+            dkv = torch.stack([_splice(dkv[i], keys, dkv[i].narrow(SEQ, keys.start, keys.stop - keys.start) + grads[i])
+                               for i in range(2)])
+        if step == 0:
+            own = dkv
+        else:
+            travelling = dkv if arrived is None else arrived + dkv
+        if following is not None:
+            kv = following
+    if ring.n > 1:
+        own = own + ring.shift(travelling, "dkv", ring.n)
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
+
+
+def ring_kernels(axis: int, balanced: bool, overlap: bool, name: str):
+    """The forward and backward local kernels lowering calls with DTensors (cp/attention.py)."""
+
+    def ring_of(x):
+        return Ring(compat.spec_of(x).mesh, axis, balanced, overlap, name)
+
+    def check(dropout_p):
+        if dropout_p:
+            raise ValueError(
+                f"ring attention (node {name}) cannot apply attention dropout (dropout_p={dropout_p}): "
+                "each block would draw other random numbers than one device; set the attention "
+                "dropout to 0 or use hp.ContextParallel(mode='all_to_all')")
+
+    def fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        check(dropout_p)
+        ring = ring_of(query)
+        local = [compat.local_of(x) for x in (query, key, value)]
+        mask = compat.local_of(attn_mask) if attn_mask is not None else None
+        o, l = forward(ring, *local, is_causal, mask, scale)
+        return o, l
+
+    def bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        check(dropout_p)
+        ring = ring_of(query)
+        local = [compat.local_of(x) for x in (grad_out, query, key, value, out, lse)]
+        mask = compat.local_of(attn_mask) if attn_mask is not None else None
+        return backward(ring, *local, is_causal, mask, scale)
+
+    return fwd, bwd
