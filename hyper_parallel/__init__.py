@@ -14,7 +14,7 @@ from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPol
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
-from .cp import AsyncContextParallel, ContextParallel
+from .cp import AsyncContextParallel, ContextParallel, shard_sequence
 from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 from .parallel_dims import ParallelDims
 from .pipeline import (
@@ -45,6 +45,7 @@ __all__ = [
     "CheckpointError",
     "AsyncContextParallel",
     "ContextParallel",
+    "shard_sequence",
     "ExpertParallel",
     "ExpertTensorParallel",
     "ExpertWeightTensorParallel",

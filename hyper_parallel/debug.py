@@ -23,35 +23,10 @@ import torch
 from . import compat
 from .compile.capture import module_fqn_of, source_line
 from .ir import meta
+from .ir.collectives import collective_kind
 from .layout import format_placements
 
-c10d = torch.ops._c10d_functional
 log = logging.getLogger(__name__)
-
-COLLECTIVE_KINDS = {
-    c10d.all_reduce.default: "all_reduce",
-    c10d.all_reduce_.default: "all_reduce",  # in place: the bucketing pass's fused gradient buckets
-    c10d.all_gather_into_tensor.default: "all_gather",
-    c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    c10d.all_to_all_single.default: "all_to_all",
-    c10d.broadcast.default: "broadcast",
-}
-
-
-# A ring transfer of context parallelism (cp/ring.py) is an all_to_all_single in which each rank
-# sends its whole tensor to one peer: a point-to-point send/recv, counted and priced as one.
-SEND_RECV = "send_recv"
-
-
-def collective_kind(node: torch.fx.Node) -> str | None:
-    """The kind a node of a lowered program counts as ("all_gather", ..., "send_recv"), or None."""
-    if node.op != "call_function":
-        return None
-    kind = COLLECTIVE_KINDS.get(node.target)
-    if kind == "all_to_all" and meta.CP_RING in node.meta:
-        return SEND_RECV
-    return kind
-
 
 @dataclasses.dataclass(frozen=True)
 class Collective:

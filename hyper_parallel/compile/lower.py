@@ -152,8 +152,13 @@ class _LocalInterpreter:
         self.experts = ExpertLowering(captured.expert_regions, mesh)
         self.balancer = _balancer(captured, mesh, context)
 
-    def redistribute(self, dt, target, source_node_name: str, grad_of: str | None = None):
-        return _redistribute(dt, target, source_node_name, grad_of, self.balancer)
+    def redistribute(self, dt, target, source_node_name: str, grad_of: str | None = None, *,
+                     parameter: bool = False):
+        """``_redistribute`` keeping the balanced sequence order for activations. A parameter's
+        way from storage to compute (``parameter``) or a gradient's to its storage (``grad_of``) may
+        be sharded over the cp axis too (FSDP over dp_shard x cp), but not along a sequence."""
+        activation = not parameter and grad_of is None
+        return _redistribute(dt, target, source_node_name, grad_of, self.balancer if activation else None)
 
     def __call__(self, primals, tangents):
         graph = self.captured.gm.graph
@@ -184,7 +189,7 @@ class _LocalInterpreter:
             parent, idx = node.args
             return env[parent][idx]
         if node.target in (BOUNDARY, BOUNDARY_GRAD, UNSHARD):
-            return self.redistribute(env[node.args[0]], layout.output, node.name)
+            return self.redistribute(env[node.args[0]], layout.output, node.name, parameter=node.target is UNSHARD)
 
         flat, tree = pytree.tree_flatten((node.args, node.kwargs))
         wanted = iter(layout.inputs)
@@ -239,21 +244,21 @@ class _LocalInterpreter:
             value = env[slot]
             pending = self.captured.pending_inputs.get(i)
             if pending is not None:
-                value = _add_pending(value, env[pending], slot.name, grad_of, self.balancer)
-            local = compat.local_of(self.redistribute(value, want, "output", grad_of))
-            if self.balancer is not None and info.kind in (OutputKind.OUTPUT, OutputKind.INPUT_GRAD):
+                value = _add_pending(value, env[pending], slot.name, grad_of)
+            user_facing = info.kind in (OutputKind.OUTPUT, OutputKind.INPUT_GRAD)
+            local = compat.local_of(self.redistribute(value, want, "output", grad_of, parameter=not user_facing))
+            if self.balancer is not None and user_facing:
                 with fx_traceback.annotate({meta.SOURCE: slot.name}):
                     local = self.balancer.exit(local, want)  # balanced -> the user's sequence order
             results.append(local)
         return results
 
 
-def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of: str,
-                 balancer: Balancer | None) -> DTensor:
+def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of: str) -> DTensor:
     """``grad`` + the gradient accumulated for it by earlier micro-steps, added where ``grad``'s
     way to its final layout passes through ``pending``'s layout (propagation/accumulation.py)."""
     spec = compat.spec_of(pending)
-    grad = _redistribute(grad, spec, source_node_name, grad_of, balancer)
+    grad = _redistribute(grad, spec, source_node_name, grad_of)
     with fx_traceback.annotate({meta.SOURCE: source_node_name, meta.ROLE: meta.ROLE_ACCUMULATE}):
         total = compat.local_of(grad) + compat.local_of(pending)
     return compat.dtensor_from_spec(total, spec)

@@ -31,7 +31,7 @@ from ..compat import pytree
 from ..compile.capture import module_fqn_of
 from ..compat import op_overload_name
 from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
-from ..debug import collective_kind
+from ..ir.collectives import collective_kind
 from .compute import node_work, roofline_time, tensor_bytes
 from .hardware import HardwareProfile, get_profile
 from ..ir import meta

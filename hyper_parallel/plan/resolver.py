@@ -333,6 +333,8 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
     # different batch rows), as torchtitan borrows expert-parallel ranks from data parallelism.
     expert_axes = {r.axis for r in experts.values() if r.axis is not None}
     dp_axes = tuple(a for a in resolver.names if a in data_parallel_axes(mesh) or a in expert_axes)
+    if context is not None:
+        check_sequence_axis_order(context, resolver.names, resolver.shape, dp_axes)
     outputs = resolver.resolve_outputs(dp_axes)
     # fully_shard / recompute / swap / pipeline are not resolved here: later compiler stages read
     # them from the plan (and reject what they do not support yet).
@@ -354,6 +356,21 @@ def resolve_plan(plan: Any, model: nn.Module, mesh: Any) -> ResolvedPlan:
         experts=experts,
         context=context,
     )
+
+
+def check_sequence_axis_order(context, names: tuple[str, ...], shape: tuple[int, ...], dp_axes) -> None:
+    """The sequence axis comes after every data-parallel axis of size > 1, as ``ParallelDims``
+    orders them. With the sequence axis first, DTensor's layout of the ``[batch * sequence]``
+    flatten of the loss (a ``_StridedShard`` over cp, ``Shard`` over dp) gave a wrong loss in both
+    context-parallel modes; the order is refused rather than run."""
+    position = names.index(context.axis)
+    later = [a for a in dp_axes if names.index(a) > position and shape[names.index(a)] > 1]
+    if later:
+        raise ValueError(
+            f"{context.source}: mesh axis {context.axis!r} comes before the data-parallel "
+            f"axis{'es' if len(later) > 1 else ''} {later} (mesh {list(names)}); put the sequence axis after "
+            "the data-parallel ones, e.g. ('dp', 'cp') as hp.ParallelDims builds it"
+        )
 
 
 def check_mesh_axes_used(resolved: ResolvedPlan, plan: ParallelPlan) -> None:

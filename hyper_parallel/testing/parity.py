@@ -124,9 +124,7 @@ def local_batch(batch: dict, mesh) -> dict:
         index = index * mesh.size(i) + mesh.get_local_rank(i)
     out = {k: v.chunk(degree, dim=0)[index] for k, v in batch.items()}
     if "cp" in mesh.mesh_dim_names:
-        cp = mesh.mesh_dim_names.index("cp")
-        out = {k: v.chunk(mesh.size(cp), dim=1)[mesh.get_local_rank(cp)] if v.dim() > 1 else v
-               for k, v in out.items()}
+        out = hp.shard_sequence(out, mesh)
     return out
 
 

@@ -22,11 +22,12 @@ from ..explain import compile_for_explain, fake_world
 __all__ = ["LayerStack", "assert_right_before_first_use", "assert_valid_order", "copy_graph_module", "pass_input"]
 
 
-def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
+def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, *, axis: str = "dp", inputs=None,
+               **options):
     """``(gm, ctx)``: a copy of the joint graph pass ``upto`` receives when ``model_fn()`` is
-    parallelized with ``plan`` on a simulated ``world``-rank ``dp`` mesh as ``rank``, and the pass
-    context it runs with (``on_pass`` and ``disable_passes`` cleared). The model takes one ``(4, 8)``
-    input."""
+    parallelized with ``plan`` on a simulated ``world``-rank mesh of one ``axis`` as ``rank``, and
+    the pass context it runs with (``on_pass`` and ``disable_passes`` cleared). The model takes one
+    ``(4, 8)`` input, or the keyword arguments ``inputs`` (meta tensors, this rank's shapes)."""
     seen = {}
 
     def record(gm, ctx):
@@ -37,11 +38,11 @@ def pass_input(model_fn, plan, world: int, upto: str, rank: int = 0, **options):
     names = passes.pass_names()
     recording = [(name, record if name == upto else fn) for name, fn in passes.PASSES]
     with fake_world(world, rank), mock.patch.object(passes, "PASSES", recording):
-        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=(axis,))
         with hp.init_empty_weights():
             model = model_fn()
-        compile_for_explain(model, plan, mesh, (torch.empty(4, 8, device="meta"),),
-                            disable_passes=names[names.index(upto) + 1:], **options)
+        args = () if inputs is not None else (torch.empty(4, 8, device="meta"),)
+        compile_for_explain(model, plan, mesh, args, inputs, disable_passes=names[names.index(upto) + 1:], **options)
     return seen["gm"], seen["ctx"]
 
 

@@ -1,94 +1,189 @@
-"""Context parallelism (hp.ContextParallel, all-to-all mode): the sequence sharded over ``cp``,
-attention made exact by swapping heads and sequence around it. Parity with one device (loss and
-every gradient, 3 SGD steps, padded labels) for the example Llama and HF Llama, alone and composed
-with data parallelism, FSDP and tensor parallelism; the all-to-alls read from the programs; errors."""
+"""Context parallelism: the sequence sharded over ``cp``, attention made exact around it.
+
+Both modes: all-to-all (``hp.ContextParallel()``: heads and sequence swapped around each
+attention) and ring (``hp.ContextParallel(mode="ring")``: K/V blocks around the cp ring, with and
+without the load-balanced causal order; ``hp.AsyncContextParallel()``: each transfer overlapping
+the current block). Parity with one device (loss and every gradient, 3 SGD steps, padded labels)
+for the example Llama and HF Llama, alone and composed with data parallelism, FSDP (fp32 and bf16),
+tensor parallelism and a pipeline; the collectives counted and read from the programs; the
+per-rank attention work; errors."""
 
 import pytest
 import torch
 
 import hyper_parallel as hp
+from hyper_parallel.ir import meta
 from hyper_parallel.models.plans import llama_tp_plan
-from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model, build_plan, error_message, global_batch,
-                                           local_batch, run_parity)
+from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model, build_plan,
+                                           error_message, global_batch, local_batch, run_parity, run_pipeline_parity)
 
-CP = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel()}}
-BATCH, SEQ, HEADS, HEAD_DIM, FP32 = 4, 16, 4, 16, 4
+ATTENTION = "model.layers.*.self_attn"
+STYLES = {
+    "all_to_all": hp.ContextParallel(),
+    "ring": hp.ContextParallel(mode="ring"),
+    "ring_flat": hp.ContextParallel(mode="ring", load_balance=False),
+    "async": hp.AsyncContextParallel(),
+}
+BATCH, SEQ, HEADS, HEAD_DIM, LAYERS, FP32 = 4, 16, 4, 16, 2, 4
+c10d = torch.ops._c10d_functional
+SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _plan(style: str, **extra) -> dict:
+    return {"context_parallel": {ATTENTION: STYLES[style]}, **extra}
 
 
 def _per_layer_all_to_all_bytes(cp: int, batch: int = BATCH) -> int:
-    """Forward, one attention: query, key, value and output [B, H, S/cp, D] and the log-sum-exp
-    [B, H, S/cp], each this rank's input of one all-to-all (key/value repeated to the query heads
-    before attention, as the example Llama and HF Llama do)."""
+    """All-to-all mode, forward, one attention: query, key, value and output [B, H, S/cp, D] and
+    the log-sum-exp [B, H, S/cp], each this rank's input of one all-to-all (key/value repeated to
+    the query heads before attention, as the example Llama and HF Llama do)."""
     local = batch * HEADS * (SEQ // cp)
     return 4 * local * HEAD_DIM * FP32 + local * FP32
 
 
-@pytest.mark.parametrize("model", ["llama", "hf:LlamaForCausalLM"])
-def test_cp2_parity_and_all_to_alls(dist2, model):
-    """Per attention: forward moves query, key, value to head-sharded and output and log-sum-exp
-    back (5 all-to-alls); backward moves the output gradient, the output and log-sum-exp to heads
-    and the three gradients back (6; the head-sharded query/key/value of forward are reused).
-    Nothing else crosses cp but the labels' one-token shift (a small all-gather of the integer
-    labels), the loss's sum and token count, and the parameters' gradients."""
-    results = dist2.run(run_parity, model, "cp", (2,), ("cp",), ignore_fraction=0.3,
-                        model_overrides={"num_hidden_layers": 2})
+def _kv_block_bytes(cp: int, batch: int = BATCH) -> int:
+    """Ring mode: one transfer carries a rank's key and value blocks [2, B, H, S/cp, D] (fp32);
+    backward's dK/dV accumulators are the same size."""
+    return 2 * batch * HEADS * (SEQ // cp) * HEAD_DIM * FP32
+
+
+def _check_ring_transfers(collectives: dict, cp: int, batch: int = BATCH) -> None:
+    """Per attention, (cp-1) K/V blocks forward; backward the K/V blocks again and (cp-1) dK/dV
+    accumulators: exactly these sends, with these bytes."""
+    forward, backward = collectives["forward"]["send_recv"]["cp"], collectives["backward"]["send_recv"]["cp"]
+    block = _kv_block_bytes(cp, batch)
+    assert forward == {"count": LAYERS * (cp - 1), "bytes": LAYERS * (cp - 1) * block}, forward
+    assert backward == {"count": LAYERS * 2 * (cp - 1), "bytes": LAYERS * 2 * (cp - 1) * block}, backward
+
+
+@pytest.mark.parametrize("model,style", [
+    ("llama", "all_to_all"), ("hf:LlamaForCausalLM", "all_to_all"),
+    ("llama", "ring"), ("llama", "ring_flat"), ("hf:LlamaForCausalLM", "async"),
+])
+def test_cp2_parity_and_collectives(dist2, model, style):
+    """All-to-all mode, per attention: forward moves query, key, value to head-sharded and output
+    and log-sum-exp back (5 all-to-alls); backward the output gradient, output and log-sum-exp to
+    heads and the three gradients back (6; forward's head-sharded q/k/v are reused). Ring mode:
+    one K/V block forward, a K/V block and a dK/dV accumulator backward. Nothing else crosses cp
+    but the labels' one-token shift (an all-gather of the integer labels), the loss's sum and token
+    count, the parameters' gradients and, with load balancing, the reordering of the inputs and the
+    logits between the user's sequence order and the balanced one."""
+    results = dist2.run(run_parity, model, _plan(style), (2,), ("cp",), ignore_fraction=0.3,
+                        model_overrides={"num_hidden_layers": LAYERS})
     collectives = results[0]["summary"]["collectives"]
     forward, backward = collectives["forward"], collectives["backward"]
-    assert forward["all_to_all"]["cp"] == {"count": 2 * 5, "bytes": 2 * _per_layer_all_to_all_bytes(2)}
-    assert backward["all_to_all"]["cp"]["count"] == 2 * 6
+    if style == "all_to_all":
+        assert forward["all_to_all"]["cp"] == {"count": LAYERS * 5, "bytes": LAYERS * _per_layer_all_to_all_bytes(2)}
+        assert backward["all_to_all"]["cp"]["count"] == LAYERS * 6
+        assert "send_recv" not in forward
+    else:
+        _check_ring_transfers(collectives, 2)
+        balanced = style != "ring_flat"
+        # Input ids and labels in, logits out (and the logits' tangent in backward), when balanced.
+        assert forward.get("all_to_all", {}).get("cp", {}).get("count", 0) == (3 if balanced else 0)
     assert forward["all_gather"]["cp"]["bytes"] <= BATCH * SEQ * 8  # the labels, never activations
     assert "all_gather" not in backward
     assert results[0]["summary"]["fallbacks"] == []
 
 
-def _attention_schedule() -> list[str]:
-    """Rank 0's compiled forward, reduced to its all-to-alls and attention kernels, in order."""
+def _attention_schedule(style: str) -> dict[str, list[str]]:
+    """Rank 0's compiled programs reduced to their attention kernels, all-to-alls and ring
+    transfers (issue and wait), in program order."""
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    model = hp.parallelize(build_model("llama", num_hidden_layers=2), build_plan("cp"), mesh)
+    model = hp.parallelize(build_model("llama", num_hidden_layers=LAYERS), _plan(style), mesh)
     model(**local_batch(global_batch("llama", BATCH, SEQ), mesh))["loss"].backward()
-    forward, _ = model.compiled_programs()
-    kinds = {torch.ops._c10d_functional.all_to_all_single.default: "a2a",
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "attention"}
-    return [kinds[n.target] for n in forward.graph.nodes if n.op == "call_function" and n.target in kinds]
+    schedules = {}
+    for phase, program in zip(("forward", "backward"), model.compiled_programs()):
+        events = []
+        for node in program.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target in (SDPA, SDPA_BACKWARD):
+                events.append("attention")
+            elif node.target is c10d.all_to_all_single.default:
+                events.append(f"send {node.meta[meta.CP_RING]['moves']}" if meta.CP_RING in node.meta else "a2a")
+            elif node.target is c10d.wait_tensor.default and meta.CP_RING in node.args[0].meta:
+                events.append(f"wait {node.args[0].meta[meta.CP_RING]['moves']}")
+        schedules[phase] = [e for e in events if e != "a2a" or style == "all_to_all"]
+    return schedules
 
 
-def test_cp_all_to_alls_surround_each_attention(dist2):
+def test_all_to_alls_surround_each_attention(dist2):
     """Read from the compiled forward: each attention kernel is preceded by exactly its query, key
     and value all-to-alls and followed by its output and log-sum-exp ones, layer after layer."""
     layer = ["a2a"] * 3 + ["attention"] + ["a2a"] * 2
-    assert dist2.run(_attention_schedule)[0] == layer * 2
+    assert dist2.run(_attention_schedule, "all_to_all")[0]["forward"] == layer * LAYERS
 
 
-@pytest.mark.parametrize("case", ["cp4", "dp_cp", "fsdp_cp", "tp_cp"])
+def test_async_ring_transfers_overlap_the_current_block(dist2):
+    """ContextParallel(mode="ring") waits for each K/V block before the attention of the block it
+    holds; AsyncContextParallel (the ring_overlap pass) waits after it, forward and backward, so
+    the transfer is in flight while the current block computes. cp=2: forward is own block, then
+    the received one; backward the same, then the dK/dV accumulator goes home."""
+    sync, overlapped = dist2.run(_attention_schedule, "ring")[0], dist2.run(_attention_schedule, "async")[0]
+    assert sync["forward"] == ["send kv", "wait kv", "attention", "attention"] * LAYERS
+    assert overlapped["forward"] == ["send kv", "attention", "wait kv", "attention"] * LAYERS
+    assert overlapped["backward"] == ["send kv", "attention", "wait kv", "attention", "send dkv", "wait dkv"] * LAYERS
+
+
+CASES = {
+    "a2a_cp4": ("llama", _plan("all_to_all"), (4,), ("cp",)),
+    "a2a_dp_cp": ("llama", _plan("all_to_all"), (2, 2), ("dp", "cp")),
+    "ring_cp4": ("llama", _plan("ring"), (4,), ("cp",)),
+    "ring_flat_cp4_hf": ("hf:LlamaForCausalLM", _plan("ring_flat"), (4,), ("cp",)),
+    "ring_fsdp_cp": ("llama", _plan("ring", fully_shard={"units": ["model.layers.*", ""]}), (2, 2), ("dp_shard", "cp")),
+    "async_tp_cp": ("llama", _plan("async", **llama_tp_plan()), (2, 2), ("cp", "tp")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 def test_cp_composes(dist4, case):
-    """cp=4; dp=2 x cp=2 (ranks take different rows and tokens, padded labels); FSDP over
-    dp_shard x cp (dense weights sharded over all four ranks, reduce-scattered over both axes, no
-    gradient all-reduce over cp); tensor parallelism x cp (heads split over tp, then over cp)."""
-    plans = {
-        "cp4": (CP, (4,), ("cp",)),
-        "dp_cp": (CP, (2, 2), ("dp", "cp")),
-        "fsdp_cp": ({**CP, "fully_shard": {"units": ["model.layers.*", ""]}}, (2, 2), ("dp_shard", "cp")),
-        "tp_cp": ({**CP, **llama_tp_plan()}, (2, 2), ("cp", "tp")),
-    }
-    plan, shape, names = plans[case]
-    results = dist4.run(run_parity, "llama", plan, shape, names, ignore_fraction=0.3,
-                        model_overrides={"num_hidden_layers": 2})
+    """cp=4 in both modes (ring with and without load balancing); dp=2 x cp=2 (ranks take
+    different rows and tokens, padded labels); FSDP over dp_shard x cp (dense weights sharded over
+    all four ranks, reduce-scattered over both axes, no gradient all-reduce over cp); tensor
+    parallelism x cp (heads split over tp, the ring over cp)."""
+    model, plan, shape, names = CASES[case]
+    results = dist4.run(run_parity, model, plan, shape, names, ignore_fraction=0.3,
+                        model_overrides={"num_hidden_layers": LAYERS})
     collectives = results[0]["summary"]["collectives"]
-    assert collectives["forward"]["all_to_all"]["cp"]["count"] == 2 * 5
-    if case == "fsdp_cp":
+    cp = shape[names.index("cp")]
+    batch = BATCH // 2 if "dp" in names or "dp_shard" in names else BATCH
+    if case.startswith("a2a"):
+        assert collectives["forward"]["all_to_all"]["cp"]["count"] == LAYERS * 5
+    elif case == "async_tp_cp":  # the heads are split over tp: half the block per transfer
+        assert collectives["forward"]["send_recv"]["cp"]["count"] == LAYERS * (cp - 1)
+        assert collectives["forward"]["send_recv"]["cp"]["bytes"] == LAYERS * (cp - 1) * _kv_block_bytes(cp) // 2
+    else:
+        _check_ring_transfers(collectives, cp, batch)
+    if case == "ring_fsdp_cp":
         assert collectives["backward"]["reduce_scatter"]["cp"]["count"] == 3  # one per unit
         assert "cp" not in collectives["backward"].get("all_reduce", {})
 
 
+def test_ring_cp_with_a_pipeline(dist4):
+    """Two pipeline stages, each a cp=2 ring (async, load-balanced): gradients reduced over cp
+    once per step, each stage's attention with its K/V ring."""
+    plan = {"pipeline": hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B", num_microbatches=2),
+            **_plan("async")}
+    results = dist4.run(run_pipeline_parity, plan, (2, 2), ("pp", "cp"), num_layers=LAYERS, batch=BATCH,
+                        ignore_fraction=0.3)
+    stage0 = results[0]["summary"]["collectives"]
+    assert stage0["stage0 forward"]["send_recv"]["cp"]["count"] == 1  # one layer per stage, cp - 1 blocks
+    assert stage0["stage0 backward"]["send_recv"]["cp"]["count"] == 2
+    assert "all_reduce" not in stage0["stage0 backward (no sync)"]  # gradients reduced once per step
+
+
 def _bf16_fsdp_cp() -> None:
-    """FSDP (bf16 parameters, fp32 reduction) over dp_shard x cp against one device computing in
-    bf16 from the same fp32 master weights."""
+    """FSDP (bf16 parameters, fp32 reduction) over dp_shard x cp with load-balanced ring attention
+    (fp32 merging and dK/dV accumulation) against one device computing in bf16 from the same fp32
+    master weights."""
     import copy
 
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
-    master = build_model("llama", num_hidden_layers=2)
+    master = build_model("llama", num_hidden_layers=LAYERS)
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    plan = {**CP, "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
+    plan = _plan("ring", fully_shard=hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy))
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
     full = global_batch("llama", BATCH, SEQ, ignore_fraction=0.3)
     compute, ref_loss = bf16_reference_step(master, full)
@@ -101,18 +196,50 @@ def test_cp_bf16_mixed_precision_fsdp(dist4):
     dist4.run(_bf16_fsdp_cp)
 
 
+def _attention_flops_per_rank(style: str) -> float:
+    """This rank's attention FLOPs (forward and backward) by the cost model's per-node count."""
+    from hyper_parallel.cost.compute import node_work
+
+    mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    model = hp.parallelize(build_model("llama", num_hidden_layers=1), _plan(style), mesh)
+    model(**local_batch(global_batch("llama", 2, 64), mesh))["loss"].backward()
+    return sum(node_work(n).flops for program in model.compiled_programs() for n in program.graph.nodes
+               if n.op == "call_function" and n.target in (SDPA, SDPA_BACKWARD))
+
+
+def test_load_balance_evens_the_causal_attention_work(dist4):
+    """cp=4, causal: with load balancing each rank computes one causal block of its two chunks and
+    half of every other rank's block, so the attention FLOPs per rank agree within 5%; without it
+    the last rank attends to the whole sequence and the first to its own slice only."""
+    balanced = dist4.run(_attention_flops_per_rank, "ring")
+    flat = dist4.run(_attention_flops_per_rank, "ring_flat")
+    assert max(balanced) <= 1.05 * min(balanced), balanced
+    assert flat[3] > 5 * flat[0] and flat == sorted(flat), flat
+    assert abs(sum(balanced) - sum(flat)) <= 0.01 * sum(flat)  # the same work, spread differently
+
+
 def _errors() -> dict:
     cp2 = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    # 3 heads of 16 dims: cp=2 cannot split them.
+    # 3 heads of 16 dims: all-to-all mode cannot split them over cp=2 (ring mode can).
     odd_heads = build_model("llama", num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3,
                             hidden_size=48)
-    ring = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel(mode="ring")}}
+    odd_tokens = local_batch(global_batch("llama", 2, 14), cp2)  # 7 tokens per rank: no 2 * cp chunks
+    eager = build_model("hf:LlamaForCausalLM", num_hidden_layers=1, attn_implementation="eager")
+    eager_batch = local_batch(global_batch("llama", 2, 16), cp2)
+
+    def first_call(model, plan, batch):
+        return hp.parallelize(model, plan, cp2)(**batch)
+
+    ring_odd = build_model("llama", num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3, hidden_size=48)
     return {
         "unused": error_message(hp.parallelize, build_model("llama", num_hidden_layers=1), {}, cp2),
         "heads": error_message(hp.parallelize, odd_heads, build_plan("cp"), cp2),
-        "ring": error_message(hp.parallelize, build_model("llama", num_hidden_layers=1), ring, cp2),
+        "ring_heads": error_message(hp.parallelize, ring_odd, _plan("ring"), cp2),
+        "odd_tokens": error_message(first_call, build_model("llama", num_hidden_layers=1), _plan("ring"), odd_tokens),
+        "eager": error_message(first_call, eager, _plan("ring"), eager_batch),
         "glob": error_message(hp.parallelize, build_model("llama", num_hidden_layers=1),
                               {"context_parallel": {"model.layers.*.attn": hp.ContextParallel()}}, cp2),
+        "shard": error_message(hp.shard_sequence, {"input_ids": torch.zeros(2, 7)}, cp2),
     }
 
 
@@ -121,5 +248,49 @@ def test_errors_name_the_entry_and_the_fix(dist2):
     assert errors["unused"].startswith("ValueError: mesh axis 'cp' (size 2) is used by no plan entry"), errors
     assert "hp.ContextParallel()" in errors["unused"]
     assert "module 'model.layers.0.self_attn' has 3 heads, which cp=2 does not divide" in errors["heads"], errors
-    assert "ring attention" in errors["ring"] and "mode='all_to_all'" in errors["ring"], errors
+    assert errors["ring_heads"] == "no error", errors  # the ring splits the sequence, not the heads
+    assert "sequence of 14 tokens into 2*cp=4 chunks" in errors["odd_tokens"], errors
+    assert "load_balance=False" in errors["odd_tokens"]
+    assert errors["eager"].startswith("ValueError: context parallelism"), errors
+    assert "would gather the whole sequence" in errors["eager"] and "attn_implementation='sdpa'" in errors["eager"]
+    assert "modeling_llama.py" in errors["eager"]  # the source line of the op
     assert errors["glob"].startswith("ValueError: context_parallel") and "matches no module" in errors["glob"], errors
+    assert errors["shard"].startswith("ValueError: shard_sequence: dim 1"), errors
+
+
+def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
+    """cp/ring.py's kernels run eagerly on this rank's tokens (real transfers) against the one-device
+    kernel on the whole sequence: causal, and an explicit additive mask under which some query rows
+    see none of another rank's keys and one row sees no key at all."""
+    from hyper_parallel.cp.load_balance import permute
+    from hyper_parallel.cp.ring import Ring, backward, forward
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    ring = Ring(mesh, 0, balanced=balanced, overlap=False, name="sdpa")
+    n, length = 2, 8
+    seq = n * length
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 3, seq, 4, generator=g, dtype=torch.float64) for _ in range(4))
+    mask = torch.zeros(seq, seq, dtype=torch.float64)
+    mask[:6, 4:] = float("-inf")  # rows 0-5 see keys 0-3 only: no key of the other rank's block
+    mask[5, :] = float("-inf")  # row 5 sees nothing (the kernel gives 0 and a log-sum-exp of 0)
+    errors = {}
+    for label, causal, m in (("causal", True, None), ("mask", False, mask)):
+        out, lse = SDPA(q, k, v, 0.0, causal, attn_mask=m)
+        dq, dk, dv = SDPA_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m)
+
+        def mine(x, dim=2):  # this rank's tokens, in the program's order
+            x = permute(x, dim, seq, n) if balanced else x
+            return x.narrow(dim, ring.rank * length, length)
+
+        o, l = forward(ring, mine(q), mine(k), mine(v), causal, m, None)
+        grads = backward(ring, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None)
+        pairs = [(o, mine(out)), (l, mine(lse)), *zip(grads, (mine(dq), mine(dk), mine(dv)))]
+        errors[label] = max((a - b).abs().max().item() for a, b in pairs)
+    return errors
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+def test_ring_kernel_matches_the_whole_sequence(dist2, balanced):
+    for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced)):
+        assert max(errors.values()) < 1e-12, (rank, errors)

@@ -10,6 +10,7 @@ on 2 ranks and on 1.
 
 import pytest
 
+import hyper_parallel as hp
 from hyper_parallel.testing.distributed import get_pool
 from hyper_parallel.testing.memory_tracker import measure_training_memory
 
@@ -86,3 +87,17 @@ def test_estimate_matches_measured_peak_one_rank(dist1):
     for name in ("none", "selective", "full", "swap"):
         result = dist1.run(measure_training_memory, "llama", PLANS[name], (1,), ("dp",), model_overrides=MODEL)[0]
         _check(result, f"{name} / 1 rank")
+
+
+def test_context_parallel_divides_saved_activations(dist1, dist4):
+    """Ring context parallelism (load-balanced) over cp=4 against one device on the same global
+    batch and sequence: the estimate matches the measured peaks on every rank as for the plans
+    above, and each rank saves at most 0.3 of one device's activations for backward (its quarter
+    of the tokens; ring attention sends K/V around again in backward instead of keeping them)."""
+    ring = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel(mode="ring")}}
+    one = dist1.run(measure_training_memory, "llama", {}, (1,), ("dp",), model_overrides=MODEL)[0]
+    results = dist4.run(measure_training_memory, "llama", ring, (4,), ("cp",), model_overrides=MODEL)
+    for rank, result in enumerate(results):
+        _check(result, f"ring cp=4 / rank {rank}")
+    saved = [r["estimate"]["saved_activations"] for r in results]
+    assert max(saved) <= 0.3 * one["estimate"]["saved_activations"], (saved, one["estimate"]["saved_activations"])

@@ -65,3 +65,13 @@ def test_ring_mode_resolves_any_degree():
     assert not context.balanced
     assert resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel(mode="ring")}}, _llama(),
                         Layout((2,), ("cp",))).context.balanced
+
+
+def test_sequence_axis_after_the_data_parallel_axes():
+    """With cp before dp the loss came out wrong (DTensor's strided shard of the [batch * sequence]
+    flatten); the order is refused with the fix, in both modes."""
+    for style in (hp.ContextParallel(), hp.ContextParallel(mode="ring")):
+        with pytest.raises(ValueError, match=r"mesh axis 'cp' comes before the data-parallel axis \['dp'\] .*\('dp', 'cp'\)"):
+            resolve_plan({"context_parallel": {ATTENTION: style}}, _llama(), Layout((2, 2), ("cp", "dp")))
+    assert resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel()}}, _llama(),
+                        Layout((2, 2), ("cp", "tp"))).context.axis == "cp"  # only data-parallel axes matter
