@@ -127,6 +127,12 @@ def test_async_ring_transfers_overlap_the_current_block(dist2):
     assert overlapped["backward"] == ["send kv", "attention", "wait kv", "attention", "send dkv", "wait dkv"] * LAYERS
 
 
+def test_async_ring_without_ring_overlap_gives_the_same_numbers(dist2):
+    """The ring_overlap pass only moves waits: disabled, the async plan still matches one device."""
+    dist2.run(run_parity, "llama", _plan("async"), (2,), ("cp",), ignore_fraction=0.3, steps=2,
+              model_overrides={"num_hidden_layers": 1}, disable_passes=("ring_overlap",))
+
+
 CASES = {
     "a2a_cp4": ("llama", _plan("all_to_all"), (4,), ("cp",)),
     "a2a_dp_cp": ("llama", _plan("all_to_all"), (2, 2), ("dp", "cp")),
