@@ -146,23 +146,26 @@ class SideBySide:
     peer_times: list
 
 
-def time_side_by_side(hp_side: tuple, peer_side: tuple, batch, warmup: int, steps: int) -> SideBySide:
+def time_side_by_side(hp_side: tuple, peer_side: tuple, batch, warmup: int, steps: int,
+                      peer_batch=None) -> SideBySide:
     """hp's first step (it compiles) and the peer's, then ``warmup - 1`` and ``steps`` timed steps
-    interleaved hp / peer, so machine noise hits both alike. Each side is (model, optimizer)."""
+    interleaved hp / peer, so machine noise hits both alike. Each side is (model, optimizer).
+    ``peer_batch``: the peer's own local batch where it differs from hp's (default: ``batch``)."""
     world = dist.get_world_size()
+    peer_batch = batch if peer_batch is None else peer_batch
     dist.barrier()
     t0 = time.perf_counter()
     hp_loss0 = step(*hp_side, batch).item()
     first = time.perf_counter() - t0
-    peer_loss0 = step(*peer_side, batch)
+    peer_loss0 = step(*peer_side, peer_batch)
     dist.all_reduce(peer_loss0)
     for _ in range(warmup - 1):
         timed_step(*hp_side, batch)
-        timed_step(*peer_side, batch)
+        timed_step(*peer_side, peer_batch)
     hp_times, peer_times = [], []
     for _ in range(steps):
         hp_times.append(timed_step(*hp_side, batch))
-        peer_times.append(timed_step(*peer_side, batch))
+        peer_times.append(timed_step(*peer_side, peer_batch))
     times = slowest_rank([first] + hp_times + peer_times)
     return SideBySide(hp_loss0, peer_loss0.item() / world, times[0], times[1 : 1 + steps], times[1 + steps :])
 

@@ -8,6 +8,13 @@ Subcommands:
       hyper-parallel explain --model example --config llama3-70b --parallel dp_shard=-1,tp=8 \\
           --world-size 1024 --plan fsdp+tp --hardware h100
 
+  With a context-parallel axis the sequence is sharded over ``cp`` (ring attention, or Ulysses
+  with ``--cp-mode all_to_all``); e.g. Llama 3 8B at 128k tokens, which fits an H100 only with
+  cp (the same 64 ranks as ``dp_shard=64`` do not fit)::
+
+      hyper-parallel explain --config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 \\
+          --world-size 64 --recompute full
+
 - ``report``: one self-contained HTML page about a compile from its dump directory (passes, layouts,
   the estimated timeline, memory over the step) plus the step's Chrome trace
   (``hyper_parallel/report/``)::
@@ -26,7 +33,7 @@ __all__ = ["main"]
 
 def _build_parser() -> argparse.ArgumentParser:
     from .explain import HARDWARE, OPTIMIZERS
-    from .presets import MODEL_PRESETS, PLAN_PRESETS
+    from .presets import CP_MODES, MODEL_PRESETS, PLAN_PRESETS
 
     parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -36,6 +43,10 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Compile MODEL with PLAN for a simulated mesh of --world-size ranks (torch's fake "
         "process-group backend, meta tensors: no memory, no hardware) and print one rank's memory, "
         "collectives per step, whether it fits the device, and the cost model's step time and MFU.",
+        epilog="Context parallelism: --parallel dp_shard=8,cp=8 shards each sequence over 8 ranks (the presets add "
+        "ring attention, or Ulysses with --cp-mode all_to_all). Example: Llama 3 8B at 128k tokens fits an "
+        "H100 with cp (--config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 --world-size 64 "
+        "--recompute full: peak about 41 GiB) and not without it (--parallel dp_shard=64: about 288 GiB).",
     )
     ex.add_argument("--model", default="example",
                     help="'example' (hyper_parallel.models.LlamaForCausalLM, or models.moe.MoEForCausalLM for a "
@@ -45,8 +56,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help=f"model shape: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file of LlamaConfig "
                     "fields (may name a preset under \"base\"); default: llama3-8b")
     ex.add_argument("--parallel", default="dp_shard=-1",
-                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 (dp_replicate, dp_shard, tp, ep, etp; "
-                    "-1 infers dp_shard); default: dp_shard=-1")
+                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 or dp_shard=8,cp=8 (dp_replicate, dp_shard, "
+                    "cp, tp, ep, etp; -1 infers dp_shard); default: dp_shard=-1")
     ex.add_argument("--world-size", type=int, default=8, help="number of simulated ranks; default: 8")
     ex.add_argument("--rank", type=int, default=0, help="the rank to simulate and report; default: 0")
     ex.add_argument("--plan", default="fsdp",
@@ -57,7 +68,13 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer state to count; default: adamw")
     ex.add_argument("--local-batch", type=int, default=1,
                     help="sequences per data-parallel rank (per-rank batch); default: 1")
-    ex.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence; default: 8192")
+    ex.add_argument("--seq-len", type=int, default=8192,
+                    help="tokens per sequence (the whole sequence: with cp=N each rank holds 1/N of it); "
+                    "default: 8192")
+    ex.add_argument("--cp-mode", default="ring", choices=CP_MODES,
+                    help="attention of the plan presets when --parallel has cp > 1: ring (K/V blocks around the "
+                    "cp ring, load-balanced causal chunks) or all_to_all (Ulysses: cp "
+                    "must divide the heads); default: ring")
     ex.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                     help="compute dtype (bf16 with FSDP: fp32 master weights, fp32 reduction); default: bf16")
     ex.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
@@ -91,7 +108,7 @@ def _explain(args) -> int:
         model=args.model, config=args.config, parallel=args.parallel, world_size=args.world_size,
         plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
         local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
-        num_layers=args.layers, trace_path=args.trace, dump_dir=args.dump_dir,
+        num_layers=args.layers, cp_mode=args.cp_mode, trace_path=args.trace, dump_dir=args.dump_dir,
     )
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))

@@ -14,6 +14,15 @@ Model presets are the Llama 3 / 3.1 shapes (Meta's published configs) as fields 
   sharded on the sequence dim, reduce-scatter / all-gather instead of all-reduce), the layout
   torchtitan and Megatron-LM train large models with.
 
+On a mesh with a context-parallel axis (``--parallel cp=N``, N > 1) every preset also gets a
+``context_parallel`` entry on the attention modules (``model.layers.*.self_attn``: the example
+Llama's, its MoE's and HF Llama's): the sequence is sharded over ``cp`` and, with an FSDP preset,
+the weights over ``dp_shard`` x ``cp`` (torchtitan's ``dp_shard_cp``). ``cp_mode`` (``--cp-mode``)
+picks its attention: ``"ring"`` (default; ``hp.ContextParallel(mode="ring", load_balance=True)``,
+K/V blocks passed around the cp ring, causal work balanced over the cp ranks; the sequence must
+cut in ``2·cp`` chunks) or ``"all_to_all"`` (Ulysses: cp must divide the heads). A plan file
+chooses its own context parallelism.
+
 Mixture-of-experts shapes (``mixtral-8x7b``, ``deepseek-v3-like``; fields of
 :class:`hyper_parallel.models.moe.MoEConfig`) add an ``expert_parallel`` entry to every plan: the
 experts spread over ``ep`` (``--parallel ep=...``) and, under a ``tp`` plan, each expert split over
@@ -31,7 +40,7 @@ import runpy
 from typing import Any
 
 __all__ = [
-    "MODEL_PRESETS", "PLAN_PRESETS", "PlanChoice", "build_plan", "load_model_config", "parse_parallel",
+    "CP_MODES", "MODEL_PRESETS", "PLAN_PRESETS", "PlanChoice", "build_plan", "load_model_config", "parse_parallel",
 ]
 
 # Llama 3 / 3.1 (Meta's params.json; HF config.json): untied embeddings, vocabulary 128256, RoPE
@@ -68,7 +77,10 @@ PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp", "tp+sp", "fsdp+tp+sp")
 # The degrees ``--parallel`` accepts (ParallelDims fields) and the ones explain can compile today.
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
 _DEGREE_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate"}
-SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "etp")
+SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
+CP_MODES = ("ring", "all_to_all")  # --cp-mode: hp.ContextParallel(mode=...) of the presets' cp entry
+# The modules a preset's context_parallel entry names (the example Llama / MoE and HF Llama).
+ATTENTION_MODULES = "model.layers.*.self_attn"
 
 
 def _choices(names) -> str:
@@ -156,17 +168,21 @@ class PlanChoice:
 
 
 def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
-               mixed_precision: bool = True, recompute: str = "none") -> PlanChoice:
+               mixed_precision: bool = True, recompute: str = "none", cp_mode: str = "ring") -> PlanChoice:
     """The plan ``spec`` names (a preset in :data:`PLAN_PRESETS`, or the path of a Python file
     that defines ``plan``: a ParallelPlan / dict, or a function ``plan(mesh_axes, config)``
     returning one) for a mesh of ``mesh_axes`` (axis name -> size) and a model of ``config``.
     ``mixed_precision``: FSDP gathers bf16 parameters and reduces fp32 gradients (fp32 masters).
-    ``recompute``: "none", "selective" or "full", applied to every decoder layer."""
+    ``recompute``: "none", "selective" or "full", applied to every decoder layer.
+    ``cp_mode``: "ring" or "all_to_all", the attention of a preset's
+    ``context_parallel`` entry when ``mesh_axes`` has a ``cp`` axis (a plan file chooses its own)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
+    if cp_mode not in CP_MODES:
+        raise ValueError(f"--cp-mode {cp_mode!r}: choose {' or '.join(CP_MODES)}")
     name = str(spec).strip()
     if name.lower() in PLAN_PRESETS:
-        choice = _preset(name.lower(), mesh_axes, config, mixed_precision)
+        choice = _preset(name.lower(), mesh_axes, config, mixed_precision, cp_mode)
     elif name.endswith(".py") or os.path.isfile(name):
         choice = _plan_file(name, mesh_axes, config)
     else:
@@ -183,7 +199,8 @@ def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
     return choice
 
 
-def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_precision: bool) -> PlanChoice:
+def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_precision: bool,
+            cp_mode: str = "ring") -> PlanChoice:
     from .models.plans import llama_tp_plan
 
     notes: list[str] = []
@@ -201,6 +218,9 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
     elif "ep" in axes:
         raise ValueError("--parallel ep=... spreads the experts of a mixture-of-experts model; this model "
                          "has none (give a config with num_experts, e.g. --config mixtral-8x7b)")
+    if axes.get("cp", 1) > 1:
+        plan["context_parallel"] = {ATTENTION_MODULES: _context_style(cp_mode)}
+        notes.append(_context_note(cp_mode, axes["cp"]))
     if "fsdp" in name:
         if "dp_shard" not in axes:
             raise ValueError(
@@ -227,6 +247,24 @@ def _expert_style(axes: dict[str, int], name: str):
     if "tp" in name and "tp" in axes:
         return ExpertTensorParallel() if "ep" in axes else ExpertWeightTensorParallel()
     return ExpertParallel()
+
+
+def _context_style(cp_mode: str):
+    """The attention modules' context-parallel style: load-balanced ring attention, or Ulysses."""
+    from .cp import ContextParallel
+
+    if cp_mode == "ring":
+        return ContextParallel(mode="ring", load_balance=True)
+    return ContextParallel(mode="all_to_all")
+
+
+def _context_note(cp_mode: str, cp: int) -> str:
+    if cp_mode == "ring":
+        return (f"context parallelism: the sequence sharded over cp={cp}; ring attention ({cp - 1} K/V "
+                f"transfer{'s' if cp > 2 else ''} to the next cp rank per attention forward), load-balanced "
+                "causal chunks")
+    return (f"context parallelism: the sequence sharded over cp={cp}; all-to-all (Ulysses) attention, "
+            f"heads split over cp around each attention")
 
 
 def _drop_uneven_vocab_tp(plan: dict, axes: dict[str, int], config: dict[str, Any]) -> list[str]:

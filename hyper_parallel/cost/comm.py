@@ -130,7 +130,8 @@ def _group_ranks(group) -> list[int] | None:
 def axis_infos(mesh, *extra_meshes, groups: Mapping[str, str] | None = None) -> dict[str, AxisInfo]:
     """``{process-group name: AxisInfo}`` for every dim of ``mesh`` (a ``DeviceMesh``) and of
     ``extra_meshes`` (e.g. an unflattened mesh a pass created), plus the meshes flattened from
-    ``mesh``'s root (``DeviceMesh._flatten``: FSDP over ``dp_replicate x dp_shard``), plus
+    ``mesh``'s root (``DeviceMesh._flatten``: FSDP over ``dp_replicate x dp_shard``; an alias of a
+    single axis is the same group and keeps that axis's name), plus
     ``groups`` (``{group name: label}``, e.g. ``debug.group_axis_names``' FSDP ``"<axis>/k<k>"``
     groups). Sizes and spans come from each group's actual global ranks, so any layout is exact.
     A group whose ranks cannot be read gets an AxisInfo of placement unknown (inter-node)."""
@@ -145,10 +146,15 @@ def axis_infos(mesh, *extra_meshes, groups: Mapping[str, str] | None = None) -> 
             log.info("cost model: ranks of group %s (%s) unknown; treating it as inter-node", name, label)
             out[name] = AxisInfo(label, size, None)
 
-    for m in [mesh, *extra_meshes, *compat.flattened_meshes(mesh).values()]:
+    meshes = [mesh, *extra_meshes]
+    flattened = list(compat.flattened_meshes(mesh).values())
+    for k, m in enumerate(meshes + flattened):
         names = m.mesh_dim_names or tuple(str(i) for i in range(m.ndim))
         for i in range(m.ndim):
-            add(m.get_group(i), names[i], m.size(i))
+            group = m.get_group(i)
+            if k >= len(meshes) and group_name_of(group) in out:
+                continue  # an alias of one axis (ParallelDims' ``loss`` = ``cp``) is that axis's group
+            add(group, names[i], m.size(i))
     for name, label in (groups or {}).items():
         group = None if name in out else compat.resolve_process_group(name)
         if group is not None:

@@ -17,8 +17,8 @@ backward, ``rules.py``) one more strategy: query, key, value, output and log-sum
   the gradient, saved inputs and outputs, and sends the three gradients back. Exact: every head
   sees the whole sequence in order, so a causal mask means what it does on one device.
 
-The output keeps the memory layout the one-device kernel gives (``[B, S, H, D]`` order), because
-the captured graph views its transpose as ``[B, S, H * D]``.
+The output and the gradients keep the memory layout the one-device kernel gives (``[B, S, H, D]``
+order), because the captured graph views their transposes as ``[B, S, H * D]``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _ring_forward(kernel, specs, *args, **kwargs):
 
 
 def _ring_backward(kernel, specs, *args, **kwargs):
-    return tuple(compat.dtensor_from_spec(g, s) for g, s in zip(kernel(*args, **kwargs), specs))
+    return tuple(_one_device_strides(compat.dtensor_from_spec(g, s)) for g, s in zip(kernel(*args, **kwargs), specs))
 
 
 def _move(dt, axes, src_dim: int, dst_dim: int):
@@ -108,7 +108,9 @@ def _move(dt, axes, src_dim: int, dst_dim: int):
 
 
 def _one_device_strides(dt):
-    """``dt`` ([B, H, S, D]) laid out in memory as ``[B, S, H, D]``, as the CPU kernel returns it."""
+    """``dt`` ([B, H, S, D]) laid out in memory as ``[B, S, H, D]``, as the CPU kernel returns its
+    output (for inputs so laid out, as the models' transposed projections are) and always its
+    gradients: the captured graph views their transposes, which only that layout allows."""
     local = compat.local_of(dt)
     if local.dim() == 4:
         local = local.transpose(1, 2).contiguous().transpose(1, 2)
@@ -142,4 +144,4 @@ def _ulysses_backward(axes, grad_out, query, key, value, out, lse, dropout_p, is
                       attn_mask=None, scale=None):
     moved = [_move(x, axes, SEQ_DIM, HEAD_DIM) for x in (grad_out, query, key, value, out, lse)]
     grads = SDPA_BACKWARD(*moved, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    return tuple(_move(g, axes, HEAD_DIM, SEQ_DIM) for g in grads)
+    return tuple(_one_device_strides(_move(g, axes, HEAD_DIM, SEQ_DIM)) for g in grads)

@@ -67,6 +67,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..compat import pytree
 from .. import compat
 from ..cp import attention as cp_attention
+from . import strided_views
 from ..ir import meta
 from ..layout import format_placements
 
@@ -175,6 +176,11 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
         raise exc
     except NotImplementedError as exc:
         raise NoShardingRule(str(exc)) from exc
+    except (RuntimeError, AssertionError, ValueError):
+        decided = strided_views.unflatten_rule(op, args_schema)  # [b * s] back to [b, s] over dp x cp
+        if decided is None:
+            raise
+        return decided
     wanted = None
     if sharding.redistribute_schema is not None:
         suggested = sharding.redistribute_schema
@@ -378,6 +384,9 @@ def local_kernel(op, args: tuple, layout, context=None, name: str = ""):
     sequence_parallel = cp_attention.local_kernel(op, layout, context, name)
     if sequence_parallel is not None:
         return sequence_parallel
+    view = strided_views.local_kernel(op, layout)
+    if view is not None:
+        return view
     if op not in _VOCAB_PARALLEL_RULES or not layout.inputs or len(args) != _ARITY[op]:
         return None
     found = _class_dim_of(op, args, layout.inputs)

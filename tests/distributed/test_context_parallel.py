@@ -87,6 +87,14 @@ def test_cp2_parity_and_collectives(dist2, model, style):
     assert results[0]["summary"]["fallbacks"] == []
 
 
+@pytest.mark.parametrize("style", ["all_to_all", "ring"])
+def test_cp_without_grouped_query_attention(dist2, style):
+    """As many key/value heads as query heads: no repeat before attention, so the graph views the
+    transposes of the key/value gradients the kernels return (laid out as one device's)."""
+    dist2.run(run_parity, "llama", _plan(style), (2,), ("cp",), steps=2,
+              model_overrides={"num_hidden_layers": 1, "num_key_value_heads": HEADS})
+
+
 def _attention_schedule(style: str) -> dict[str, list[str]]:
     """Rank 0's compiled programs reduced to their attention kernels, all-to-alls and ring
     transfers (issue and wait), in program order."""
@@ -165,6 +173,18 @@ def test_cp_composes(dist4, case):
     if case == "ring_fsdp_cp":
         assert collectives["backward"]["reduce_scatter"]["cp"]["count"] == 3  # one per unit
         assert "cp" not in collectives["backward"].get("all_reduce", {})
+
+
+def test_fewer_sequences_than_cp_ranks():
+    """dp=2 x cp=4 with one sequence per data-parallel rank (2 sequences over 4 cp ranks each, the
+    long-context configuration): DTensor's view rule refuses to turn the [batch * sequence] rows
+    back into [batch, sequence] there, propagation/strided_views.py decides it. 8 ranks, started
+    for this test alone and stopped after it."""
+    from hyper_parallel.testing.worker_pool import WorkerPool
+
+    with WorkerPool(8) as pool:
+        pool.run(run_parity, "llama", _plan("ring"), (2, 4), ("dp", "cp"), batch=2, steps=2, ignore_fraction=0.3,
+                 model_overrides={"num_hidden_layers": 1})
 
 
 def test_ring_cp_with_a_pipeline(dist4):

@@ -1,0 +1,333 @@
+"""Step time and peak memory of context parallelism, against data parallelism at the same tokens per rank.
+
+``python bench/bench_cp_step.py --cp 2`` spawns ``--cp`` gloo processes on CPU (one intra-op thread
+each) and trains the example causal ``hyper_parallel.models.LlamaForCausalLM`` (seed 0) two ways,
+interleaved step by step in the same run:
+
+* hyper_parallel context parallelism: ``hp.parallelize(model, {"context_parallel":
+  {"model.layers.*.self_attn": style}}, mesh)`` on a ``("cp",)`` mesh of ``--cp`` ranks; each rank
+  passes its contiguous slice of every ``--seq-len``-token sequence (``hp.shard_sequence``); the
+  loss is the global token mean and the gradients equal one device's. ``--mode``: ``ring``
+  (``hp.ContextParallel(mode="ring")``, load-balanced causal chunks unless ``--no-load-balance``,
+  the default), ``async`` (``hp.AsyncContextParallel()``: each K/V transfer overlapping the current
+  block's attention) or ``all_to_all`` (``hp.ContextParallel(mode="all_to_all")``, Ulysses; cp must
+  divide the heads and key/value heads).
+
+* baseline, the same model *without* context parallelism at the same tokens per rank: data
+  parallelism over a ``("dp",)`` mesh of the same ranks where rank r trains, as ``--batch``
+  independent sequences of ``seq_len / cp`` tokens, exactly the tokens it holds under CP.
+  ``--baseline hp_dp`` (default): ``hp.parallelize(model, {}, dp_mesh)`` (the same compiler and
+  runtime, so the ratio isolates what CP costs); ``--baseline ddp``: eager
+  ``DistributedDataParallel``. **This is not a like-for-like peer, it is a lower bound**: its
+  sequences are cp times shorter, so each rank computes cp times less causal attention (its
+  queries see at most ``seq_len / cp`` keys instead of up to ``seq_len``) and moves no K/V blocks;
+  the model learns a different (shorter-context) task. The ratio hp CP / baseline is therefore
+  the price of the long context (the extra attention work plus CP's communication), not an
+  overhead against another implementation of the same computation. The analytic attention share
+  of each side's FLOPs is printed to size that difference.
+
+Why not PyTorch's own context parallelism (``torch.distributed.tensor.experimental.
+context_parallel``, ring attention on DTensor), the peer a user would otherwise pick: it does not
+run on CPU. Its SDPA patch wraps query/key/value as ``Shard(2)`` DTensors and its handlers
+(``_context_parallel/_attention.py``: ``custom_ops`` / ``call_maps``, sharding rules in
+``_sharding_rules.py``) exist only for the CUDA kernels ``aten._scaled_dot_product_flash_attention``,
+``_efficient_attention`` and ``_cudnn_attention`` (and their backwards). On CPU, SDPA dispatches to
+``aten._scaled_dot_product_flash_attention_for_cpu``, which neither CP nor DTensor knows: torch
+2.13.0+cpu raises ``NotImplementedError: Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered.`` at the model's first attention; with ``sdpa_kernel(SDPBackend.MATH)`` the math
+fallback mixes the plain causal mask with the DTensors and raises ``RuntimeError: aten.add.Tensor
+got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling
+distributed operators!``. ``--try-torch-cp`` repeats that attempt (one forward + backward inside
+``context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1])``) and records the error.
+
+Default model: hidden 256, intermediate 688, 2 layers, 4 heads of 64 with 2 key/value heads, vocab
+1024 (1.98 M parameters), one sequence of 1024 tokens (512 per rank at cp=2, 256 at cp=4): causal
+attention is ~23% of hp CP's FLOPs (38% at ``--seq-len 2048``) and a step stays under a second on
+the 2-core host. Grouped-query attention (2 key/value heads), as the recorded results used: when
+they were measured, hp's context-parallel compile of this model failed with as many key/value heads
+as query heads (ring and all-to-all alike: ``ValueError: Cannot view a tensor with shape
+torch.Size([1, 128, 4, 64]) and strides (32768, 64, 8192, 1) as a tensor with shape (1, 128,
+256)!`` while lowering; the CP kernels returned dQ/dK/dV contiguous in ``[B, H, S, D]`` where the
+one-device CPU kernel lays them out as ``[B, S, H, D]``, and the captured graph views the value
+gradient's transpose). ``cp/attention.py`` now gives the gradients that layout, and ``--kv-heads 4``
+runs.
+
+A step is forward + backward + ``SGD.step`` + ``zero_grad``; ``--warmup`` steps each (the first
+compiles), then ``--steps`` timed steps interleaved CP / baseline, each after a barrier; a step's
+time is the slowest rank's; medians. Peak memory: one more step per side under
+``hyper_parallel.testing.memory_tracker.MemoryTracker`` on every rank (live bytes of tensors:
+parameters, gradients, activations, temporaries; for DDP its C++ reducer buckets are added), the
+largest over ranks and rank 0's; hp's own estimate ``compile_summary()["memory"]["peak"]`` next
+to it. Collectives per step: hp's ``compile_summary()`` (the ring's K/V transfers are
+``send_recv``, per direction) and counted with the harness's ``CommCounter`` around one step.
+Also the step-0 losses: CP against one device on the whole sequences (they must agree), and the
+baseline's (a different task: shorter sequences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import hyper_parallel as hp  # noqa: E402
+from _harness import (add_model_args, build_model, count_collectives, hp_collectives, launch,  # noqa: E402
+                      print_collective_rows, print_time_rows, step, time_side_by_side)
+
+ATTENTION = "model.layers.*.self_attn"
+MODES = ("ring", "async", "all_to_all")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cp", type=int, default=2, help="context-parallel degree = processes (default 2)")
+    p.add_argument("--mode", choices=MODES, default="ring",
+                   help="ring: ContextParallel(mode='ring'); async: AsyncContextParallel(); "
+                        "all_to_all: ContextParallel(mode='all_to_all') (Ulysses). Default ring")
+    p.add_argument("--no-load-balance", action="store_true",
+                   help="ring / async: load_balance=False (contiguous chunks; causal work unbalanced)")
+    add_model_args(p)
+    p.set_defaults(hidden=256, intermediate=688, layers=2, heads=4, kv_heads=2, vocab=1024, seq_len=1024)
+    p.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens (default 1)")
+    p.add_argument("--baseline", choices=("hp_dp", "ddp"), default="hp_dp",
+                   help="the no-CP side: hp.parallelize(model, {}, dp mesh) (default) or eager DDP")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per side (median reported)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--try-torch-cp", action="store_true",
+                   help="first try torch.distributed.tensor.experimental.context_parallel on this model "
+                        "(one forward + backward) and record whether it runs")
+    p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    return p.parse_args(argv)
+
+
+def cp_style(args):
+    if args.mode == "all_to_all":
+        return hp.ContextParallel(mode="all_to_all")
+    if args.mode == "async":
+        return hp.AsyncContextParallel(load_balance=not args.no_load_balance)
+    return hp.ContextParallel(mode="ring", load_balance=not args.no_load_balance)
+
+
+def try_torch_context_parallel(ref, ids, world: int) -> dict:
+    """One forward + backward of the model under torch's experimental ``context_parallel``
+    (ring attention on DTensor) on a ``("cp",)`` mesh; whether it ran, or the error it raised."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    model = copy.deepcopy(ref)
+    ids, labels = ids.clone(), ids.clone()  # sharded in place (and restored) by context_parallel
+    try:
+        with context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1]):
+            model(input_ids=ids, labels=labels)["loss"].backward()
+        outcome = {"ran": True, "error": None}
+    except Exception as exc:  # noqa: BLE001 - recorded, the bench goes on with the baseline
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "torch" in f.filename]
+        where = f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else ""
+        outcome = {"ran": False, "error": f"{type(exc).__name__}: {exc}", "raised_at": where}
+    ok = torch.tensor([1.0 if outcome["ran"] else 0.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    outcome["ran_on_every_rank"] = bool(ok.item())
+    return outcome
+
+
+def analytic_flops(args, seq: int, tokens_per_rank: int) -> dict:
+    """Analytic forward FLOPs per rank and step (backward ~2x both): the projections, MLP and head
+    per token, and causal attention (QK^T and PV over the keys each query sees, on average
+    (seq + 1) / 2 of its sequence's). Under CP a rank's queries see keys of the whole sequence;
+    in the baseline only its own ``seq / cp``-token sequences."""
+    h, i, d = args.hidden, args.intermediate, args.hidden // args.heads
+    kv = args.kv_heads * d
+    dense = 2 * (h * (h + 2 * kv + h) + 3 * h * i) * args.layers + 2 * h * args.vocab
+    attention = 2 * 2 * args.heads * d * (seq + 1) / 2 * args.layers
+    return {"dense": dense * tokens_per_rank, "attention": attention * tokens_per_rank,
+            "attention_share": attention / (attention + dense)}
+
+
+def _peak(model, opt, batch, extra: int = 0) -> list[int]:
+    """Every rank's tracked peak of one more step (plus ``extra`` bytes the tracker cannot see)."""
+    from hyper_parallel.testing.memory_tracker import MemoryTracker
+
+    baseline = list(model.parameters()) + [t for s in opt.state.values() for t in s.values()
+                                           if isinstance(t, torch.Tensor)]
+    with MemoryTracker(baseline) as tracker:
+        step(model, opt, batch)
+    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([float(tracker.peak + extra)], dtype=torch.float64))
+    return [int(p.item()) for p in peaks]
+
+
+def _estimate(model) -> int | None:
+    summary = model.compile_summary() if hasattr(model, "compile_summary") else None
+    return None if summary is None else summary["memory"]["peak"]
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(args.threads)
+    if args.seq_len % (2 * world):
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*cp = {2 * world}")
+    ref = build_model(args)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    with torch.no_grad():
+        ref_loss0 = ref(input_ids=ids, labels=ids)["loss"].item()  # one device, whole sequences
+
+    torch_cp = try_torch_context_parallel(ref, ids, world) if args.try_torch_cp else None
+
+    mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    cp_batch = hp.shard_sequence({"input_ids": ids, "labels": ids}, mesh)
+    cp_model = hp.parallelize(copy.deepcopy(ref), {"context_parallel": {ATTENTION: cp_style(args)}}, mesh)
+    cp_opt = torch.optim.SGD(cp_model.parameters(), lr=args.lr)
+
+    # The baseline: the same tokens this rank holds under CP, as independent shorter sequences.
+    local_len = args.seq_len // world
+    base_ids = ids.view(args.batch, world, local_len)[:, rank].contiguous()
+    base_batch = {"input_ids": base_ids, "labels": base_ids}
+    if args.baseline == "hp_dp":
+        dp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        base_model = hp.parallelize(copy.deepcopy(ref), {}, dp_mesh)
+    else:
+        base_model = DistributedDataParallel(copy.deepcopy(ref))
+    base_opt = torch.optim.SGD(base_model.parameters(), lr=args.lr)
+
+    measured = time_side_by_side((cp_model, cp_opt), (base_model, base_opt), cp_batch, args.warmup, args.steps,
+                                 peer_batch=base_batch)
+    counted = {**count_collectives({"hp_cp": (cp_model, cp_opt)}, cp_batch),
+               **count_collectives({"baseline": (base_model, base_opt)}, base_batch)}
+    reducer_buckets = 0
+    if args.baseline == "ddp":  # allocated by DDP's C++ reducer, alive all run, unseen by the tracker
+        reducer_buckets = sum(p.numel() * p.element_size() for p in base_model.parameters() if p.requires_grad)
+    peaks = {"hp_cp": _peak(cp_model, cp_opt, cp_batch), "baseline": _peak(base_model, base_opt, base_batch,
+                                                                           reducer_buckets)}
+    if rank != 0:
+        return None
+    cp_times, base_times = measured.hp_times, measured.peer_times
+    cp_med, base_med = statistics.median(cp_times), statistics.median(base_times)
+    summary = cp_model.compile_summary()
+    ring_colls = {direction: {kind: by_axis for kind, by_axis in summary["collectives"][direction].items()}
+                  for direction in ("forward", "backward")}
+    base_summary = base_model.compile_summary() if args.baseline == "hp_dp" else None
+    tokens = args.batch * local_len
+    return {
+        "bench": "cp_step",
+        "world_size": world,
+        "mesh": {"cp": world},
+        "mode": args.mode,
+        "style": repr(cp_style(args)),
+        "baseline": args.baseline,
+        "baseline_note": (f"data parallelism over the same {world} ranks, each training the {tokens} tokens it holds "
+                          f"under CP as {args.batch} sequence(s) of {local_len} tokens: {world}x shorter "
+                          "sequences, so less attention work per token and no K/V transfers; a lower bound, "
+                          "not a like-for-like peer"),
+        "config": {
+            "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
+            "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
+            "seq_len": args.seq_len, "batch": args.batch, "tokens_per_rank": tokens,
+            "baseline_seq_len": local_len, "params": ref.num_parameters(),
+        },
+        "threads_per_rank": args.threads,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "torch_context_parallel": torch_cp if torch_cp is not None else "not tried (--try-torch-cp)",
+        "analytic_fwd_flops_per_rank": {
+            "hp_cp": analytic_flops(args, args.seq_len, tokens),
+            "baseline": analytic_flops(args, local_len, tokens),
+        },
+        "loss_step0": {"single_device_whole_sequences": ref_loss0, "hp_cp": measured.hp_loss0,
+                       "baseline_shorter_sequences": measured.peer_loss0},
+        "hp_cp_first_step_s (compile + step)": measured.hp_first_step_s,
+        "step_time_s": {
+            "hyper_parallel": {"median": cp_med, "min": min(cp_times), "max": max(cp_times), "all": cp_times},
+            "baseline": {"median": base_med, "min": min(base_times), "max": max(base_times), "all": base_times},
+        },
+        "ratio_cp_over_baseline": cp_med / base_med,
+        # Steps are interleaved, so step i of each side ran under about the same machine load: the
+        # median of the per-pair ratios and the ratio of the fastest steps are less load-sensitive.
+        "ratio_median_of_pairs": statistics.median(c / b for c, b in zip(cp_times, base_times)),
+        "ratio_of_min": min(cp_times) / min(base_times),
+        "peak_bytes": {
+            "hp_cp": {"max_over_ranks": max(peaks["hp_cp"]), "per_rank": peaks["hp_cp"],
+                      "hp_estimate_rank0": _estimate(cp_model)},
+            "baseline": {"max_over_ranks": max(peaks["baseline"]), "per_rank": peaks["baseline"],
+                         "hp_estimate_rank0": _estimate(base_model) if base_summary else None,
+                         "ddp_reducer_buckets_included": reducer_buckets},
+        },
+        "collectives_per_step": {
+            "hp_cp (compile_summary)": hp_collectives(summary),
+            "hp_cp (counted)": counted["hp_cp"],
+            "baseline (compile_summary)": hp_collectives(base_summary) if base_summary else None,
+            "baseline (counted)": counted["baseline"],
+        },
+        "hp_cp_collectives_by_direction": ring_colls,
+        "fallbacks": summary.get("fallbacks", []),
+    }
+
+
+def _mb(n) -> str:
+    return "-" if n is None else f"{n / 1e6:.2f}"
+
+
+def print_table(r: dict) -> None:
+    c = r["config"]
+    print(f"\nCP cp={r['world_size']} {r['style']} vs {r['baseline']} baseline; Llama {c['layers']}L h{c['hidden']} "
+          f"{c['heads']} heads ({c['kv_heads']} kv) vocab {c['vocab']} ({c['params']:,} params); "
+          f"{c['batch']} x seq {c['seq_len']} under CP ({c['tokens_per_rank']} tokens/rank), baseline "
+          f"{c['batch']} x seq {c['baseline_seq_len']} per rank; {r['threads_per_rank']} thread/rank, median of "
+          f"{r['steps']} steps (slowest rank)")
+    print(f"BASELINE: {r['baseline_note']}")
+    tcp = r["torch_context_parallel"]
+    if isinstance(tcp, dict):
+        print("torch context_parallel on CPU: " + ("ran" if tcp["ran_on_every_rank"] else
+                                                   f"does not run: {tcp['error']} (at {tcp.get('raised_at', '')})"))
+    fl = r["analytic_fwd_flops_per_rank"]
+    print(f"analytic attention share of FLOPs: hp CP {fl['hp_cp']['attention_share']:.2f}, baseline "
+          f"{fl['baseline']['attention_share']:.2f}; per-rank forward GFLOP hp CP "
+          f"{(fl['hp_cp']['dense'] + fl['hp_cp']['attention']) / 1e9:.2f}, baseline "
+          f"{(fl['baseline']['dense'] + fl['baseline']['attention']) / 1e9:.2f}")
+    l0 = r["loss_step0"]
+    print(f"loss at step 0: one device (whole sequences) {l0['single_device_whole_sequences']:.6f}, hp CP "
+          f"{l0['hp_cp']:.6f}; baseline (shorter sequences) {l0['baseline_shorter_sequences']:.6f}; hp CP first "
+          f"step (compile + step) {r['hp_cp_first_step_s (compile + step)']:.1f} s")
+    print(f"{'':26}{'hp CP':>16}{'baseline':>16}{'CP/base':>10}")
+    print_time_rows(r["step_time_s"], "baseline", r["ratio_cp_over_baseline"])
+    print(f"{'  ratio: pairs / min':26}{'':32}{r['ratio_median_of_pairs']:>5.2f} /{r['ratio_of_min']:>4.2f}")
+    pk = r["peak_bytes"]
+    print(f"{'peak MB (max over ranks)':26}{_mb(pk['hp_cp']['max_over_ranks']):>16}"
+          f"{_mb(pk['baseline']['max_over_ranks']):>16}"
+          f"{pk['hp_cp']['max_over_ranks'] / pk['baseline']['max_over_ranks']:>10.2f}")
+    for side, name in (("hp_cp", "hp CP"), ("baseline", "baseline")):
+        print(f"  {name} peak MB per rank: {', '.join(_mb(p) for p in pk[side]['per_rank'])}")
+    print(f"{'hp estimate MB (rank 0)':26}{_mb(pk['hp_cp']['hp_estimate_rank0']):>16}"
+          f"{_mb(pk['baseline']['hp_estimate_rank0']):>16}")
+    colls = r["collectives_per_step"]
+    print_collective_rows(colls["hp_cp (compile_summary)"], colls["hp_cp (counted)"], colls["baseline (counted)"])
+    print("(hp counted: every ring transfer and every all-to-all is one all_to_all_single call, so the counted "
+          "all_to_all_single row is the summary's send_recv + all_to_all; the counted all_gather adds hp's per-call "
+          "input-signature agreement)")
+    for direction, kinds in r["hp_cp_collectives_by_direction"].items():
+        parts = [f"{kind} {e['count']} ({e['bytes']:,} B)" for kind, by_axis in kinds.items()
+                 for e in by_axis.values()]
+        print(f"hp CP {direction}: " + ", ".join(parts))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    launch(run, print_table, args, args.cp, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""propagation/strided_views.py: the placements it gives a view that splits a dim sharded over
+dp x cp back into (rows, positions) hold, on every rank, exactly the elements DTensor's own
+placement semantics put there; views it cannot describe are left to DTensor."""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from hyper_parallel.propagation.strided_views import unflatten_placements
+
+
+def _spec(shape, mesh_shape, placements):
+    mesh = SimpleNamespace(size=lambda axis: mesh_shape[axis])
+    return SimpleNamespace(tensor_meta=SimpleNamespace(shape=torch.Size(shape)), placements=placements, mesh=mesh)
+
+
+def _local(tensor, mesh_shape, placements, coordinate):
+    """This rank's piece under DTensor's semantics: placements applied left to right."""
+    for n, p, c in zip(mesh_shape, placements, coordinate):
+        if not isinstance(p, Replicate):
+            tensor = p._split_tensor(tensor, n, with_padding=False)[0][c]
+    return tensor
+
+
+@pytest.mark.parametrize("rows,positions,mesh_shape,placements", [
+    (2, 16, (2, 4), (Shard(0), _StridedShard(0, split_factor=1))),  # one row per dp rank, cp=4 > rows
+    (4, 16, (2, 4), (Shard(0), _StridedShard(0, split_factor=2))),
+    (2, 16, (2, 2), (Shard(0), _StridedShard(0, split_factor=1))),
+    (3, 8, (4,), (_StridedShard(0, split_factor=3),)),
+    (2, 8, (2, 2, 2), (Shard(0), _StridedShard(0, split_factor=1), Replicate())),
+])
+def test_unflatten_keeps_every_ranks_elements(rows, positions, mesh_shape, placements):
+    hidden = 3
+    flat = torch.arange(rows * positions * hidden).view(rows * positions, hidden)
+    out = unflatten_placements(_spec(flat.shape, mesh_shape, placements), (rows, positions, hidden))
+    assert out is not None
+    whole = flat.view(rows, positions, hidden)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        mine = _local(flat, mesh_shape, placements, coordinate)
+        theirs = _local(whole, mesh_shape, out, coordinate)
+        assert torch.equal(mine.reshape(-1), theirs.reshape(-1)), (coordinate, out)
+
+
+def test_views_it_cannot_describe_are_left_alone():
+    # A strided split factor that is not the rows left: not a [rows * positions] flatten.
+    assert unflatten_placements(_spec((32, 3), (4,), (_StridedShard(0, split_factor=4),)), (2, 16, 3)) is None
+    # Not a split of one dim into two.
+    assert unflatten_placements(_spec((32, 3), (4,), (_StridedShard(0, split_factor=2),)), (96,)) is None
