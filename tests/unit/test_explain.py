@@ -8,8 +8,8 @@ the fixture below checks that none leaks into other test files.
 
 Context parallelism (``--parallel ...,cp=N``, the last section): the presets' ``context_parallel``
 entry, Ulysses all-to-all bytes, saved activations divided by cp, ring transfers on the simulated
-timeline, and Llama 3 8B at 128k tokens fitting an H100 only with cp (the slow one: ~40-65 s on
-this 2-core host, almost all of it compiling 1 layer with cp=8 over 1M tokens).
+timeline, and Llama 3 8B at 128k tokens fitting an H100 only with cp (the slow one: ~20 s on this
+2-core host, almost all of it compiling 1 layer with cp=8 over 1M tokens).
 """
 
 from __future__ import annotations
