@@ -320,3 +320,22 @@ def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
 def test_ring_kernel_matches_the_whole_sequence(dist2, balanced):
     for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced)):
         assert max(errors.values()) < 1e-12, (rank, errors)
+
+
+def _logits_against_one_device(style: str) -> float:
+    """The logits a context-parallel model returns: a DTensor over cp in sequence order (the
+    load-balanced program puts them back), whose whole tensor is one device's logits."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    reference = build_model("llama", num_hidden_layers=1)
+    import copy
+
+    model = hp.parallelize(copy.deepcopy(reference), _plan(style), mesh)
+    batch = global_batch("llama", 2, SEQ)
+    logits = model(**local_batch(batch, mesh))["logits"]
+    assert isinstance(logits, torch.distributed.tensor.DTensor), type(logits)
+    return (logits.full_tensor() - reference(**batch)["logits"]).abs().max().item()
+
+
+@pytest.mark.parametrize("style", ["ring", "all_to_all"])
+def test_returned_logits_are_in_sequence_order(dist2, style):
+    assert max(dist2.run(_logits_against_one_device, style)) < 1e-5
