@@ -88,19 +88,16 @@ class Ring:
             return [(whole, whole, False)]
         if source == self.rank:
             return [(whole, whole, True)]  # both in increasing order: the one-device mask holds
-        calls = []
         q_ranges, k_ranges = self.ranges(self.rank, length), self.ranges(source, length)
-        piece = length // len(q_ranges)
-        visible_by_row = []
+        q_piece, k_piece = length // len(q_ranges), length // len(k_ranges)
+        calls = []
         for qi, (q0, _) in enumerate(q_ranges):
-            # Chunks never overlap partly: a key chunk is wholly before or wholly after a query one.
+            # Chunks never overlap partly: a key chunk is wholly before or wholly after a query
+            # one, and the visible ones are adjacent in local order.
             visible = [ki for ki, (_, k1) in enumerate(k_ranges) if k1 <= q0]
-            visible_by_row.append(tuple(visible))
-        k_piece = length // len(k_ranges)
-        for qi, visible in enumerate(visible_by_row):
             if not visible:
                 continue
-            rows = slice(qi * piece, (qi + 1) * piece)
+            rows = slice(qi * q_piece, (qi + 1) * q_piece)
             keys = slice(visible[0] * k_piece, (visible[-1] + 1) * k_piece)
             if calls and calls[-1][1] == keys and calls[-1][0].stop == rows.start:
                 calls[-1] = (slice(calls[-1][0].start, rows.stop), keys, False)
@@ -109,8 +106,8 @@ class Ring:
         return calls
 
 
-def _rows(x: torch.Tensor, rows: slice) -> torch.Tensor:
-    return x.narrow(SEQ, rows.start, rows.stop - rows.start)
+def _rows(x: torch.Tensor, rows: slice, dim: int = SEQ) -> torch.Tensor:
+    return x.narrow(dim, rows.start, rows.stop - rows.start)
 
 
 def _take(x: torch.Tensor, dim: int, index_ranges, part: slice) -> torch.Tensor:
@@ -131,18 +128,19 @@ def _mask_block(mask, ring: Ring, source: int, length: int, rows: slice, keys: s
 
 def _merge(out, lse, rows: slice, block_out, block_lse):
     """``out``/``lse`` (fp32, every local row) with one block's result on ``rows`` merged in."""
-    old_out, old_lse = _rows(out, rows), lse.narrow(SEQ, rows.start, rows.stop - rows.start)
+    old_out, old_lse = _rows(out, rows), _rows(lse, rows)
     new_lse = torch.logaddexp(old_lse, block_lse)
     safe = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     merged = old_out * torch.exp(old_lse - safe).unsqueeze(-1) + block_out * torch.exp(block_lse - safe).unsqueeze(-1)
     return _splice(out, rows, merged), _splice(lse, rows, new_lse)
 
 
-def _splice(x, rows: slice, part):
-    if rows.start == 0 and rows.stop == x.shape[SEQ]:
+def _splice(x, rows: slice, part, dim: int = SEQ):
+    """``x`` with its ``rows`` along ``dim`` replaced by ``part`` (functional)."""
+    if rows.start == 0 and rows.stop == x.shape[dim]:
         return part
-    pieces = [x.narrow(SEQ, 0, rows.start), part, x.narrow(SEQ, rows.stop, x.shape[SEQ] - rows.stop)]
-    return torch.cat([p for p in pieces if p.shape[SEQ]], dim=SEQ)
+    pieces = [x.narrow(dim, 0, rows.start), part, x.narrow(dim, rows.stop, x.shape[dim] - rows.stop)]
+    return torch.cat([p for p in pieces if p.shape[dim]], dim=dim)
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,12 +191,11 @@ def backward(ring: Ring, grad_out, q, k, v, out, lse, is_causal: bool, mask, sca
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
             gq, gk, gv = SDPA_BACKWARD(
                 _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
-                _rows(out, rows), lse.narrow(SEQ, rows.start, rows.stop - rows.start), 0.0, causal,
+                _rows(out, rows), _rows(lse, rows), 0.0, causal,
                 attn_mask=block_mask, scale=scale)
             dq = _splice(dq, rows, _rows(dq, rows) + gq.to(acc))
-            grads = torch.stack([gk, gv]).to(acc)
-            dkv = torch.stack([_splice(dkv[i], keys, dkv[i].narrow(SEQ, keys.start, keys.stop - keys.start) + grads[i])
-                               for i in range(2)])
+            kv_seq = SEQ + 1  # key and value stacked in front
+            dkv = _splice(dkv, keys, _rows(dkv, keys, kv_seq) + torch.stack([gk, gv]).to(acc), kv_seq)
         if step == 0:
             own = dkv
         else:
