@@ -11,7 +11,8 @@ interleaved step by step in the same run:
   (``hp.ContextParallel(mode="ring")``, load-balanced causal chunks unless ``--no-load-balance``,
   the default), ``async`` (``hp.AsyncContextParallel()``: each K/V transfer overlapping the current
   block's attention) or ``all_to_all`` (``hp.ContextParallel(mode="all_to_all")``, Ulysses; cp must
-  divide the heads and key/value heads).
+  divide the heads and key/value heads). ``--ulysses-degree u`` (1 < u < cp) runs the hybrid in any
+  mode: all-to-all inside groups of u ranks, ring attention across the cp / u groups.
 
 * baseline, the same model *without* context parallelism at the same tokens per rank: data
   parallelism over a ``("dp",)`` mesh of the same ranks where rank r trains, as ``--batch``
@@ -95,6 +96,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "all_to_all: ContextParallel(mode='all_to_all') (Ulysses). Default ring")
     p.add_argument("--no-load-balance", action="store_true",
                    help="ring / async: load_balance=False (contiguous chunks; causal work unbalanced)")
+    p.add_argument("--ulysses-degree", type=int, default=None,
+                   help="the style's ulysses_degree: between 1 and --cp, all-to-all inside groups of that "
+                        "many ranks and ring attention across the groups (any --mode)")
     add_model_args(p)
     p.set_defaults(hidden=256, intermediate=688, layers=2, heads=4, kv_heads=2, vocab=1024, seq_len=1024)
     p.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens (default 1)")
@@ -112,11 +116,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def cp_style(args):
+    u = args.ulysses_degree
     if args.mode == "all_to_all":
-        return hp.ContextParallel(mode="all_to_all")
+        return hp.ContextParallel(mode="all_to_all", load_balance=not args.no_load_balance, ulysses_degree=u)
     if args.mode == "async":
-        return hp.AsyncContextParallel(load_balance=not args.no_load_balance)
-    return hp.ContextParallel(mode="ring", load_balance=not args.no_load_balance)
+        return hp.AsyncContextParallel(load_balance=not args.no_load_balance, ulysses_degree=u)
+    return hp.ContextParallel(mode="ring", load_balance=not args.no_load_balance, ulysses_degree=u)
 
 
 def try_torch_context_parallel(ref, ids, world: int) -> dict:

@@ -44,12 +44,18 @@ class Collective:
         return f"{self.kind}[{self.axis}] {self.dtype}{list(self.shape)}"
 
 
-def group_axis_names(mesh, fsdp=None) -> dict[str, str]:
+def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:
     """Process-group name → mesh axis name for every axis of ``mesh``; with ``fsdp`` (an FsdpPlan),
     also "<shard axis>/k<k>" for the groups of k ranks that ``reshard_after_forward=<k>`` units
-    gather over in backward. Group names differ between ranks; these labels do not."""
+    gather over in backward; with ``context`` (a ContextPlan), "<cp axis>/ulysses" and
+    "<cp axis>/ring" for the hybrid's sub-groups. Group names differ between ranks; these labels
+    do not."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     out = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+    for group, part in ((getattr(context, "ulysses_group", None), "ulysses"),
+                        (getattr(context, "ring_group", None), "ring")):
+        if group is not None:
+            out[group] = f"{context.axis}/{part}"
     for unit in fsdp.units if fsdp is not None else ():
         k = unit.reshard_after_forward
         if unit.post_forward_group is not None and isinstance(k, int) and not isinstance(k, bool):
@@ -163,7 +169,7 @@ class Dumper:
         separators = None if indent else (",", ":")
         self._write(name, json.dumps(data, indent=indent, sort_keys=True, separators=separators) + "\n")
 
-    def report_data(self, program, mesh, fsdp, memory, memory_series: list) -> None:
+    def report_data(self, program, mesh, fsdp, memory, memory_series: list, context=None) -> None:
         """The files ``hyper-parallel report`` reads besides the graphs, layouts.tsv and
         summary.json: ``passes.json`` (per stage, nodes added / removed / moved), ``memory.json``
         (``memory``, the compile's estimate, and ``memory_series``, live bytes at each moment of
@@ -178,7 +184,7 @@ class Dumper:
         self.json("memory.json", {"categories": list(CATEGORIES), "estimate": memory.as_dict(),
                                   "points": memory_series}, indent=None)
         try:
-            trace, _ = step_trace(program, mesh, fsdp, self.rank)
+            trace, _ = step_trace(program, mesh, fsdp, self.rank, context=context)
             self.json("trace.json", trace, indent=None)
         except Exception as e:  # noqa: BLE001 - a dump must never break compilation
             log.warning("dump: cost-model step trace skipped (%s: %s)", type(e).__name__, e, exc_info=True)
@@ -270,21 +276,22 @@ def pass_report(stages: list[tuple[str, str, list[tuple[str, str, str]]]]) -> li
     return out
 
 
-def simulate_step(program, mesh, fsdp, profile, optimizer_state_per_param: int | None = 0):
+def simulate_step(program, mesh, fsdp, profile, optimizer_state_per_param: int | None = 0, context=None):
     """The cost model's estimate (``cost.StepEstimate``) of one training step of ``program`` (a
     CompiledProgram) on ``profile``: its collectives priced on the groups of ``mesh`` (and the
-    FSDP groups of ``fsdp``), then an optimizer step keeping ``optimizer_state_per_param``
+    FSDP groups of ``fsdp`` and the context-parallel sub-groups of ``context``), then an optimizer step keeping ``optimizer_state_per_param``
     parameter-sized state tensors (SGD 0, momentum 1, Adam/AdamW 2; None: no optimizer step)."""
     from .cost import axis_infos, optimizer_traffic, simulate
 
-    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp))
+    axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp, context))
     opt_bytes = opt_tensors = 0
     if optimizer_state_per_param is not None:
         opt_bytes, opt_tensors = optimizer_traffic(program.backward_gm, optimizer_state_per_param)
     return simulate((program.forward_gm, program.backward_gm), axes, profile, opt_bytes, opt_tensors)
 
 
-def step_trace(program, mesh, fsdp=None, rank: int = 0, hardware: str | None = None) -> tuple[dict, dict]:
+def step_trace(program, mesh, fsdp=None, rank: int = 0, hardware: str | None = None,
+               context=None) -> tuple[dict, dict]:
     """The cost model's simulated step of ``program`` (a CompiledProgram) as (Chrome trace dict,
     totals). Hardware: ``hardware``, else env ``HYPER_PARALLEL_DUMP_HARDWARE``, else by the mesh's
     device type (:data:`DEVICE_PROFILES`). The optimizer step is modelled as plain SGD (no
@@ -292,7 +299,7 @@ def step_trace(program, mesh, fsdp=None, rank: int = 0, hardware: str | None = N
     from .cost import get_profile, to_chrome_trace
 
     name = hardware or os.environ.get(PROFILE_ENV) or DEVICE_PROFILES.get(mesh.device_type, "h100")
-    est = simulate_step(program, mesh, fsdp, get_profile(name))
+    est = simulate_step(program, mesh, fsdp, get_profile(name), context=context)
     trace = to_chrome_trace(est.timeline, rank=rank)
     totals = {**est.as_dict(), "optimizer_model": "sgd (no state)", "device_type": mesh.device_type}
     trace["otherData"] = {k: totals[k] for k in sorted(totals)}

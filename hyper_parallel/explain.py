@@ -238,7 +238,7 @@ def explain(
     axes = dims.mesh_axes()
     cp = axes.get("cp", 1)
     choice = presets.build_plan(plan, axes, fields, mixed_precision=dtype == "bf16", recompute=recompute,
-                                cp_mode=cp_mode)
+                                cp_mode=cp_mode, ulysses_degree=degrees.get("ulysses_degree"))
     compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     net, _ = build_model(model, fields)
     num_params = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values())
@@ -312,7 +312,7 @@ def _context_parallel(pmodel) -> dict | None:
     context = getattr(pmodel._hp.last.resolved, "context", None)
     if context is None:
         return None
-    return {"axis": context.axis, "degree": context.degree, "mode": context.mode,
+    return {"axis": context.axis, "degree": context.degree, "mode": context.mode, "ulysses": context.ulysses,
             "load_balance": context.balanced, "asynchronous": context.asynchronous,
             "modules": len(context.modules)}
 
@@ -363,7 +363,7 @@ def _simulate(pmodel, mesh, profile, optimizer: str, dtype: str) -> dict:
     entry = pmodel._hp.last
     state = None if optimizer == "none" else optimizer_model(optimizer).state
     try:
-        est = simulate_step(entry.program, mesh, entry.resolved.fsdp, profile, state)
+        est = simulate_step(entry.program, mesh, entry.resolved.fsdp, profile, state, context=entry.resolved.context)
     except Exception as e:  # noqa: BLE001 - memory and communication are still worth printing
         log.warning("explain: the cost model failed: %s", e, exc_info=True)
         return {"available": False, "reason": f"the cost model failed: {type(e).__name__}: {e}"}
@@ -403,10 +403,14 @@ def _short_site(site: dict) -> str:
 
 def _context_label(context: dict) -> str:
     """``ring attention over cp=8 (load-balanced, async)`` / ``all-to-all attention over cp=4``."""
-    if context["mode"] != "ring":
+    if context["mode"] == "all_to_all":
         return f"all-to-all attention over {context['axis']}={context['degree']}"
     how = ["load-balanced" if context["load_balance"] else "not load-balanced"]
     how += ["async"] if context["asynchronous"] else []
+    if context["mode"] == "hybrid":
+        u = context["ulysses"]
+        return (f"ring attention over {context['degree'] // u} groups of {u} all-to-all ranks, "
+                f"{context['axis']}={context['degree']} ({', '.join(how)})")
     return f"ring attention over {context['axis']}={context['degree']} ({', '.join(how)})"
 
 

@@ -13,6 +13,8 @@ any axis whose name starts with ``"dp"`` or equals ``"fsdp"`` is a data-parallel
 from __future__ import annotations
 
 import math
+import os
+import sys
 from typing import Any, Sequence
 
 __all__ = [
@@ -71,6 +73,38 @@ def axis_size(mesh: Any, name: str) -> int:
             f"with sizes {list(mesh_shape(mesh))}"
         )
     return mesh_shape(mesh)[names.index(name)]
+
+
+def _check_world(shape: tuple[int, ...], world_size: int) -> None:
+    num_ranks = math.prod(shape)
+    if num_ranks != world_size:
+        raise ValueError(
+            f"mesh {shape} has {num_ranks} ranks but the world size is {world_size}: "
+            f"choose a mesh_shape whose product is {world_size}, or launch {num_ranks} processes "
+            f"(torchrun --nproc-per-node {num_ranks} ...)"
+        )
+
+
+def _check_launch(device_type: str, shape: tuple[int, ...]) -> None:
+    """Before torch creates the default process group from the launcher's environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): a script started with plain ``python``
+    would fail inside torch ("environment variable RANK expected"), a mesh that is not the
+    launched world only after the group exists. Both get the command that fixes them."""
+    num_ranks = math.prod(shape)
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "train.py"
+    launch = f"torchrun --nproc-per-node {num_ranks} {script}"
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            f"hp.init_device_mesh({device_type!r}, {shape}) starts one process per rank, but this "
+            "process was not started by a launcher (RANK and WORLD_SIZE are not set: run with plain "
+            f"python?). Launch it as `{launch}`, or call torch.distributed.init_process_group "
+            "yourself before creating the mesh"
+        )
+    try:
+        world_size = int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer; launch with `{launch}`") from None
+    _check_world(shape, world_size)
 
 
 def _validate_mesh_args(
@@ -133,13 +167,9 @@ def init_device_mesh(
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        world_size = dist.get_world_size()
-        num_ranks = math.prod(shape)
-        if num_ranks != world_size:
-            raise ValueError(
-                f"mesh {shape} has {num_ranks} ranks but the world size is {world_size}: "
-                f"choose a mesh_shape whose product is {world_size}, or launch {num_ranks} processes"
-            )
+        _check_world(shape, dist.get_world_size())
+    else:
+        _check_launch(device_type, shape)
     from torch.distributed.device_mesh import init_device_mesh as _torch_init_device_mesh
 
     from . import compat

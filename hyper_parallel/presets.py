@@ -20,8 +20,10 @@ Llama's, its MoE's and HF Llama's): the sequence is sharded over ``cp`` and, wit
 the weights over ``dp_shard`` x ``cp`` (torchtitan's ``dp_shard_cp``). ``cp_mode`` (``--cp-mode``)
 picks its attention: ``"ring"`` (default; ``hp.ContextParallel(mode="ring", load_balance=True)``,
 K/V blocks passed around the cp ring, causal work balanced over the cp ranks; the sequence must
-cut in ``2·cp`` chunks) or ``"all_to_all"`` (Ulysses: cp must divide the heads). A plan file
-chooses its own context parallelism.
+cut in ``2·cp`` chunks) or ``"all_to_all"`` (Ulysses: cp must divide the heads). A Ulysses degree
+between 1 and cp (``--parallel cp=8,ulysses_degree=2``) gives the hybrid in either mode: all-to-all
+inside groups of that many cp ranks, ring attention across the groups. A plan file chooses its own
+context parallelism.
 
 Mixture-of-experts shapes (``mixtral-8x7b``, ``deepseek-v3-like``; fields of
 :class:`hyper_parallel.models.moe.MoEConfig`) add an ``expert_parallel`` entry to every plan: the
@@ -77,7 +79,7 @@ PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp", "tp+sp", "fsdp+tp+sp")
 # The degrees ``--parallel`` accepts (ParallelDims fields) and the ones explain can compile today.
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
 _DEGREE_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate"}
-SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
+SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "ulysses_degree")
 CP_MODES = ("ring", "all_to_all")  # --cp-mode: hp.ContextParallel(mode=...) of the presets' cp entry
 # The modules a preset's context_parallel entry names (the example Llama / MoE and HF Llama).
 ATTENTION_MODULES = "model.layers.*.self_attn"
@@ -168,21 +170,23 @@ class PlanChoice:
 
 
 def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
-               mixed_precision: bool = True, recompute: str = "none", cp_mode: str = "ring") -> PlanChoice:
+               mixed_precision: bool = True, recompute: str = "none", cp_mode: str = "ring",
+               ulysses_degree: int | None = None) -> PlanChoice:
     """The plan ``spec`` names (a preset in :data:`PLAN_PRESETS`, or the path of a Python file
     that defines ``plan``: a ParallelPlan / dict, or a function ``plan(mesh_axes, config)``
     returning one) for a mesh of ``mesh_axes`` (axis name -> size) and a model of ``config``.
     ``mixed_precision``: FSDP gathers bf16 parameters and reduces fp32 gradients (fp32 masters).
     ``recompute``: "none", "selective" or "full", applied to every decoder layer.
     ``cp_mode``: "ring" or "all_to_all", the attention of a preset's
-    ``context_parallel`` entry when ``mesh_axes`` has a ``cp`` axis (a plan file chooses its own)."""
+    ``context_parallel`` entry when ``mesh_axes`` has a ``cp`` axis (a plan file chooses its own);
+    ``ulysses_degree`` (ParallelDims'), when given, the entry's Ulysses degree."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
     if cp_mode not in CP_MODES:
         raise ValueError(f"--cp-mode {cp_mode!r}: choose {' or '.join(CP_MODES)}")
     name = str(spec).strip()
     if name.lower() in PLAN_PRESETS:
-        choice = _preset(name.lower(), mesh_axes, config, mixed_precision, cp_mode)
+        choice = _preset(name.lower(), mesh_axes, config, mixed_precision, cp_mode, ulysses_degree)
     elif name.endswith(".py") or os.path.isfile(name):
         choice = _plan_file(name, mesh_axes, config)
     else:
@@ -200,7 +204,7 @@ def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
 
 
 def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_precision: bool,
-            cp_mode: str = "ring") -> PlanChoice:
+            cp_mode: str = "ring", ulysses_degree: int | None = None) -> PlanChoice:
     from .models.plans import llama_tp_plan
 
     notes: list[str] = []
@@ -219,8 +223,8 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
         raise ValueError("--parallel ep=... spreads the experts of a mixture-of-experts model; this model "
                          "has none (give a config with num_experts, e.g. --config mixtral-8x7b)")
     if axes.get("cp", 1) > 1:
-        plan["context_parallel"] = {ATTENTION_MODULES: _context_style(cp_mode)}
-        notes.append(_context_note(cp_mode, axes["cp"]))
+        plan["context_parallel"] = {ATTENTION_MODULES: _context_style(cp_mode, ulysses_degree)}
+        notes.append(_context_note(cp_mode, axes["cp"], ulysses_degree))
     if "fsdp" in name:
         if "dp_shard" not in axes:
             raise ValueError(
@@ -249,16 +253,23 @@ def _expert_style(axes: dict[str, int], name: str):
     return ExpertParallel()
 
 
-def _context_style(cp_mode: str):
-    """The attention modules' context-parallel style: load-balanced ring attention, or Ulysses."""
+def _context_style(cp_mode: str, ulysses_degree: int | None = None):
+    """The attention modules' context-parallel style: load-balanced ring attention, Ulysses, or
+    (``ulysses_degree`` between 1 and cp) ring attention over groups of Ulysses ranks."""
     from .cp import ContextParallel
 
     if cp_mode == "ring":
-        return ContextParallel(mode="ring", load_balance=True)
-    return ContextParallel(mode="all_to_all")
+        return ContextParallel(mode="ring", load_balance=True, ulysses_degree=ulysses_degree)
+    return ContextParallel(mode="all_to_all", ulysses_degree=ulysses_degree)
 
 
-def _context_note(cp_mode: str, cp: int) -> str:
+def _context_note(cp_mode: str, cp: int, ulysses_degree: int | None = None) -> str:
+    if ulysses_degree is not None and 1 < ulysses_degree < cp and cp % ulysses_degree == 0:
+        ring = cp // ulysses_degree
+        return (f"context parallelism: the sequence sharded over cp={cp}; all-to-all (Ulysses) inside "
+                f"groups of {ulysses_degree} cp ranks, ring attention over the {ring} groups ({ring - 1} "
+                f"K/V transfer{'s' if ring > 2 else ''} of 1/{ulysses_degree} of the heads per attention "
+                "forward), load-balanced causal chunks")
     if cp_mode == "ring":
         return (f"context parallelism: the sequence sharded over cp={cp}; ring attention ({cp - 1} K/V "
                 f"transfer{'s' if cp > 2 else ''} to the next cp rank per attention forward), load-balanced "

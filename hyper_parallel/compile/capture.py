@@ -179,6 +179,20 @@ def _boundary_annotations(model: nn.Module, boundaries: Mapping[str, Any]):
             h.remove()
 
 
+def _capture_fix(model: nn.Module, exc: Exception) -> str:
+    """What to do when torch.export refuses ``model``: the general rule, or the specific fix for
+    transformers' default ``use_cache=True`` (a training step needs no KV cache, and export
+    cannot return the cache object)."""
+    config = getattr(model, "config", None)
+    if "Cache" in str(exc) and getattr(config, "use_cache", False):
+        return (f"{type(model).__name__} returns a KV cache because its config has use_cache=True "
+                "(transformers' default): training needs none. Load the model with use_cache=False "
+                "(from_pretrained(..., use_cache=False), or model.config.use_cache = False), or pass "
+                "use_cache=False in the call.")
+    return ("hyper_parallel needs a model that torch.export.export(model, args, kwargs, strict=False) "
+            "accepts (no data-dependent Python control flow on tensor values).")
+
+
 def capture(
     model: nn.Module,
     args: tuple,
@@ -199,9 +213,7 @@ def capture(
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         except Exception as exc:  # re-raised with the fix a user needs most often
             raise type(exc)(
-                f"torch.export could not capture {type(model).__name__}: {exc}\n"
-                "hyper_parallel needs a model that torch.export.export(model, args, kwargs, "
-                "strict=False) accepts (no data-dependent Python control flow on tensor values)."
+                f"torch.export could not capture {type(model).__name__}: {exc}\n" + _capture_fix(model, exc)
             ) from exc
     program = exported.module()
     with contextlib.ExitStack() as stack:

@@ -269,7 +269,7 @@ def finish(
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)
 
-    axis_of_group = group_axis_names(mesh, resolved_plan.fsdp)
+    axis_of_group = group_axis_names(mesh, resolved_plan.fsdp, resolved_plan.context)
     colls = {
         "forward": collectives(program.forward_gm, axis_of_group),
         "backward": collectives(program.backward_gm, axis_of_group),
@@ -289,7 +289,7 @@ def finish(
         "memory": memory.as_dict(),
     }
     dumper.json("summary.json", summary)
-    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series)  # for `hyper-parallel report`
+    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)  # for `hyper-parallel report`
     # Seconds differ between runs: only in the in-memory summary (and the log), never in a dump.
     summary["pass_seconds"] = pass_seconds
     if current_rank() == 0:

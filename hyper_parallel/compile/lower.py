@@ -283,7 +283,7 @@ def _balancer(captured: CapturedGraph, mesh, context) -> Balancer | None:
             f"{context.source}: the inputs sharded over {context.axis!r} have sequences of different "
             f"lengths {sorted(lengths)}; load-balanced ring attention reorders one sequence: give "
             "every sequence input the same length or use load_balance=False")
-    return Balancer(mesh, context.axis, lengths.pop())
+    return Balancer(mesh, context.axis, lengths.pop(), ring=context.ring)
 
 
 def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, list]:

@@ -10,6 +10,9 @@ backward, ``rules.py``) one more strategy: query, key, value, output and log-sum
 * ring mode (``hp.ContextParallel(mode="ring")``): ``cp/ring.py``, K/V blocks passed around the cp
   ring and merged by log-sum-exp, optionally in the load-balanced order of ``cp/load_balance.py``;
 
+* the hybrid (``ulysses_degree`` between 1 and cp): ``cp/hybrid.py``, an all-to-all inside each
+  group of Ulysses ranks, then ring attention across the groups;
+
 * all-to-all mode (DeepSpeed-Ulysses; ``hp.ContextParallel(mode="all_to_all")``): query, key and
   value move from sequence- to head-sharded (one ``all_to_all_single`` each, annotated as the
   ``Shard(2) -> Shard(1)`` redistribution it is), the ordinary kernel runs on whole sequences of
@@ -26,12 +29,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.fx.traceback as fx_traceback
 from torch.distributed.tensor import Shard
 
 from .. import compat
-from ..ir import meta
 from ..layout import format_placements
+from .exchange import swap_sharded_dim
+from .hybrid import hybrid_kernels
 from .ring import ring_kernels
 
 aten = torch.ops.aten
@@ -65,8 +68,9 @@ def local_kernel(op, layout, context=None, name: str = ""):
             f"attention's sequence is sharded over several mesh axes {names}; context parallelism "
             "shards it over one: give the context_parallel entries one axis"
         )
-    if context is not None and context.mode == "ring":
-        forward, backward = ring_kernels(axes[0], context.load_balance, context.asynchronous, name)
+    ring_modes = {"ring": ring_kernels, "hybrid": hybrid_kernels}
+    if context is not None and context.mode in ring_modes:
+        forward, backward = ring_modes[context.mode](axes[0], context, name)
         if op is SDPA:
             return functools.partial(_ring_forward, forward, layout.output)
         return functools.partial(_ring_backward, backward, layout.output)
@@ -85,25 +89,13 @@ def _ring_backward(kernel, specs, *args, **kwargs):
 
 def _move(dt, axes, src_dim: int, dst_dim: int):
     """DTensor ``dt`` (``[B, H, S, ...]``) from ``Shard(src_dim)`` to ``Shard(dst_dim)`` on the one
-    axis in ``axes``: one ``all_to_all_single`` of equal chunks, annotated as a redistribution so
-    dumps and summaries show it. (DTensor's own shard-to-shard redistribution on a CPU mesh
-    all-gathers the whole tensor and slices it: n times the bytes.)"""
+    axis in ``axes`` (cp/exchange.py), annotated as that redistribution."""
     (axis,) = axes
     spec = compat.spec_of(dt)
-    n = spec.mesh.size(axis)
-    local = compat.local_of(dt)
     target = tuple(Shard(dst_dim) if i == axis else p for i, p in enumerate(spec.placements))
     dst = compat.DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
-    annotation = {meta.ROLE: meta.ROLE_REDISTRIBUTE,
-                  meta.REDISTRIBUTE: f"{format_placements(spec.placements)} -> {format_placements(target)}"}
-    with fx_traceback.annotate(annotation):
-        # The dim that becomes sharded, cut in n chunks: chunk j goes to rank j.
-        pieces = local.unflatten(dst_dim, (n, local.shape[dst_dim] // n)).movedim(dst_dim, 0).contiguous()
-        group = spec.mesh.get_group(axis).group_name
-        received = torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.all_to_all_single(pieces, [1] * n, [1] * n, group))
-        # What rank i sent is its piece of the dim that becomes whole: the i-th along it.
-        whole = received.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
+    whole = swap_sharded_dim(compat.local_of(dt), spec.mesh.get_group(axis).group_name, spec.mesh.size(axis),
+                             src_dim, dst_dim, f"{format_placements(spec.placements)} -> {format_placements(target)}")
     return compat.dtensor_from_spec(whole, dst)
 
 

@@ -15,6 +15,10 @@ must apply ``P`` (before sharding: :func:`permute`) or its inverse (after gather
 :func:`unpermute`); :func:`redistribute` wraps lowering's redistribution to do that, and
 ``cp/ring.py`` knows each rank's chunks when it masks causal attention.
 
+With Ulysses groups (cp/hybrid.py, ``ulysses_degree = u``), the ring has ``m = cp / u`` ranks and
+``P`` orders ``2·m`` chunks; cut in ``cp`` pieces, the balanced sequence gives each Ulysses group
+its two chunks in ``u`` consecutive pieces, which the group's all-to-all joins back.
+
 The user's side stays in sequence order: each rank passes its contiguous slice of the sequence,
 as in the other modes (``testing.parity.local_batch``, :func:`shard_sequence`). Lowering reorders
 sequence-sharded inputs (and tangents) into the balanced order at the program's entry and outputs
@@ -84,12 +88,15 @@ def unpermute(x: torch.Tensor, dim: int, seq_len: int, n: int) -> torch.Tensor:
 
 class Balancer:
     """What lowering needs to keep the balanced order on one cp axis: the axis's index and size,
-    the sequence length of the program's sequence-sharded inputs, and the process group."""
+    the ring's size (the cp size, or ``cp / ulysses_degree`` for the hybrid of cp/hybrid.py, whose
+    balanced order has ``2·ring`` chunks), the sequence length of the program's sequence-sharded
+    inputs, and the process group."""
 
-    def __init__(self, mesh, axis: str, seq_len: int):
+    def __init__(self, mesh, axis: str, seq_len: int, ring: int | None = None):
         self.mesh = mesh
         self.axis = mesh.mesh_dim_names.index(axis)
         self.n = mesh.size(self.axis)
+        self.ring = self.n if ring is None else ring
         self.rank = mesh.get_local_rank(self.axis)
         self.seq_len = seq_len
         if seq_len % (2 * self.n):
@@ -98,6 +105,13 @@ class Balancer:
                 f"2*{axis}={2 * self.n} chunks: use a sequence length divisible by {2 * self.n} "
                 f"({seq_len // self.n} tokens per rank, an even number), or load_balance=False"
             )
+
+    def halves(self) -> list[int]:
+        """The sequence's ``2·n`` half-pieces (each half of one rank's share), in balanced order:
+        the ``2·ring`` chunks in :func:`chunk_order`, each ``n / ring`` half-pieces long. Rank r
+        holds positions 2r and 2r+1 of this list."""
+        per_chunk = self.n // self.ring
+        return [c * per_chunk + i for c in chunk_order(self.ring) for i in range(per_chunk)]
 
     # --- layout changes inside the program ---------------------------------------------------
 
@@ -110,21 +124,23 @@ class Balancer:
         if sequence_dim(a) is not None:  # leaves the balanced order: gather (or move), then P⁻¹
             middle = _with(dst, self.axis, Replicate()) if sequence_dim(b) is not None else dst
             local = plain(local, src, middle)
-            local = unpermute(local, sequence_dim(a), self.seq_len, self.n)
+            local = unpermute(local, sequence_dim(a), self.seq_len, self.ring)
             if sequence_dim(b) is None:
                 return local
             src = middle
-        local = permute(local, sequence_dim(b), self.seq_len, self.n)
+        local = permute(local, sequence_dim(b), self.seq_len, self.ring)
         return plain(local, src, dst)
 
     # --- the program's entry and exit --------------------------------------------------------
 
     def _exchange(self, local: torch.Tensor, dim: int, to_balanced: bool) -> torch.Tensor:
-        """One ``all_to_all_single`` moving this rank's two half-chunks between the sequence
-        order (rank r: chunks 2r, 2r+1) and the balanced one (rank r: chunks r, 2n-1-r)."""
+        """One ``all_to_all_single`` moving this rank's two half-pieces between the sequence
+        order (rank r: half-pieces 2r, 2r+1) and the balanced one (:meth:`halves`; without
+        Ulysses groups, rank r: chunks r and 2n-1-r)."""
         n, r = self.n, self.rank
+        order = self.halves()
         contiguous = {p: (2 * p, 2 * p + 1) for p in range(n)}
-        balanced = {p: rank_chunks(p, n) for p in range(n)}
+        balanced = {p: (order[2 * p], order[2 * p + 1]) for p in range(n)}
         have, want = (contiguous, balanced) if to_balanced else (balanced, contiguous)
         holder = {c: p for p, chunks in want.items() for c in chunks}  # who must hold chunk c
         source = {c: p for p, chunks in have.items() for c in chunks}  # who holds it now

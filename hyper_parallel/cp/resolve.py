@@ -4,18 +4,21 @@ Reads ``ParallelPlan.context_parallel`` (glob -> :class:`~hyper_parallel.cp.styl
 the model's modules and the mesh's axis names and sizes. Returns one :class:`ContextPlan` (or None
 without entries), which ``ResolvedPlan.sequence_axes`` and the default input layout read (inputs of
 two or more dims ``Shard(1)`` over the axis). Raises ``ValueError`` / ``TypeError`` naming the
-entry and module for: entries that disagree, an axis the mesh does not have, and (all-to-all mode)
-heads the axis does not divide. A sequence the ring's load balancing cannot cut in ``2·cp`` chunks
+entry and module for: entries that disagree, an axis the mesh does not have, a ``ulysses_degree``
+that does not divide it, and heads the Ulysses degree does not divide. :func:`attach_context_groups`
+creates the two sub-groups of the ring × all-to-all hybrid (every rank calls it). A sequence the ring's load balancing cannot cut in ``2·cp`` chunks
 is refused at the first call (``cp/load_balance.py``), where its length is known.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
 from torch import nn
 
+from .. import compat
 from .style import ContextParallel
 
 
@@ -23,16 +26,26 @@ from .style import ContextParallel
 class ContextPlan:
     axis: str
     degree: int
-    mode: str  # "ring" | "all_to_all"
-    load_balance: bool  # ring mode: the sequence in 2·cp chunks, rank r holding r and 2·cp−1−r
-    asynchronous: bool  # ring mode: each K/V transfer overlaps the current block (ring_overlap pass)
+    mode: str  # "ring" | "all_to_all" | "hybrid" (ring attention over groups of Ulysses ranks)
+    load_balance: bool  # ring part: the sequence in 2·ring chunks, ring rank i holding i and 2·ring−1−i
+    asynchronous: bool  # ring part: each K/V transfer overlaps the current block (ring_overlap pass)
     modules: tuple[str, ...]  # attention module FQNs the entries matched
     source: str  # the first entry, for messages
+    ulysses: int = 1  # cp ranks that swap heads and sequence (degree: all-to-all; 1: ring)
+    # The hybrid's process groups (attach_context_groups): consecutive cp ranks swap heads,
+    # ranks ``ulysses`` apart form the ring.
+    ulysses_group: str | None = None
+    ring_group: str | None = None
+
+    @property
+    def ring(self) -> int:
+        """Ranks on each K/V ring: ``degree // ulysses``."""
+        return self.degree // self.ulysses
 
     @property
     def balanced(self) -> bool:
         """Whether sequence-sharded values inside the program are in the load-balanced order."""
-        return self.mode == "ring" and self.load_balance and self.degree > 1
+        return self.load_balance and self.ring > 1
 
 
 def _heads(module: nn.Module) -> dict[str, int]:
@@ -73,12 +86,46 @@ def resolve_context_parallel(
             )
         fqns.extend(f for f in matched("context_parallel", glob) if f not in fqns)
     degree = mesh_shape[axis_names.index(first.axis)]
-    for fqn in fqns if first.mode == "all_to_all" else ():
+    ulysses = _ulysses_degree(first, degree, source)
+    for fqn in fqns if ulysses > 1 else ():
         for label, count in _heads(modules[fqn]).items():
-            if count % degree:
+            if count % ulysses:
                 raise ValueError(
-                    f"{source}: module {fqn!r} has {count} {label}, which {first.axis}={degree} does "
-                    "not divide; all-to-all context parallelism gives each rank heads / cp of them: "
-                    f"use a cp degree that divides {count}"
+                    f"{source}: module {fqn!r} has {count} {label}, which "
+                    + (f"{first.axis}={degree}" if ulysses == degree else f"ulysses_degree={ulysses}")
+                    + " does not divide; all-to-all context parallelism gives each rank heads / "
+                    f"{'cp' if ulysses == degree else 'ulysses_degree'} of them: use a degree that divides "
+                    f"{count}, or ring attention (mode='ring', or a smaller ulysses_degree)"
                 )
-    return ContextPlan(first.axis, degree, first.mode, first.load_balance, first.asynchronous, tuple(fqns), source)
+    mode = "all_to_all" if ulysses == degree else "ring" if ulysses == 1 else "hybrid"
+    if degree == 1:
+        mode = first.mode
+    return ContextPlan(first.axis, degree, mode, first.load_balance, first.asynchronous, tuple(fqns), source,
+                       ulysses=ulysses)
+
+
+def _ulysses_degree(style: ContextParallel, degree: int, source: str) -> int:
+    """The ranks of the cp axis that swap heads and sequence: the style's ``ulysses_degree``, else
+    all of them (all-to-all mode) or none (ring)."""
+    if style.ulysses_degree is None:
+        return degree if style.mode == "all_to_all" else 1
+    if degree % style.ulysses_degree:
+        divisors = [d for d in range(1, degree + 1) if degree % d == 0]
+        raise ValueError(
+            f"{source}: ulysses_degree={style.ulysses_degree} does not divide {style.axis}={degree}; "
+            f"the ring part of context parallelism is cp / ulysses_degree: pick one of {divisors}"
+        )
+    return style.ulysses_degree
+
+
+def attach_context_groups(context: ContextPlan | None, mesh) -> ContextPlan | None:
+    """``context`` with the hybrid's two process groups: the cp axis split row-major into
+    ``(ring, ulysses)``, so each Ulysses group is ``ulysses`` consecutive cp ranks (the fast
+    links of one node, where the all-to-alls are) and each ring the ranks ``ulysses`` apart.
+    Creates process groups, so every rank calls it; pure modes need none."""
+    if context is None or context.mode != "hybrid":
+        return context
+    names = (f"{context.axis}_ring", f"{context.axis}_ulysses")
+    split = compat.unflatten_mesh_axis(mesh, context.axis, (context.ring, context.ulysses), names)
+    return dataclasses.replace(context, ring_group=split.get_group(names[0]).group_name,
+                               ulysses_group=split.get_group(names[1]).group_name)

@@ -44,14 +44,19 @@ SEQ = 2  # the sequence dim of query / key / value / output [B, H, S, D] and log
 
 
 class Ring:
-    """One attention node's ring on the cp axis ``axis`` of ``mesh``."""
+    """One attention node's ring: the ``n`` ranks of process group ``group`` in their group order,
+    this one at ``rank`` (the cp axis itself in ring mode: :meth:`on_axis`; the hybrid's ring
+    sub-group, cp/hybrid.py)."""
 
-    def __init__(self, mesh, axis: int, balanced: bool, overlap: bool, name: str):
-        self.mesh, self.axis = mesh, axis
-        self.n = mesh.size(axis)
-        self.rank = mesh.get_local_rank(axis)
-        self.group = mesh.get_group(axis).group_name
+    def __init__(self, group: str, n: int, rank: int, balanced: bool, overlap: bool, name: str):
+        self.group, self.n, self.rank = group, n, rank
         self.balanced, self.overlap, self.name = balanced, overlap, name
+
+    @classmethod
+    def on_axis(cls, mesh, axis: int, balanced: bool, overlap: bool, name: str) -> "Ring":
+        """The ring of every rank of mesh axis ``axis``, in its rank order."""
+        return cls(mesh.get_group(axis).group_name, mesh.size(axis), mesh.get_local_rank(axis),
+                   balanced, overlap, name)
 
     def source(self, step: int) -> int:
         """The rank whose K/V block this rank holds at ``step``."""
@@ -207,32 +212,31 @@ def backward(ring: Ring, grad_out, q, k, v, out, lse, is_causal: bool, mask, sca
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
-def ring_kernels(axis: int, balanced: bool, overlap: bool, name: str):
-    """The forward and backward local kernels lowering calls with DTensors (cp/attention.py)."""
+def check_dropout(dropout_p, name: str) -> None:
+    if dropout_p:
+        raise ValueError(
+            f"ring attention (node {name}) cannot apply attention dropout (dropout_p={dropout_p}): "
+            "each block would draw other random numbers than one device; set the attention "
+            "dropout to 0 or use hp.ContextParallel(mode='all_to_all')")
+
+
+def ring_kernels(axis: int, context, name: str):
+    """The forward and backward local kernels lowering calls with DTensors (cp/attention.py):
+    ring attention over mesh axis ``axis`` as ``context`` (the ContextPlan) asks."""
 
     def ring_of(x):
-        return Ring(compat.spec_of(x).mesh, axis, balanced, overlap, name)
-
-    def check(dropout_p):
-        if dropout_p:
-            raise ValueError(
-                f"ring attention (node {name}) cannot apply attention dropout (dropout_p={dropout_p}): "
-                "each block would draw other random numbers than one device; set the attention "
-                "dropout to 0 or use hp.ContextParallel(mode='all_to_all')")
+        return Ring.on_axis(compat.spec_of(x).mesh, axis, context.balanced, context.asynchronous, name)
 
     def fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        check(dropout_p)
-        ring = ring_of(query)
+        check_dropout(dropout_p, name)
         local = [compat.local_of(x) for x in (query, key, value)]
         mask = compat.local_of(attn_mask) if attn_mask is not None else None
-        o, l = forward(ring, *local, is_causal, mask, scale)
-        return o, l
+        return forward(ring_of(query), *local, is_causal, mask, scale)
 
     def bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
-        check(dropout_p)
-        ring = ring_of(query)
+        check_dropout(dropout_p, name)
         local = [compat.local_of(x) for x in (grad_out, query, key, value, out, lse)]
         mask = compat.local_of(attn_mask) if attn_mask is not None else None
-        return backward(ring, *local, is_causal, mask, scale)
+        return backward(ring_of(query), *local, is_causal, mask, scale)
 
     return fwd, bwd

@@ -18,6 +18,13 @@ Modes:
   ``2·cp`` chunks and rank r computes with chunks r and 2·cp−1−r, so a causal mask costs every rank
   the same (``cp/load_balance.py``); the compiled program reorders the tokens itself.
 
+Both together (``ulysses_degree``, as ParallelDims' field: the Ulysses degree inside ``cp``): the
+cp ranks form groups of ``ulysses_degree`` consecutive ranks that swap heads and sequence by
+all-to-all, and ``cp / ulysses_degree`` such groups run ring attention on what they gathered
+(``cp/hybrid.py``). Heads need only divide by ``ulysses_degree``; each ring transfer carries a
+``1/ulysses_degree`` share of the heads. ``ulysses_degree`` overrides what ``mode`` implies (all of
+``cp`` for all-to-all, 1 for ring); ``load_balance`` and overlap apply to the ring part.
+
 ``AsyncContextParallel`` is ring mode with each K/V transfer overlapping the current block's
 attention (the ``ring_overlap`` pass). In every mode each rank passes its contiguous slice of the
 sequence (``hp.shard_sequence``) and gets its slice of sequence-shaped outputs back.
@@ -38,11 +45,14 @@ class ContextParallel:
     """Shard the sequence over ``axis`` (default ``"cp"``); attention in ``mode``.
 
     ``load_balance`` (ring mode): the sequence in 2·cp chunks, rank r computing with chunks r and
-    2·cp−1−r, so causal attention costs every rank the same."""
+    2·cp−1−r, so causal attention costs every rank the same. ``ulysses_degree``: the cp ranks
+    that swap heads and sequence by all-to-all (None: all of cp in all-to-all mode, 1 in ring
+    mode); between 1 and cp, ring attention runs over the ``cp / ulysses_degree`` groups."""
 
     mode: str = "all_to_all"
     load_balance: bool = True
     axis: str = "cp"
+    ulysses_degree: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -51,6 +61,10 @@ class ContextParallel:
             raise TypeError(f"{type(self).__name__}(axis=...) takes a mesh axis name, got {self.axis!r}")
         if not isinstance(self.load_balance, bool):
             raise TypeError(f"{type(self).__name__}(load_balance=...) is True or False, got {self.load_balance!r}")
+        u = self.ulysses_degree
+        if u is not None and (isinstance(u, bool) or not isinstance(u, int) or u < 1):
+            raise ValueError(f"{type(self).__name__}(ulysses_degree={u!r}): give a positive int that divides "
+                             "the cp degree, or None")
 
     @property
     def asynchronous(self) -> bool:

@@ -304,7 +304,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     programs: dict[int, StageProgram] = {}
     colls = {}
     pass_seconds: dict = {"rewrites": lowered.rewrite_seconds}
-    axis_of_group = group_axis_names(state.mesh, state.resolved.fsdp)
+    axis_of_group = group_axis_names(state.mesh, state.resolved.fsdp, state.resolved.context)
     reductions = {}
     for s in resolved.local_stages:
         graph = stages[s]

@@ -4,8 +4,8 @@
 (shard_module / parallelize_module) with the explicit plan; resolves the pipeline plan and the stage
 mesh the rest of the plan applies on (pipeline/plan.py); the tensor-parallel and explicit layouts
 (:func:`~hyper_parallel.plan.resolver.resolve_plan`); the activation plan of ``recompute`` / ``swap``
-(recompute.py); and the FSDP units with the process groups of ``reshard_after_forward=<k>``
-(fsdp/resolve.py).
+(recompute.py); the FSDP units with the process groups of ``reshard_after_forward=<k>``
+(fsdp/resolve.py); and the sub-groups of hybrid context parallelism (cp/resolve.py).
 
 It sits above those stages, which themselves import this package, so ``hyper_parallel.plan`` does
 not import this module: use ``from hyper_parallel.plan.resolution import resolve``.
@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from ..cp.resolve import attach_context_groups
 from ..fsdp.fully_shard import collect_recorded_fully_shard
 from ..fsdp.resolve import attach_post_forward_groups, resolve_fully_shard
 from ..pipeline.api import PipelineState, stage_mesh
@@ -70,7 +71,7 @@ def resolve(
 
     ``loss_fn`` is the pipeline's loss (only with a pipeline plan); ``memory_budget_bytes`` (already
     validated) is required by, and only allowed with, ``recompute="auto"``. Every rank calls it:
-    ``reshard_after_forward=<k>`` creates process groups. Raises the stages' ValueError / TypeError.
+    ``reshard_after_forward=<k>`` and hybrid context parallelism create process groups. Raises the stages' ValueError / TypeError.
     """
     recorded = collect_recorded_plan(model)
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
@@ -103,5 +104,7 @@ def resolve(
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
         # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).
         resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
+    # Ring attention over groups of Ulysses ranks: the two sub-groups of the cp axis (collective).
+    resolved = dataclasses.replace(resolved, context=attach_context_groups(resolved.context, mesh))
     check_mesh_axes_used(resolved, full_plan)
     return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh)

@@ -242,7 +242,7 @@ def _error_context(module: ParallelModule, entry: CompiledEntry):
     call = f"call {state.calls} of {state.original_cls.__name__} (rank {current_rank()})"
 
     def on_error(exc: Exception, gm: torch.fx.GraphModule, phase: str):
-        return reworded(exc, gm, phase, call, group_axis_names(state.mesh, entry.resolved.fsdp))
+        return reworded(exc, gm, phase, call, group_axis_names(state.mesh, entry.resolved.fsdp, entry.resolved.context))
 
     return on_error
 

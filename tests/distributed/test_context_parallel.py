@@ -23,6 +23,7 @@ STYLES = {
     "ring": hp.ContextParallel(mode="ring"),
     "ring_flat": hp.ContextParallel(mode="ring", load_balance=False),
     "async": hp.AsyncContextParallel(),
+    "hybrid": hp.AsyncContextParallel(ulysses_degree=2),  # cp=4: 2 Ulysses groups of 2 on a ring of 2
 }
 BATCH, SEQ, HEADS, HEAD_DIM, LAYERS, FP32 = 4, 16, 4, 16, 2, 4
 c10d = torch.ops._c10d_functional
@@ -148,6 +149,7 @@ CASES = {
     "ring_flat_cp4_hf": ("hf:LlamaForCausalLM", _plan("ring_flat"), (4,), ("cp",)),
     "ring_fsdp_cp": ("llama", _plan("ring", fully_shard={"units": ["model.layers.*", ""]}), (2, 2), ("dp_shard", "cp")),
     "async_tp_cp": ("llama", _plan("async", **llama_tp_plan()), (2, 2), ("cp", "tp")),
+    "hybrid_cp4_hf": ("hf:LlamaForCausalLM", _plan("hybrid"), (4,), ("cp",)),
 }
 
 
@@ -168,6 +170,19 @@ def test_cp_composes(dist4, case):
     elif case == "async_tp_cp":  # the heads are split over tp: half the block per transfer
         assert collectives["forward"]["send_recv"]["cp"]["count"] == LAYERS * (cp - 1)
         assert collectives["forward"]["send_recv"]["cp"]["bytes"] == LAYERS * (cp - 1) * _kv_block_bytes(cp) // 2
+    elif case == "hybrid_cp4_hf":
+        # All-to-alls inside each Ulysses pair, as all-to-all mode's; then a ring of 2 whose one
+        # transfer carries the pair's block (S/2 tokens) of half the heads.
+        forward, backward = collectives["forward"], collectives["backward"]
+        assert forward["all_to_all"]["cp/ulysses"] == {"count": LAYERS * 5,
+                                                       "bytes": LAYERS * _per_layer_all_to_all_bytes(4)}
+        # Output gradient, output and log-sum-exp to heads, three gradients back (forward's
+        # head-sharded q/k/v are reused, as in all-to-all mode).
+        assert backward["all_to_all"]["cp/ulysses"]["count"] == LAYERS * 6
+        block = _kv_block_bytes(2) // 2
+        assert forward["send_recv"] == {"cp/ring": {"count": LAYERS, "bytes": LAYERS * block}}, forward
+        assert backward["send_recv"] == {"cp/ring": {"count": 2 * LAYERS, "bytes": 2 * LAYERS * block}}, backward
+        assert forward["all_to_all"]["cp"]["count"] == 3  # inputs and logits to/from the balanced order
     else:
         _check_ring_transfers(collectives, cp, batch)
     if case == "ring_fsdp_cp":
@@ -292,7 +307,7 @@ def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
     from hyper_parallel.cp.ring import Ring, backward, forward
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    ring = Ring(mesh, 0, balanced=balanced, overlap=False, name="sdpa")
+    ring = Ring.on_axis(mesh, 0, balanced=balanced, overlap=False, name="sdpa")
     n, length = 2, 8
     seq = n * length
     g = torch.Generator().manual_seed(0)
@@ -319,6 +334,53 @@ def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
 @pytest.mark.parametrize("balanced", [True, False])
 def test_ring_kernel_matches_the_whole_sequence(dist2, balanced):
     for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced)):
+        assert max(errors.values()) < 1e-12, (rank, errors)
+
+
+def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
+    """cp/hybrid.py's kernels on cp=4 as 2 Ulysses groups of 2 on a ring of 2, eagerly on this
+    rank's tokens (real all-to-alls and transfers), against the one-device kernel on the whole
+    sequence: causal, and an additive mask with one entry per head."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hyper_parallel.cp.hybrid import hybrid_kernels
+    from hyper_parallel.cp.load_balance import permute
+    from hyper_parallel.cp.resolve import ContextPlan, attach_context_groups
+
+    mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    context = attach_context_groups(ContextPlan("cp", 4, "hybrid", balanced, False, (), "test", ulysses=2), mesh)
+    forward, backward = hybrid_kernels(0, context, "sdpa")
+    n, length, heads = 4, 4, 4
+    seq = n * length
+    rank = mesh.get_local_rank(0)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, heads, seq, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    mask = torch.zeros(1, heads, seq, seq, dtype=torch.float64)
+    mask[0, 1, :, 9:] = float("-inf")  # head 1 sees the first 9 keys only
+    mask[0, 2, 3, :] = float("-inf")  # head 2's query 3 sees nothing
+    errors = {}
+    for label, causal, m in (("causal", True, None), ("mask", False, mask)):
+        out, lse = SDPA(q, k, v, 0.0, causal, attn_mask=m)
+        dq, dk, dv = SDPA_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m)
+
+        def shard(local):
+            return DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
+
+        def mine(x, dim=2):  # this rank's tokens, in the program's order (2 ring ranks' chunks)
+            x = permute(x, dim, seq, 2) if balanced else x
+            return shard(x.narrow(dim, rank * length, length))
+
+        whole = None if m is None else DTensor.from_local(m, mesh, [Replicate()], run_check=False)
+        o, l = forward(mine(q), mine(k), mine(v), 0.0, causal, attn_mask=whole)
+        grads = backward(mine(grad), mine(q), mine(k), mine(v), shard(o), shard(l), 0.0, causal, attn_mask=whole)
+        pairs = [(o, mine(out)), (l, mine(lse)), *zip(grads, (mine(dq), mine(dk), mine(dv)))]
+        errors[label] = max((a - b.to_local()).abs().max().item() for a, b in pairs)
+    return errors
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+def test_hybrid_kernel_matches_the_whole_sequence(dist4, balanced):
+    for rank, errors in enumerate(dist4.run(_hybrid_kernel_against_whole_sequence, balanced)):
         assert max(errors.values()) < 1e-12, (rank, errors)
 
 

@@ -75,3 +75,25 @@ def test_sequence_axis_after_the_data_parallel_axes():
             resolve_plan({"context_parallel": {ATTENTION: style}}, _llama(), Layout((2, 2), ("cp", "dp")))
     assert resolve_plan({"context_parallel": {ATTENTION: hp.ContextParallel()}}, _llama(),
                         Layout((2, 2), ("cp", "tp"))).context.axis == "cp"  # only data-parallel axes matter
+
+
+def test_ulysses_degree_gives_the_hybrid():
+    """``ulysses_degree`` (ParallelDims' field) between 1 and cp: ring attention over groups of
+    Ulysses ranks, whatever ``mode`` says; 1 or cp are the pure modes. Heads need only divide by
+    the Ulysses degree; the degree must divide cp."""
+    def context(style, cp=8):
+        return resolve_plan({"context_parallel": {ATTENTION: style}}, _llama(), Layout((cp,), ("cp",))).context
+
+    hybrid = context(hp.ContextParallel(ulysses_degree=2))
+    assert (hybrid.mode, hybrid.ulysses, hybrid.ring, hybrid.balanced) == ("hybrid", 2, 4, True)
+    assert context(hp.AsyncContextParallel(ulysses_degree=4)).mode == "hybrid"  # 4 heads over 4, ring of 2
+    assert context(hp.ContextParallel(mode="ring")).ulysses == 1
+    assert context(hp.ContextParallel(ulysses_degree=1)).mode == "ring"
+    assert context(hp.ContextParallel(mode="ring", ulysses_degree=4), cp=4).mode == "all_to_all"
+    assert not context(hp.ContextParallel(ulysses_degree=4), cp=4).balanced  # no ring to balance
+    with pytest.raises(ValueError, match=r"ulysses_degree=3 does not divide cp=8; .* pick one of \[1, 2, 4, 8\]"):
+        context(hp.ContextParallel(ulysses_degree=3))
+    with pytest.raises(ValueError, match=r"has 4 heads, which ulysses_degree=8 does not divide"):
+        context(hp.ContextParallel(ulysses_degree=8), cp=16)
+    with pytest.raises(ValueError, match=r"ulysses_degree=0\): give a positive int"):
+        hp.ContextParallel(ulysses_degree=0)

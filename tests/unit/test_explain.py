@@ -409,6 +409,31 @@ def test_presets_add_context_parallel_on_a_cp_mesh():
     assert "context_parallel" not in presets.build_plan("fsdp", {"dp_shard": 8}, {}).plan
     with pytest.raises(ValueError, match=r"--cp-mode 'ulysses': choose ring or all_to_all"):
         presets.build_plan("fsdp", {"dp_shard": 2, "cp": 4}, {}, cp_mode="ulysses")
+    hybrid = presets.build_plan("fsdp", {"dp_shard": 2, "cp": 8}, {}, ulysses_degree=2)
+    assert hybrid.plan["context_parallel"] == {attention: hp.ContextParallel(mode="ring", ulysses_degree=2)}
+    assert "all-to-all (Ulysses) inside groups of 2 cp ranks, ring attention over the 4 groups" in hybrid.notes[0]
+
+
+def test_hybrid_collectives_and_their_groups_in_the_simulated_step(tmp_path):
+    """``--parallel dp_shard=2,cp=8,ulysses_degree=2``: per attention forward, 5 all-to-alls inside each pair
+    of consecutive cp ranks (query, key, value ``[batch, heads, seq / 8, head dim]`` and output
+    to and from ``heads / 2``; the log-sum-exp) and a ring of 4 pairs: 3 transfers of the pair's
+    key and value for ``heads / 2`` and ``seq / 4`` tokens. The simulated step prices each on its
+    own group: the pairs and the ring are sub-groups of cp, named ``cp/ulysses`` and ``cp/ring``."""
+    seq, cp, u = 1024, 8, 2
+    trace = tmp_path / "step.json"
+    report = explain(config=SMALL, parallel=f"dp_shard=2,cp={cp},ulysses_degree={u}", world_size=2 * cp,
+                     seq_len=seq, local_batch=1, trace_path=str(trace))
+    assert report["plan"]["context_parallel"]["mode"] == "hybrid"
+    fwd = report["collectives"]["forward"]
+    rows = HEADS * (seq // cp)
+    assert fwd["all_to_all"]["cp/ulysses"] == {"count": 5, "bytes": 4 * rows * HEAD_DIM * BF16 + rows * FP32}
+    block = 2 * (HEADS // u) * (seq // (cp // u)) * HEAD_DIM * BF16
+    assert fwd["send_recv"] == {"cp/ring": {"count": cp // u - 1, "bytes": (cp // u - 1) * block}}
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    names = {e["name"] for e in events if e["cat"] == "comm"}
+    assert {"send_recv[cp/ring]", "all_to_all[cp/ulysses]"} <= names, names
+    assert "ring attention over 4 groups of 2 all-to-all ranks, cp=8" in format_report(report)
 
 
 def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys):
@@ -423,7 +448,7 @@ def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys
     assert main(["explain", "--config", str(config), "--parallel", f"dp_shard=2,cp={cp}", "--world-size", "8",
                  "--seq-len", str(seq), "--local-batch", str(batch), "--cp-mode", "all_to_all", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["plan"]["context_parallel"] == {"axis": "cp", "degree": cp, "mode": "all_to_all",
+    assert report["plan"]["context_parallel"] == {"axis": "cp", "degree": cp, "mode": "all_to_all", "ulysses": cp,
                                                   "load_balance": False, "asynchronous": False, "modules": 1}
     assert report["batch"] == {"local_batch": batch, "seq_len": seq, "global_batch": 2 * batch,
                                "tokens_per_step": 2 * batch * seq}

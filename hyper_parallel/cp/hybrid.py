@@ -1,0 +1,79 @@
+"""Ring attention over groups of Ulysses ranks: context parallelism with ``1 < ulysses_degree < cp``.
+
+``hp.ContextParallel(ulysses_degree=u)`` on a cp axis of ``n = u · m`` ranks (ParallelDims'
+``ulysses_degree``; USP's "unified sequence parallelism"). The cp axis is split row-major into a
+ring axis of ``m`` and a Ulysses axis of ``u`` (cp/resolve.py: ``attach_context_groups``): cp rank
+``r`` is Ulysses rank ``r mod u`` of group ``r div u``.
+
+Per attention, on each rank:
+
+1. query, key and value go from sequence- to head-sharded *within the Ulysses group*: one
+   all-to-all each (cp/exchange.py). The group's ``u`` sequence pieces are consecutive, so the
+   rank now holds ``heads / u`` heads of the group's block of ``S / m`` tokens;
+2. ring attention (cp/ring.py) runs over the ``m`` groups' blocks on the ring sub-group: ``m − 1``
+   K/V transfers of ``1/u`` of the heads each, merged by log-sum-exp, with the load-balanced
+   causal order over ``2·m`` chunks (cp/load_balance.py: the balanced permutation of ``m`` ring
+   ranks, cut in ``n`` pieces, gives each group its two chunks in ``u`` consecutive pieces);
+3. output and log-sum-exp go back to sequence-sharded (two all-to-alls).
+
+Backward moves the output gradient, query, key, value, output and log-sum-exp to head-sharded,
+runs the ring backward (dK/dV travelling home) and moves the three gradients back. Exact, as both
+parts are: each head of a group sees the group's whole block, and the ring merges the blocks.
+
+Heads need only divide by ``u``, and the ring carries ``1/u`` of the bytes pure ring attention
+would; the all-to-alls stay inside groups of ``u`` consecutive ranks (one node's fast links).
+"""
+
+from __future__ import annotations
+
+from .. import compat
+from .exchange import swap_sharded_dim
+from .ring import Ring, backward, check_dropout, forward
+
+SEQ, HEADS = 2, 1  # of [B, H, S, D] (query, key, value, output) and [B, H, S] (log-sum-exp)
+
+
+def hybrid_kernels(axis: int, context, name: str):
+    """The forward and backward local kernels lowering calls with DTensors (cp/attention.py):
+    mesh axis ``axis`` is the cp axis of ``context`` (the ContextPlan, with its groups attached)."""
+    u = context.ulysses
+
+    def placed(x):
+        """This rank's ring (on the ring sub-group) and its index in its Ulysses group."""
+        r = compat.spec_of(x).mesh.get_local_rank(axis)
+        ring = Ring(context.ring_group, context.ring, r // u, context.balanced, context.asynchronous, name)
+        return ring, r % u
+
+    def to_heads(x):
+        return swap_sharded_dim(x, context.ulysses_group, u, SEQ, HEADS,
+                                f"{context.axis}_ulysses: sequence -> heads")
+
+    def to_sequence(x):
+        return swap_sharded_dim(x, context.ulysses_group, u, HEADS, SEQ,
+                                f"{context.axis}_ulysses: heads -> sequence")
+
+    def heads_of_mask(mask, heads: int, index: int):
+        """An additive mask with one entry per head keeps this rank's heads; a broadcast one stays."""
+        if mask is None or mask.dim() < 4 or mask.shape[-3] == 1:
+            return mask
+        share = heads // u
+        return mask.narrow(-3, index * share, share)
+
+    def fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        check_dropout(dropout_p, name)
+        ring, index = placed(query)
+        q, k, v = (to_heads(compat.local_of(x)) for x in (query, key, value))
+        mask = heads_of_mask(compat.local_of(attn_mask) if attn_mask is not None else None,
+                             query.shape[HEADS], index)
+        out, lse = forward(ring, q, k, v, is_causal, mask, scale)
+        return to_sequence(out), to_sequence(lse)
+
+    def bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        check_dropout(dropout_p, name)
+        ring, index = placed(query)
+        moved = [to_heads(compat.local_of(x)) for x in (grad_out, query, key, value, out, lse)]
+        mask = heads_of_mask(compat.local_of(attn_mask) if attn_mask is not None else None,
+                             query.shape[HEADS], index)
+        return tuple(to_sequence(g) for g in backward(ring, *moved, is_causal, mask, scale))
+
+    return fwd, bwd
