@@ -41,7 +41,20 @@ from .styles import (
     SequenceParallel,
 )
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml), or "0+unknown" from a bare checkout."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hyper_parallel")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+__version__ = _version()
+
 __all__ = [
+    "__version__",
     "CheckpointError",
     "AsyncContextParallel",
     "ContextParallel",

@@ -26,6 +26,7 @@ from .init import distribute_parameters
 from .passes import check_disabled_passes
 from .plan import ResolvedPlan
 from .plan.resolution import resolve
+from .progress import enable_default_logging
 from .pipeline.module import PipelinedModule
 from .runtime.module import ParallelModule, ParallelState, entry_for
 from .spmd import agree, digest_of
@@ -60,6 +61,8 @@ def parallelize(
     loss_fn=None,
     check_inputs: bool | None = None,
     timeout=None,
+    recompile_limit: int = 8,
+    fail_on_recompile_limit: bool = False,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see docs/architecture.md §1).
 
@@ -83,7 +86,9 @@ def parallelize(
     for inputs on the CPU, where it is free; True: also on accelerators, which synchronises the
     device; False: never). ``timeout``: seconds (or a timedelta) a collective of this module may wait
     for its peers before the call fails naming the program, collective and call (default: the
-    process groups' own, 30 minutes on gloo, 10 on NCCL).
+    process groups' own, 30 minutes on gloo, 10 on NCCL). ``recompile_limit``: programs are
+    compiled for fixed input shapes, one per new signature (each logged with what changed); past
+    this many a warning says so, or a ValueError with ``fail_on_recompile_limit=True``.
 
     Before distributing anything the ranks check that they resolved the same plan and options
     (a ValueError on every rank naming the difference, not a hang); every call likewise checks
@@ -95,7 +100,11 @@ def parallelize(
     memory_budget_bytes = options.check_memory_budget(memory_budget_bytes)
     check_inputs = options.check_check_inputs(check_inputs)
     timeout = options.check_timeout(timeout)
+    recompile_limit = options.check_int("recompile_limit", recompile_limit, minimum=1, allow_none=False)
+    if not isinstance(fail_on_recompile_limit, bool):
+        raise TypeError(f"fail_on_recompile_limit is True or False, got {fail_on_recompile_limit!r}")
     check_disabled_passes(disable_passes)
+    enable_default_logging()
     if mesh is None:
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
     if isinstance(model, ParallelModule):
@@ -126,7 +135,8 @@ def parallelize(
         dump_dir=dump_dir, disable_passes=frozenset(disable_passes), prefetch_depth=prefetch_depth,
         reductions_in_flight=reductions_in_flight,
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), memory_budget_bytes=memory_budget_bytes,
-        check_inputs=check_inputs, timeout=timeout,
+        check_inputs=check_inputs, timeout=timeout, recompile_limit=recompile_limit,
+        fail_on_recompile_limit=fail_on_recompile_limit,
     )
     model._hp = ParallelState(resolved, mesh, original_cls, list(model.parameters()), compile_options,
                               activation=activation, plan_swap=resolution.plan.swap)

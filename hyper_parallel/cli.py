@@ -35,7 +35,10 @@ def _build_parser() -> argparse.ArgumentParser:
     from .explain import HARDWARE, OPTIMIZERS
     from .presets import CP_MODES, MODEL_PRESETS, PLAN_PRESETS
 
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line tools")
+    parser.add_argument("--version", action="version", version=f"hyper-parallel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     ex = sub.add_parser(

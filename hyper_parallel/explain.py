@@ -49,6 +49,7 @@ import torch.distributed as dist
 from . import presets
 from .cost.hardware import PROFILES, get_profile
 from .memory import format_bytes, optimizer_model
+from .progress import Progress, enable_default_logging
 
 __all__ = ["compile_for_explain", "explain", "fake_world", "format_report"]
 
@@ -250,6 +251,8 @@ def explain(
         if masters else f"{dtype} parameters and compute"
     )
 
+    enable_default_logging()
+    progress = Progress(f"explain {config_name}")  # fake_world below: this process is "rank 0"
     with fake_world(world_size, rank):
         mesh = dims.build_mesh("cpu")
         with torch.device("meta"):  # this rank's inputs: its slice of each sequence under cp
@@ -261,7 +264,9 @@ def explain(
         summary = pmodel.compile_summary()
         labels = _flattened_axis_labels(mesh, dims.flattened_axes())
         memory = pmodel.memory_report(optimizer)
-        step = _simulate(pmodel, mesh, profile, optimizer, dtype)
+        with progress.phase("simulated step"):
+            step = _simulate(pmodel, mesh, profile, optimizer, dtype)
+    progress.done()
     timeline = step.pop("timeline", None)
     if trace_path is not None and timeline is None:
         raise ValueError(f"explain(trace_path={trace_path!r}): no simulated step to trace ({step.get('reason')})")

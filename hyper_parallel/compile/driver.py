@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,7 @@ from .lower import lower
 from ..memory import estimate_program
 from ..passes import PassContext, run_passes, run_rewrites
 from ..plan import ResolvedPlan
+from ..progress import Progress
 from ..propagation.engine import PropagationReport, propagate
 from ..recompute import annotated_regions, auto_candidates, capturing, resolve_activation_plan
 from ..runtime.input_check import index_inputs
@@ -146,10 +148,12 @@ class Lowered:
 
 def capture_and_lower(
     module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
-    dumper: Dumper, wrap_forward=None,
+    dumper: Dumper, wrap_forward=None, progress: Progress | None = None,
 ) -> Lowered:
     """``wrap_forward``: a context manager factory that changes what the module's forward returns
-    while it is captured (the pipeline's loss)."""
+    while it is captured (the pipeline's loss). ``progress``: where each phase's seconds go (the
+    rank-0 progress lines), or None."""
+    progress = progress or Progress(f"compile {state.original_cls.__name__}", enabled=False)
     mesh = state.mesh
     paths = flat_paths((args, kwargs))
     input_placements = _input_placements(resolved_plan, paths, flat)
@@ -179,7 +183,7 @@ def capture_and_lower(
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
         with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
-                (wrap_forward() if wrap_forward else contextlib.nullcontext()):
+                (wrap_forward() if wrap_forward else contextlib.nullcontext()), progress.phase("capture"):
             captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts)
             annotated = annotated_regions()
     finally:
@@ -189,11 +193,13 @@ def capture_and_lower(
 
     storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
     timings: dict = {}
-    run_rewrites(captured, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
-                                       fsdp=resolved.fsdp, on_pass=dumper.rewrite, timings=timings))
-    report = propagate(captured, resolved, mesh)
-    check_attention_stays_sharded(captured.gm, resolved.context, mesh)
-    local = lower(captured, mesh, resolved.context)
+    with progress.phase("propagation"):
+        run_rewrites(captured, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
+                                           fsdp=resolved.fsdp, on_pass=dumper.rewrite, timings=timings))
+        report = propagate(captured, resolved, mesh)
+        check_attention_stays_sharded(captured.gm, resolved.context, mesh)
+    with progress.phase("lowering"):
+        local = lower(captured, mesh, resolved.context)
     dumper.graph("lowered", local)
     return Lowered(captured, resolved, report, local, input_placements, annotated, timings)
 
@@ -244,8 +250,17 @@ def compile_program(
 ) -> CompiledEntry:
     """``activation``: the recompute/swap plan to compile with (default: the module's)."""
     dumper = Dumper(state.options.dump_dir, current_rank())
-    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
-    return finish(state, resolved_plan, lowered, explicit_prefetch, activation, dumper)
+    progress = Progress(f"compile {state.original_cls.__name__}")
+    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper, progress=progress)
+    entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation, dumper, progress=progress)
+    progress.done(_collective_count(entry.summary))
+    return entry
+
+
+def _collective_count(summary: dict) -> str:
+    per_step = summary["collectives_per_step"]
+    count = sum(entry["count"] for by_axis in per_step.values() for entry in by_axis.values())
+    return f"{count} collective{'s' if count != 1 else ''} per step"
 
 
 def current_rank() -> int:
@@ -254,18 +269,26 @@ def current_rank() -> int:
 
 def finish(
     state: ParallelState, resolved_plan: ResolvedPlan, lowered: Lowered, explicit_prefetch: dict, activation,
-    dumper: Dumper, local: torch.fx.GraphModule | None = None,
+    dumper: Dumper, local: torch.fx.GraphModule | None = None, progress: Progress | None = None,
 ) -> CompiledEntry:
     """The back half of a compile: passes, partition, SPMD check, summary and dumps. ``local``: the
-    lowered graph to run the passes on (default: ``lowered.local`` itself)."""
+    lowered graph to run the passes on (default: ``lowered.local`` itself); ``progress``: where
+    each phase's seconds go, or None."""
+    progress = progress or Progress(f"compile {state.original_cls.__name__}", enabled=False)
     mesh = state.mesh
     captured = lowered.captured
     pass_seconds = dict(lowered.rewrite_seconds)
+    started = time.perf_counter()
+    run_seconds: dict = {}
     local = run_pass_pipeline(state, resolved_plan, lowered.local if local is None else local, explicit_prefetch,
-                              activation, lowered.annotated, dumper.graph, pass_seconds)
+                              activation, lowered.annotated, dumper.graph, run_seconds)
+    pass_seconds.update(run_seconds)
+    progress.record("passes", time.perf_counter() - started,
+                    ", ".join(f"{name} {s:.2f}" for name, s in run_seconds.items()))
     dumper.text("layouts.tsv", layout_table(local))
     flatten_placeholders(local, captured)
-    program = CompiledProgram.from_joint(local, captured)
+    with progress.phase("partition"):
+        program = CompiledProgram.from_joint(local, captured)
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)
 
@@ -274,7 +297,8 @@ def finish(
         "forward": collectives(program.forward_gm, axis_of_group),
         "backward": collectives(program.backward_gm, axis_of_group),
     }
-    digest = check_spmd_on_mesh(colls, mesh)
+    with progress.phase("SPMD check"):
+        digest = check_spmd_on_mesh(colls, mesh)
     memory_series = [] if dumper.dir else None  # live bytes per moment, for the report's plot
     memory = estimate_program(program, captured, series=memory_series)  # no optimizer state: memory_report(opt) adds it
     summary = {
@@ -293,8 +317,8 @@ def finish(
     # Seconds differ between runs: only in the in-memory summary (and the log), never in a dump.
     summary["pass_seconds"] = pass_seconds
     if current_rank() == 0:
-        log.info("[compile] %s", summary["collectives_per_step"])
-        log.info("[compile] seconds per rewrite and pass: %s", {k: round(v, 4) for k, v in pass_seconds.items()})
+        log.debug("[compile] %s", summary["collectives_per_step"])
+        log.debug("[compile] seconds per rewrite and pass: %s", {k: round(v, 4) for k, v in pass_seconds.items()})
     return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured),
                          returned_shardings(mesh, resolved_plan, lowered.report))
 
@@ -312,7 +336,8 @@ def compile_within_budget(
     copy of the lowered graph) and the estimate. The dumps show the chosen candidate: its passes
     are re-run with the dumper at the end."""
     dumper = Dumper(state.options.dump_dir, current_rank())
-    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper)
+    progress = Progress(f"compile {state.original_cls.__name__}")
+    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper, progress=progress)
     silent = Dumper(None, current_rank())
     candidates = auto_candidates(state.activation.auto_blocks)
     tried: dict[int, int] = {}
@@ -346,7 +371,8 @@ def compile_within_budget(
             hi = mid
         else:
             lo = mid + 1
-    entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(lo), dumper)
+    entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(lo), dumper, progress=progress)
+    progress.done(f"recompute='auto' chose candidate {lo} of {last + 1} after {len(tried)} trial compiles")
     entry.summary["recompute_auto"] = {
         "memory_budget_bytes": budget, "estimated_peak": tried[lo], "chosen": candidates[lo],
         "candidates_compiled": len(tried),

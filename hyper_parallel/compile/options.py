@@ -23,3 +23,5 @@ class CompileOptions:
     memory_budget_bytes: int | None = None  # the per-rank peak recompute="auto" must fit
     check_inputs: bool | None = None  # None: ids and labels checked on the CPU only (runtime/input_check.py)
     timeout: datetime.timedelta | None = None  # how long this module's collectives wait for peers
+    recompile_limit: int = 8  # programs compiled for one module before warning (runtime/recompiles.py)
+    fail_on_recompile_limit: bool = False  # past the limit: a ValueError instead of a warning

@@ -143,7 +143,7 @@ def axis_infos(mesh, *extra_meshes, groups: Mapping[str, str] | None = None) -> 
         if ranks is not None:
             out[name] = _from_ranks(label, ranks)
         elif size is not None:
-            log.info("cost model: ranks of group %s (%s) unknown; treating it as inter-node", name, label)
+            log.debug("cost model: ranks of group %s (%s) unknown; treating it as inter-node", name, label)
             out[name] = AxisInfo(label, size, None)
 
     meshes = [mesh, *extra_meshes]
@@ -160,7 +160,7 @@ def axis_infos(mesh, *extra_meshes, groups: Mapping[str, str] | None = None) -> 
         if group is not None:
             add(group, label, group.size())
         elif name not in out:
-            log.info("cost model: group %s (%s) unknown; treating it as inter-node", name, label)
+            log.debug("cost model: group %s (%s) unknown; treating it as inter-node", name, label)
     return out
 
 

@@ -44,7 +44,7 @@ def run_steps(steps: list[Step], target, ctx: PassContext, graph_of=lambda t: t)
                                  pass_name=None if step.required else step.name) from exc
         ctx.timings[step.name] = ctx.timings.get(step.name, 0.0) + time.perf_counter() - start
         gm = graph_of(target)
-        log.info("[%s] %d nodes -> %d", step.name, before, len(gm.graph.nodes))
+        log.debug("[%s] %d nodes -> %d", step.name, before, len(gm.graph.nodes))
         if ctx.on_pass is not None:
             ctx.on_pass(step.name, gm)
     return target

@@ -45,6 +45,7 @@ from ..compile.driver import (
 )
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..ir import meta
+from ..progress import Progress
 from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
 from ..runtime.partition import partition_by_phase
 from ..runtime.input_check import empty_problem
@@ -272,9 +273,10 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     rank = current_rank()
     dumper = Dumper(state.options.dump_dir, rank)
     original_forward = state.original_cls.forward.__get__(module)
+    progress = Progress(f"compile {state.original_cls.__name__} (pipeline)")
     lowered = capture_and_lower(
         module, state, state.resolved, args, kwargs, flat, dumper,
-        wrap_forward=lambda: loss_forward(module, pipe.loss_fn, original_forward),
+        wrap_forward=lambda: loss_forward(module, pipe.loss_fn, original_forward), progress=progress,
     )
     if plan.split_points == AUTO:
         from .auto import choose_split_points
@@ -380,6 +382,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     _release_other_stages(module, state, programs)
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule)
+    progress.done(f"{len(programs)} stage program{'s' if len(programs) != 1 else ''} on this rank")
     return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary)
 
 

@@ -38,6 +38,7 @@ from ..propagation.accumulation import GRAD_ACCUM
 from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
 from .collective_errors import reworded
+from .recompiles import before_compile
 from .input_check import empty_problem, index_problem
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class ParallelState:
         self.gathered = GatheredParams(parameters)  # by unshard(), or kept by backward for the next forward
         watch_optimizers(self.gathered)
         self.last: CompiledEntry | None = None  # the program the last call ran
+        self.last_key = None  # its cache key (what a recompile is compared with)
         # Pipeline parallelism: parameters of stages other ranks run, released from this rank after
         # the split (FQN -> (global shape, dtype, requires_grad, device), for later captures).
         self.released: dict[str, tuple] = {}
@@ -175,6 +177,7 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     describe = lambda: _describe_call(key, flat, args, kwargs)  # noqa: E731
     agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.options.timeout)
     if entry is None:
+        before_compile(state, key, paths)
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
         entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
         state.cache[key] = entry
@@ -182,7 +185,7 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
         if entry.index_inputs and state.options.check_inputs is not False:
             problem = _index_problem(state, entry, flat)
             agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.options.timeout)
-    state.last = entry
+    state.last, state.last_key = entry, key
     return entry, flat
 
 

@@ -30,6 +30,8 @@ _WORKER_ENV = {
     "MKL_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MASTER_ADDR": _MASTER_ADDR,
+    # Hundreds of compiles per suite: no progress lines on the workers' stderr (progress.py).
+    "HYPER_PARALLEL_LOG": "quiet",
 }
 
 

@@ -10,6 +10,7 @@ import importlib
 import pathlib
 
 import networkx as nx
+import pytest
 
 import hyper_parallel
 
@@ -127,3 +128,19 @@ def test_readme_layout_names_every_module():
             names = [path.stem] + list(rel.parts[:-1])
         missing += [f"{rel} ({n})" for n in names if not re.search(rf"(?<![\w-]){re.escape(n)}\b", block)]
     assert not missing, "README's layout block does not name: " + ", ".join(sorted(set(missing)))
+
+
+def test_version_is_the_installed_one(capsys):
+    """``hp.__version__`` and ``hyper-parallel --version`` report the installed distribution's
+    version; the package ships ``py.typed`` so type checkers read its annotations."""
+    import importlib.metadata
+    import pathlib
+
+    import hyper_parallel as hp
+    from hyper_parallel.cli import main
+
+    assert hp.__version__ == importlib.metadata.version("hyper_parallel")
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert (pathlib.Path(hp.__file__).parent / "py.typed").is_file()

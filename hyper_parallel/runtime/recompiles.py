@@ -1,0 +1,63 @@
+"""Recompiles: what made a module compile another program, counted against a limit.
+
+A parallelized module's programs have fixed shapes: every new input signature (a new sequence
+length or batch size), input structure, FSDP flag combination or train/eval mode compiles one
+more program (seconds here, a minute at scale). Dynamic shapes are not supported; pad inputs to a
+few fixed lengths (bucketing) so a run compiles a handful of programs. Each compile after the
+first is logged at INFO on rank 0 with what changed since the previous call; past
+``parallelize(recompile_limit=N)`` programs a warning says so once, or with
+``fail_on_recompile_limit=True`` the call fails before compiling (on every rank alike: the ranks
+agreed on the signature first).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..compile.driver import current_rank, format_signature
+
+log = logging.getLogger(__name__)
+
+
+def what_changed(old_key, new_key, paths: list[str]) -> str:
+    """The difference between two program-cache keys (``runtime/module.py:entry_for``'s), worded."""
+    if old_key is None:
+        return "first call"
+    old_spec, old_signatures, old_flags, old_prefetch = old_key
+    new_spec, new_signatures, new_flags, new_prefetch = new_key
+    changes = []
+    if old_spec != new_spec:
+        changes.append("the inputs' structure (arguments or their nesting) changed")
+    else:
+        changes += [f"input '{path}': {format_signature(a)} -> {format_signature(b)}"
+                    for path, a, b in zip(paths, old_signatures, new_signatures) if a != b]
+    if old_flags != new_flags:
+        changes.append(f"FSDP flags or train/eval mode: {old_flags} -> {new_flags}")
+    if old_prefetch != new_prefetch:
+        changes.append("the FSDP prefetch targets changed")
+    return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+
+
+def before_compile(state, key, paths) -> None:
+    """Account for the compile of ``key`` about to start on ``state`` (a ParallelState); ``paths``
+    gives the flat input paths (only called when something must be worded)."""
+    number = len(state.cache) + 1
+    if number == 1:
+        return
+    name = state.original_cls.__name__
+    reason = what_changed(state.last_key, key, paths())
+    limit = state.options.recompile_limit
+    if number > limit and state.options.fail_on_recompile_limit:
+        raise ValueError(
+            f"{name} would compile program {number}, past parallelize(recompile_limit={limit}); this one "
+            f"because {reason}. Programs have fixed shapes: pad inputs to a few fixed lengths, or raise "
+            "recompile_limit"
+        )
+    if current_rank() != 0:
+        return
+    log.info("recompiling %s (program %d): %s", name, number, reason)
+    if number == limit + 1:
+        log.warning(
+            "%s has compiled %d programs, past recompile_limit=%d (the last because %s). Each new input "
+            "signature compiles one; pad inputs to a few fixed lengths, or pass parallelize(recompile_limit=...) "
+            "(fail_on_recompile_limit=True makes this an error)", name, number, limit, reason)
