@@ -274,12 +274,17 @@ def explain(
         from .cost import to_chrome_trace
 
         trace = to_chrome_trace(timeline, rank=rank)
+        # The totals the report page prints above the timeline, as this report has them.
+        trace["otherData"] = {**{k: v for k, v in sorted(step.items()) if k != "available"},
+                              "optimizer_model": optimizer, "device_type": hardware}
         # The dump's own trace prices the step on the mesh's device (cpu here); this one is the
         # requested hardware with the requested optimizer.
         paths = [trace_path] + ([os.path.join(dump_dir, f"rank{rank}", "trace.json")] if dump_dir else [])
         for path in filter(None, paths):
             with open(path, "w") as f:
                 json.dump(trace, f, sort_keys=True)
+    if dump_dir:
+        _dump_memory_as_explained(os.path.join(dump_dir, f"rank{rank}"), memory, hardware, optimizer)
 
     # Ranks that take different sequences; cp (and tp) ranks share theirs.
     dp_degree = math.prod(size for axis, size in axes.items() if axis.startswith("dp") or axis == "ep")
@@ -310,6 +315,21 @@ def explain(
         "compile_s": compile_s,
         "wall_s": time.perf_counter() - started,
     }
+
+
+def _dump_memory_as_explained(folder: str, memory: dict, hardware: str, optimizer: str) -> None:
+    """The dump's memory estimate (summary.json, memory.json) made the one explain printed: with the
+    optimizer's state and named by the hardware profile, not the compile's (no optimizer, cpu)."""
+    explained = {**memory, "device": hardware, "optimizer": optimizer}
+    for name, key in (("summary.json", "memory"), ("memory.json", "estimate")):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        data[key] = explained
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2 if name == "summary.json" else None, sort_keys=True)
 
 
 def _context_parallel(pmodel) -> dict | None:

@@ -326,8 +326,8 @@ def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, c
     dump, trace = tmp_path / "dump", tmp_path / "step.json"
     assert main(["explain", "--config", str(config), "--parallel", "dp_shard=-1,tp=2", "--world-size", "8",
                  "--plan", "fsdp+tp", "--seq-len", "64", "--hardware", "a100", "--rank", "1",
-                 "--trace", str(trace), "--dump-dir", str(dump)]) == 0
-    capsys.readouterr()
+                 "--trace", str(trace), "--dump-dir", str(dump), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     events = json.loads(trace.read_text())["traceEvents"]
     comm = [e for e in events if e.get("cat") == "comm"]
     assert comm and all(e["pid"] == 1 for e in comm)
@@ -336,6 +336,15 @@ def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, c
     assert main(["report", str(dump)]) == 0  # the only rank in the dump: 1
     assert json.loads((dump / "report.trace.json").read_text()) == json.loads(trace.read_text())
     assert (dump / "report.html").stat().st_size > 0
+    # What the page prints is what explain printed: hardware, totals, memory with AdamW's state.
+    from hyper_parallel.report.data import find_rank, load_page_data
+
+    page = load_page_data(find_rank(str(dump)))
+    totals, memory = page["timeline"]["totals"], page["summary"]["memory"]
+    assert totals["profile"] == report["step"]["profile"] == "a100"
+    assert totals["step_s"] == report["step"]["step_s"] > 0 and totals["optimizer_model"] == "adamw"
+    assert memory["peak"] == report["memory"]["peak"] and memory["optimizer_state"] > 0
+    assert (memory["device"], memory["optimizer"]) == ("a100", "adamw")
 
 
 def test_fsdp_reduce_scatters_overlap_backward_in_the_simulated_step(tmp_path):
