@@ -113,6 +113,7 @@ def train(args: argparse.Namespace) -> bool:
     local = args.batch // args.dp
     local_ids = ids[dp_rank * local : (dp_rank + 1) * local]  # this rank's dp slice
     ok = True
+    meter = None  # hp.StepMeter: tokens/s, MFU and memory per step, logged on stderr (rank 0)
     if rank == 0:
         print(
             f"Llama: {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
@@ -122,10 +123,16 @@ def train(args: argparse.Namespace) -> bool:
             flush=True,
         )
     for step in range(args.steps):
+        if meter is not None:
+            meter.start()  # the single-device reference below is not part of the step
         loss = model(input_ids=local_ids, labels=local_ids)["loss"]  # the GLOBAL loss
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if meter is None:  # from the second step on: the first one compiles
+            meter = hp.StepMeter(model)
+        else:
+            meter.step(loss, tokens=local_ids.numel())
 
         ref_loss = ref(input_ids=ids, labels=ids)["loss"]
         ref_loss.backward()

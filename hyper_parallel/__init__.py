@@ -14,6 +14,7 @@ from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPol
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
+from .metrics import StepMeter, StepMetrics
 from .cp import AsyncContextParallel, ContextParallel, shard_sequence
 from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 from .parallel_dims import ParallelDims
@@ -55,6 +56,8 @@ __version__ = _version()
 
 __all__ = [
     "__version__",
+    "StepMeter",
+    "StepMetrics",
     "CheckpointError",
     "AsyncContextParallel",
     "ContextParallel",
