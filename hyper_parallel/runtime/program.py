@@ -201,9 +201,11 @@ class _RunStep(torch.autograd.Function):
 
 
 def _call(on_error, gm: torch.fx.GraphModule, phase: str, args, boxed: bool = False):
-    """Run one program; an exception it raises goes through ``on_error`` to name where it was."""
+    """Run one program, as the range ``hyper_parallel::<phase>`` in a torch.profiler trace; an
+    exception it raises goes through ``on_error`` to name where it was."""
     try:
-        return gm(args) if boxed else gm(*args)
+        with torch.profiler.record_function(f"hyper_parallel::{phase}"):
+            return gm(args) if boxed else gm(*args)
     except RuntimeError as exc:
         better = on_error(exc, gm, phase) if on_error is not None else None
         if better is None:

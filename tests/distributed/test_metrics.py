@@ -51,3 +51,21 @@ def test_step_meter_against_what_the_test_measures(dist2):
             assert 0 < m.mfu < 1 and 0 < m.predicted_mfu < 1 and m.predicted_step_s > 0
             assert m.profile == "cpu" and not m.memory_measured and m.peak_memory_bytes == result["peak"]
             assert "tok/s" in str(m) and "MFU" in str(m) and "(estimated)" in str(m)
+
+
+def _profiled_step() -> list[str]:
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = hp.parallelize(build_model("llama", num_hidden_layers=1), {}, mesh)
+    batch = local_batch(global_batch("llama", 4, 16), mesh)
+    model(**batch)["loss"].backward()  # compiled before profiling
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(**batch)["loss"].backward()
+    return [e.name for e in prof.events()]
+
+
+def test_profiler_trace_names_the_programs(dist2):
+    """A torch.profiler trace of one compiled step holds each program as a named range, and the
+    collectives inside them under their c10d names."""
+    names = dist2.run(_profiled_step)[0]
+    assert names.count("hyper_parallel::forward") == 1 and names.count("hyper_parallel::backward") == 1, names
+    assert any("all_reduce" in n for n in names)
