@@ -290,6 +290,11 @@ def capturing():
         _CAPTURING[0] = False
 
 
+def is_capturing() -> bool:
+    """Whether hyper_parallel is capturing a model right now."""
+    return _CAPTURING[0]
+
+
 def annotated_regions() -> dict[str, Region]:
     """The regions the last capture's hp.checkpoint / hp.swap calls marked."""
     return dict(_ANNOTATED)

@@ -8,12 +8,16 @@ plan entry (plan.py), which ``hp.parallelize(model, None, mesh)`` resolves (reso
 
 from __future__ import annotations
 
+import logging
+
+import torch
 import torch.nn as nn
 
 from .plan import FullyShard, MixedPrecisionPolicy, OffloadPolicy
 
 
 _RECORD_ATTR = "_hp_fully_shard"
+log = logging.getLogger(__name__)
 
 
 class FullyShardedModule:
@@ -114,7 +118,36 @@ def fully_shard(
     if not isinstance(module, FullyShardedModule):
         cls = type(module)
         module.__class__ = type(f"FullyShard{cls.__name__}", (FullyShardedModule, cls), {})
+        module.register_forward_pre_hook(_called_before_parallelize)
     return module
+
+
+_warned: set[str] = set()
+
+
+def _called_before_parallelize(module: nn.Module, args) -> None:
+    """A unit called outside a parallelized model. Unlike FSDP2's, ``hp.fully_shard`` only marks
+    units; nothing is sharded or synchronised until ``hp.parallelize``. With parameters on the meta
+    device that call would fail deep inside the model: a ValueError says what to do; with real
+    parameters it runs unsharded on this rank, which a warning says once."""
+    from ..recompute import is_capturing
+
+    if (is_capturing() or torch.compiler.is_compiling() or hasattr(module, "_hp")
+            or getattr(module, "_hp_parallel_root", None) is not None):
+        return
+    name = type(module).__name__.removeprefix("FullyShard")
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            f"{name} was marked with hp.fully_shard and is called before hp.parallelize, with its "
+            "parameters on the meta device. hp.fully_shard only marks FSDP units (nothing is sharded "
+            "yet, unlike FSDP2's): call model = hp.parallelize(model, None, mesh) first and call the "
+            "module it returns; it materialises each rank's shards"
+        )
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("%s was marked with hp.fully_shard but hp.parallelize has not run: this call runs the "
+                    "whole model unsharded on this rank, with no gradient synchronisation. Call "
+                    "hp.parallelize(model, None, mesh) and train the module it returns", name)
 
 
 def collect_recorded_fully_shard(model: nn.Module) -> FullyShard | None:

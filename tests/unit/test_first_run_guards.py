@@ -40,3 +40,29 @@ def test_a_kv_cache_in_the_output_names_use_cache():
     with pytest.raises(Exception, match=r"config has use_cache=True .* use_cache=False"):
         capture(model, (), {"input_ids": ids, "labels": ids})
     assert capture(model, (), {"input_ids": ids, "labels": ids, "use_cache": False}).gm is not None
+
+
+def test_calling_a_marked_model_before_parallelize(caplog):
+    """``hp.fully_shard`` only marks units. Called before ``hp.parallelize``: with meta parameters
+    a ValueError says to parallelize first (transformers would fail with "Tensor.item() cannot be
+    called on meta tensors"); with real ones the call runs unsharded, and a warning says so once."""
+    import hyper_parallel as hp
+    from hyper_parallel.fsdp.fully_shard import _warned
+    from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
+
+    _warned.discard("LlamaForCausalLM")  # warned once per process: start clean
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with hp.init_empty_weights():
+        meta = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1))
+    for layer in meta.model.layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(meta)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM was marked with hp.fully_shard and is called before "
+                                         r"hp.parallelize, with its parameters on the meta device.*hp.parallelize"):
+        meta(input_ids=ids)
+    real = hp.fully_shard(LlamaForCausalLM(LlamaConfig(num_hidden_layers=1)))
+    with caplog.at_level("WARNING", logger="hyper_parallel"):
+        real(input_ids=ids)
+        real(input_ids=ids)
+    warnings = [r.getMessage() for r in caplog.records if "hp.parallelize has not run" in r.getMessage()]
+    assert len(warnings) == 1 and "unsharded on this rank" in warnings[0], warnings
