@@ -138,10 +138,19 @@ function renderSummary() {
     Object.keys(inputs).sort().map(function (k) { return [k, "[" + inputs[k].join(", ") + "]"]; }))]);
   cols.appendChild(c4);
   body.appendChild(cols);
-  if ((S.fallbacks || []).length || (S.plan_redistributions || []).length) {
-    var det = el("details", {}, [el("summary", {text: "fallbacks and plan-imposed redistributions"}),
-      el("pre", {cls: "mono", text: JSON.stringify({fallbacks: S.fallbacks, plan_redistributions: S.plan_redistributions}, null, 2)})]);
-    body.appendChild(det);
+  var fallbacks = S.fallbacks || [], boundaries = S.plan_redistributions || [];
+  if (fallbacks.length || boundaries.length) {
+    // Each line is "<what>: <detail>": a table of the two, not raw JSON.
+    var split = function (line) { var i = line.indexOf(": "); return i < 0 ? [line, ""] : [line.slice(0, i), line.slice(i + 2)]; };
+    var parts = [el("summary", {text: "fallbacks (" + fallbacks.length + ") and plan-imposed redistributions (" + boundaries.length + ")"})];
+    if (fallbacks.length) {
+      parts.push(el("h3", {text: "ops without a sharding rule, run replicated"}), table(["op", "why"], fallbacks.map(split)));
+    }
+    if (boundaries.length) {
+      parts.push(el("h3", {text: "layout changes the plan imposes at module boundaries"}),
+                 table(["boundary", "layout change (plan entry)"], boundaries.map(split)));
+    }
+    body.appendChild(el("details", {id: "fallbacks"}, parts));
   }
 }
 

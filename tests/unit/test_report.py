@@ -10,6 +10,7 @@ except under CI (``CI`` set), where ``.ci/run`` installs it and its absence is a
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -267,6 +268,11 @@ def test_page_renders_in_headless_chromium(dump, tmp_path):
     assert _attr(dom, "data-drawn") == str(len(data["timeline"]["events"]))
     assert 'id="memory-total"' in dom and 'id="memory-peak"' in dom
     assert 'class="missing"' not in dom
+    # The plan's boundary layout changes (TP's) as a table: boundary, then the change and its entry.
+    boundaries = data["summary"]["plan_redistributions"]
+    assert boundaries and '<details id="fallbacks">' in dom
+    key, change = boundaries[0].split(": ", 1)
+    assert f'<td class="">{key}</td><td class="">{html.escape(change, quote=False)}</td>' in dom, dom[dom.index('id="fallbacks"'):][:1500]
 
     # Interactions: search filters the table, a pass row expands, hovering shows events and memory.
     with open(out, encoding="utf-8") as f:
