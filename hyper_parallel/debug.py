@@ -279,8 +279,9 @@ def pass_report(stages: list[tuple[str, str, list[tuple[str, str, str]]]]) -> li
 def simulate_step(program, mesh, fsdp, profile, optimizer_state_per_param: int | None = 0, context=None):
     """The cost model's estimate (``cost.StepEstimate``) of one training step of ``program`` (a
     CompiledProgram) on ``profile``: its collectives priced on the groups of ``mesh`` (and the
-    FSDP groups of ``fsdp`` and the context-parallel sub-groups of ``context``), then an optimizer step keeping ``optimizer_state_per_param``
-    parameter-sized state tensors (SGD 0, momentum 1, Adam/AdamW 2; None: no optimizer step)."""
+    FSDP groups of ``fsdp`` and the context-parallel sub-groups of ``context``), then an optimizer
+    step keeping ``optimizer_state_per_param`` parameter-sized state tensors (SGD 0, momentum 1,
+    Adam/AdamW 2; None: no optimizer step)."""
     from .cost import axis_infos, optimizer_traffic, simulate
 
     axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp, context))

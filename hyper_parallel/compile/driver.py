@@ -313,7 +313,8 @@ def finish(
         "memory": memory.as_dict(),
     }
     dumper.json("summary.json", summary)
-    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)  # for `hyper-parallel report`
+    # For `hyper-parallel report`.
+    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)
     # Seconds differ between runs: only in the in-memory summary (and the log), never in a dump.
     summary["pass_seconds"] = pass_seconds
     if current_rank() == 0:

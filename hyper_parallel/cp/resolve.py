@@ -5,9 +5,10 @@ the model's modules and the mesh's axis names and sizes. Returns one :class:`Con
 without entries), which ``ResolvedPlan.sequence_axes`` and the default input layout read (inputs of
 two or more dims ``Shard(1)`` over the axis). Raises ``ValueError`` / ``TypeError`` naming the
 entry and module for: entries that disagree, an axis the mesh does not have, a ``ulysses_degree``
-that does not divide it, and heads the Ulysses degree does not divide. :func:`attach_context_groups`
-creates the two sub-groups of the ring × all-to-all hybrid (every rank calls it). A sequence the ring's load balancing cannot cut in ``2·cp`` chunks
-is refused at the first call (``cp/load_balance.py``), where its length is known.
+that does not divide it, and heads the Ulysses degree does not divide.
+:func:`attach_context_groups` creates the two sub-groups of the ring × all-to-all hybrid (every
+rank calls it). A sequence the ring's load balancing cannot cut in ``2·cp`` chunks is refused at
+the first call (``cp/load_balance.py``), where its length is known.
 """
 
 from __future__ import annotations

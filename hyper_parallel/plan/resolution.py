@@ -71,7 +71,8 @@ def resolve(
 
     ``loss_fn`` is the pipeline's loss (only with a pipeline plan); ``memory_budget_bytes`` (already
     validated) is required by, and only allowed with, ``recompute="auto"``. Every rank calls it:
-    ``reshard_after_forward=<k>`` and hybrid context parallelism create process groups. Raises the stages' ValueError / TypeError.
+    ``reshard_after_forward=<k>`` and hybrid context parallelism create process groups. Raises the
+    stages' ValueError / TypeError.
     """
     recorded = collect_recorded_plan(model)
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded

@@ -141,10 +141,15 @@ function renderSummary() {
   var fallbacks = S.fallbacks || [], boundaries = S.plan_redistributions || [];
   if (fallbacks.length || boundaries.length) {
     // Each line is "<what>: <detail>": a table of the two, not raw JSON.
-    var split = function (line) { var i = line.indexOf(": "); return i < 0 ? [line, ""] : [line.slice(0, i), line.slice(i + 2)]; };
-    var parts = [el("summary", {text: "fallbacks (" + fallbacks.length + ") and plan-imposed redistributions (" + boundaries.length + ")"})];
+    var split = function (line) {
+      var i = line.indexOf(": ");
+      return i < 0 ? [line, ""] : [line.slice(0, i), line.slice(i + 2)];
+    };
+    var parts = [el("summary", {text: "fallbacks (" + fallbacks.length + ") and plan-imposed redistributions (" +
+                                      boundaries.length + ")"})];
     if (fallbacks.length) {
-      parts.push(el("h3", {text: "ops without a sharding rule, run replicated"}), table(["op", "why"], fallbacks.map(split)));
+      parts.push(el("h3", {text: "ops without a sharding rule, run replicated"}),
+                 table(["op", "why"], fallbacks.map(split)));
     }
     if (boundaries.length) {
       parts.push(el("h3", {text: "layout changes the plan imposes at module boundaries"}),

@@ -272,7 +272,8 @@ def test_page_renders_in_headless_chromium(dump, tmp_path):
     boundaries = data["summary"]["plan_redistributions"]
     assert boundaries and '<details id="fallbacks">' in dom
     key, change = boundaries[0].split(": ", 1)
-    assert f'<td class="">{key}</td><td class="">{html.escape(change, quote=False)}</td>' in dom, dom[dom.index('id="fallbacks"'):][:1500]
+    row = f'<td class="">{key}</td><td class="">{html.escape(change, quote=False)}</td>'
+    assert row in dom, dom[dom.index('id="fallbacks"'):][:1500]
 
     # Interactions: search filters the table, a pass row expands, hovering shows events and memory.
     with open(out, encoding="utf-8") as f:
