@@ -11,8 +11,8 @@ What torchtitan prints each step, for a module ``hp.parallelize`` returned::
 Each :meth:`StepMeter.step` measures the wall time since the previous one returned (the first:
 since the meter was made; on CUDA after a device synchronize; the meter's own work is not
 counted; :meth:`StepMeter.start` restarts the clock where a loop does other work between
-steps), and returns a :class:`StepMetrics`; rank 0
-logs it as one INFO line on ``hyper_parallel.metrics`` (visible by default, see progress.py).
+steps), and returns a :class:`StepMetrics`; rank 0 logs it as one INFO line on
+``hyper_parallel.metrics`` (visible by default, see progress.py).
 MFU is the compiled program's model FLOPs on this rank (the cost model's per-node count, without
 recomputation) per measured second over the hardware profile's dense peak for the program's
 matmul dtype; the prediction is the cost model's simulated step of the same program

@@ -38,11 +38,17 @@ def hybrid_kernels(axis: int, context, name: str):
     mesh axis ``axis`` is the cp axis of ``context`` (the ContextPlan, with its groups attached)."""
     u = context.ulysses
 
-    def placed(x):
-        """This rank's ring (on the ring sub-group) and its index in its Ulysses group."""
-        r = compat.spec_of(x).mesh.get_local_rank(axis)
+    def placed(query, attn_mask):
+        """This rank's ring (on the ring sub-group) and its share of the additive mask: a mask with
+        one entry per head keeps this rank's heads (its index in the Ulysses group), a broadcast
+        one stays whole."""
+        r = compat.spec_of(query).mesh.get_local_rank(axis)
         ring = Ring(context.ring_group, context.ring, r // u, context.balanced, context.asynchronous, name)
-        return ring, r % u
+        mask = compat.local_of(attn_mask) if attn_mask is not None else None
+        if mask is not None and mask.dim() >= 4 and mask.shape[-3] > 1:
+            share = query.shape[HEADS] // u
+            mask = mask.narrow(-3, (r % u) * share, share)
+        return ring, mask
 
     def to_heads(x):
         return swap_sharded_dim(x, context.ulysses_group, u, SEQ, HEADS,
@@ -52,28 +58,17 @@ def hybrid_kernels(axis: int, context, name: str):
         return swap_sharded_dim(x, context.ulysses_group, u, HEADS, SEQ,
                                 f"{context.axis}_ulysses: heads -> sequence")
 
-    def heads_of_mask(mask, heads: int, index: int):
-        """An additive mask with one entry per head keeps this rank's heads; a broadcast one stays."""
-        if mask is None or mask.dim() < 4 or mask.shape[-3] == 1:
-            return mask
-        share = heads // u
-        return mask.narrow(-3, index * share, share)
-
     def fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
         check_dropout(dropout_p, name)
-        ring, index = placed(query)
+        ring, mask = placed(query, attn_mask)
         q, k, v = (to_heads(compat.local_of(x)) for x in (query, key, value))
-        mask = heads_of_mask(compat.local_of(attn_mask) if attn_mask is not None else None,
-                             query.shape[HEADS], index)
         out, lse = forward(ring, q, k, v, is_causal, mask, scale)
         return to_sequence(out), to_sequence(lse)
 
     def bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
         check_dropout(dropout_p, name)
-        ring, index = placed(query)
+        ring, mask = placed(query, attn_mask)
         moved = [to_heads(compat.local_of(x)) for x in (grad_out, query, key, value, out, lse)]
-        mask = heads_of_mask(compat.local_of(attn_mask) if attn_mask is not None else None,
-                             query.shape[HEADS], index)
         return tuple(to_sequence(g) for g in backward(ring, *moved, is_causal, mask, scale))
 
     return fwd, bwd

@@ -315,19 +315,27 @@ def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
     mask = torch.zeros(seq, seq, dtype=torch.float64)
     mask[:6, 4:] = float("-inf")  # rows 0-5 see keys 0-3 only: no key of the other rank's block
     mask[5, :] = float("-inf")  # row 5 sees nothing (the kernel gives 0 and a log-sum-exp of 0)
-    errors = {}
-    for label, causal, m in (("causal", True, None), ("mask", False, mask)):
-        out, lse = SDPA(q, k, v, 0.0, causal, attn_mask=m)
-        dq, dk, dv = SDPA_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m)
 
-        def mine(x, dim=2):  # this rank's tokens, in the program's order
-            x = permute(x, dim, seq, n) if balanced else x
-            return x.narrow(dim, ring.rank * length, length)
+    def mine(x, dim=2):  # this rank's tokens, in the program's order
+        x = permute(x, dim, seq, n) if balanced else x
+        return x.narrow(dim, ring.rank * length, length)
 
+    def blockwise(causal, m):
         o, l = forward(ring, mine(q), mine(k), mine(v), causal, m, None)
-        grads = backward(ring, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None)
-        pairs = [(o, mine(out)), (l, mine(lse)), *zip(grads, (mine(dq), mine(dk), mine(dv)))]
-        errors[label] = max((a - b).abs().max().item() for a, b in pairs)
+        return (o, l, *backward(ring, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None))
+
+    return _errors_against_one_device(q, k, v, grad, (("causal", True, None), ("mask", False, mask)), blockwise, mine)
+
+
+def _errors_against_one_device(q, k, v, grad, cases, blockwise, mine) -> dict:
+    """For each (label, causal, mask) case: the largest difference between this rank's part
+    (``mine``) of the one-device kernel's output, log-sum-exp and three gradients on the whole
+    sequence and what ``blockwise(causal, mask)`` computed for them."""
+    errors = {}
+    for label, causal, m in cases:
+        out, lse = SDPA(q, k, v, 0.0, causal, attn_mask=m)
+        expected = (out, lse, *SDPA_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m))
+        errors[label] = max((a - mine(b)).abs().max().item() for a, b in zip(blockwise(causal, m), expected))
     return errors
 
 
@@ -358,24 +366,22 @@ def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
     mask = torch.zeros(1, heads, seq, seq, dtype=torch.float64)
     mask[0, 1, :, 9:] = float("-inf")  # head 1 sees the first 9 keys only
     mask[0, 2, 3, :] = float("-inf")  # head 2's query 3 sees nothing
-    errors = {}
-    for label, causal, m in (("causal", True, None), ("mask", False, mask)):
-        out, lse = SDPA(q, k, v, 0.0, causal, attn_mask=m)
-        dq, dk, dv = SDPA_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m)
 
-        def shard(local):
-            return DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
+    def mine(x, dim=2):  # this rank's tokens, in the program's order (2 ring ranks' chunks)
+        x = permute(x, dim, seq, 2) if balanced else x
+        return x.narrow(dim, rank * length, length)
 
-        def mine(x, dim=2):  # this rank's tokens, in the program's order (2 ring ranks' chunks)
-            x = permute(x, dim, seq, 2) if balanced else x
-            return shard(x.narrow(dim, rank * length, length))
+    def shard(local):
+        return DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
 
+    def blockwise(causal, m):
         whole = None if m is None else DTensor.from_local(m, mesh, [Replicate()], run_check=False)
-        o, l = forward(mine(q), mine(k), mine(v), 0.0, causal, attn_mask=whole)
-        grads = backward(mine(grad), mine(q), mine(k), mine(v), shard(o), shard(l), 0.0, causal, attn_mask=whole)
-        pairs = [(o, mine(out)), (l, mine(lse)), *zip(grads, (mine(dq), mine(dk), mine(dv)))]
-        errors[label] = max((a - b.to_local()).abs().max().item() for a, b in pairs)
-    return errors
+        qs, ks, vs = (shard(mine(x)) for x in (q, k, v))
+        o, l = forward(qs, ks, vs, 0.0, causal, attn_mask=whole)
+        grads = backward(shard(mine(grad)), qs, ks, vs, shard(o), shard(l), 0.0, causal, attn_mask=whole)
+        return (o, l, *grads)
+
+    return _errors_against_one_device(q, k, v, grad, (("causal", True, None), ("mask", False, mask)), blockwise, mine)
 
 
 @pytest.mark.parametrize("balanced", [True, False])
