@@ -14,7 +14,18 @@ from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPol
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
 from .mesh import init_device_mesh
+from .custom_rules import register_sharding
+from .dtensor import (
+    distribute_tensor, from_local, full_tensor, get_current_mesh, get_device_num_along_axis, is_partial,
+    redistribute, reduce_partial, to_local,
+)
+from .platform import Platform, get_platform
+from .process_group import (
+    destroy_process_group, get_backend, get_group_local_rank, get_process_group_ranks, init_process_group,
+    mark_created_groups, split_group,
+)
 from .metrics import StepMeter, StepMetrics
+from .optim import AdamW, ChainedOptimizer, Muon, get_hyper_lr_scheduler, get_hyper_optimizer
 from .cp import AsyncContextParallel, ContextParallel, shard_sequence
 from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 from .parallel_dims import ParallelDims
@@ -56,6 +67,30 @@ __version__ = _version()
 
 __all__ = [
     "__version__",
+    "register_sharding",
+    "AdamW",
+    "ChainedOptimizer",
+    "Muon",
+    "get_hyper_lr_scheduler",
+    "get_hyper_optimizer",
+    "distribute_tensor",
+    "from_local",
+    "full_tensor",
+    "get_current_mesh",
+    "get_device_num_along_axis",
+    "is_partial",
+    "redistribute",
+    "reduce_partial",
+    "to_local",
+    "Platform",
+    "get_platform",
+    "destroy_process_group",
+    "get_backend",
+    "get_group_local_rank",
+    "get_process_group_ranks",
+    "init_process_group",
+    "mark_created_groups",
+    "split_group",
     "StepMeter",
     "StepMetrics",
     "CheckpointError",

@@ -196,6 +196,17 @@ def use_boxed_calling_convention(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+# record_function's own enter/exit ops, as graph nodes (runtime/profiled.py): the handle enter returns
+# is what exit takes.
+RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
+RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch.profiler (or autograd profiler) is recording on this thread."""
+    return torch.autograd.profiler._is_profiler_enabled
+
+
 def is_boxed_call(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` uses the boxed calling convention (frees each argument after its last use)."""
     return bool(getattr(gm, "_boxed_call", False))

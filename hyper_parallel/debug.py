@@ -1,7 +1,8 @@
 """Dumps and summaries: what the compiler did, readable per rank.
 
 ``Dumper`` writes, under ``dump_dir/rank<r>/``: one ``NN_<stage>.py`` per pipeline stage (graph code),
-``layouts.tsv`` (node, op, module FQN, input layouts, output layout, local shape, source line),
+``layouts.tsv`` (node, op, module FQN, input layouts, output layout, local shape, source line, and
+for collectives and layout changes why the program has them: why.py),
 ``forward.py``/``backward.py`` (the partitioned programs) and ``summary.json`` (collectives per step
 by kind and mesh axis with count and bytes, fallbacks, plan-imposed redistributions); for
 ``hyper-parallel report``: ``passes.json`` (per stage, the nodes it added, removed and moved),
@@ -25,6 +26,7 @@ from .compile.capture import module_fqn_of, source_line
 from .ir import meta
 from .ir.collectives import collective_kind
 from .layout import format_placements
+from .why import reason
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ def _fmt_spec(spec) -> str:
 
 def layout_table(gm: torch.fx.GraphModule) -> str:
     """One row per node of the lowered graph: what a user reads to see where data lives."""
-    rows = ["node\top\tmodule\tinput_layouts\toutput_layout\tlocal_shape\tsource"]
+    rows = ["node\top\tmodule\tinput_layouts\toutput_layout\tlocal_shape\tsource\twhy"]
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
@@ -118,9 +120,9 @@ def layout_table(gm: torch.fx.GraphModule) -> str:
             inputs = _fmt_spec(layout.inputs) if layout and node.op != "placeholder" else "-"
             output = _fmt_spec(layout.output) if layout else "-"
         op = "placeholder" if node.op == "placeholder" else str(node.target)
-        rows.append(
-            f"{node.name}\t{op}\t{module_fqn_of(node)}\t{inputs}\t{output}\t{shape}\t{source_line(node)}"
-        )
+        rows.append("\t".join(
+            (node.name, op, module_fqn_of(node), inputs, output, str(shape), source_line(node), reason(node))
+        ))
     return "\n".join(rows) + "\n"
 
 

@@ -22,6 +22,8 @@ with DTensor values. The functions here add the views users need around it:
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import Any, Mapping, NamedTuple, Optional
 
@@ -339,7 +341,8 @@ def get_optimizer_state_dict(
     plain tensors with ``full_state_dict`` (on rank 0 only with ``cpu_offload``). A fresh optimizer's
     state is initialised first (a zero-learning-rate step), so the dict is complete before step 1.
     """
-    return torch_state_dict.get_optimizer_state_dict(model, optimizer, options=_options(options).to_torch())
+    with _fresh_state_initialisable(optimizer):
+        return torch_state_dict.get_optimizer_state_dict(model, optimizer, options=_options(options).to_torch())
 
 
 def set_optimizer_state_dict(
@@ -359,7 +362,31 @@ def set_optimizer_state_dict(
     if not options.full_state_dict and "state" in state_dict:
         state_dict = dict(state_dict)
         state_dict["state"] = _place_optimizer_state(model, state_dict["state"])
-    torch_state_dict.set_optimizer_state_dict(model, optimizer, state_dict, options=options.to_torch())
+    with _fresh_state_initialisable(optimizer):
+        torch_state_dict.set_optimizer_state_dict(model, optimizer, state_dict, options=options.to_torch())
+
+
+@contextlib.contextmanager
+def _fresh_state_initialisable(optimizer: torch.optim.Optimizer):
+    """Set gradients aside while torch initialises a fresh optimizer's state. torch's state-dict
+    functions create the state of an optimizer that has none by a zero-learning-rate step, but skip
+    it when any parameter has a gradient: the state dict would then have no state (saved without it,
+    or loaded into nothing, silently). Gradients are put back afterwards."""
+    if optimizer.state:
+        yield
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    if all(g is None for g in grads):
+        yield
+        return
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
 
 
 def _place_optimizer_state(model: nn.Module, state: Mapping[str, Any]) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from .. import compat
 from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .lower import lower
+from .unplanned import find_unplanned, warn_unplanned
 from ..memory import estimate_program
 from ..passes import PassContext, run_passes, run_rewrites
 from ..plan import ResolvedPlan
@@ -37,6 +38,7 @@ from ..progress import Progress
 from ..propagation.engine import PropagationReport, propagate
 from ..recompute import annotated_regions, auto_candidates, capturing, resolve_activation_plan
 from ..runtime.input_check import index_inputs
+from ..runtime.profiled import Ranges
 from ..runtime.program import CompiledProgram, flatten_placeholders
 from ..spmd import check_spmd_on_mesh
 from ..ir import meta
@@ -107,13 +109,13 @@ def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:
 def _compute_dtypes(module: nn.Module, resolved: ResolvedPlan) -> dict:
     """Parameter FQN -> the dtype it computes in (FSDP mixed precision's param_dtype)."""
     fsdp = resolved.fsdp
-    policy = fsdp.mixed_precision if fsdp is not None else None
-    if policy is None or policy.param_dtype is None:
+    if fsdp is None:
         return {}
     return {
         fqn: policy.param_dtype
         for fqn, p in module.named_parameters()
         if fqn in fsdp.unit_of and p.is_floating_point()
+        and (policy := fsdp.policy_of(fqn)) is not None and policy.param_dtype is not None
     }
 
 
@@ -293,6 +295,8 @@ def finish(
     dumper.graph("backward", program.backward_gm)
 
     axis_of_group = group_axis_names(mesh, resolved_plan.fsdp, resolved_plan.context)
+    fsdp_units = tuple(sorted(set(resolved_plan.fsdp.unit_of.values()))) if resolved_plan.fsdp else ()
+    program.ranges = Ranges(axis_of_group, fsdp_units)  # named profiler ranges (runtime/profiled.py)
     colls = {
         "forward": collectives(program.forward_gm, axis_of_group),
         "backward": collectives(program.backward_gm, axis_of_group),
@@ -307,12 +311,16 @@ def finish(
         "saved_for_backward": _saved_summary(program),
         "fallbacks": lowered.report.fallbacks,
         "plan_redistributions": lowered.report.boundaries,
+        "unplanned_collectives": find_unplanned((program.forward_gm, program.backward_gm), axis_of_group,
+                                                resolved_plan),
         "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
         "spmd_hash": digest,
         "inputs": {p: [str(pl) for pl in v] for p, v in lowered.input_placements.items()},
         "memory": memory.as_dict(),
     }
     dumper.json("summary.json", summary)
+    if current_rank() == 0:
+        warn_unplanned(summary["unplanned_collectives"])
     # For `hyper-parallel report`.
     dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)
     # Seconds differ between runs: only in the in-memory summary (and the log), never in a dump.

@@ -5,9 +5,9 @@ tensors with the same placeholders (``primals_*``, ``tangents_*``) and the same 
 which every layout change is an explicit ``torch.ops._c10d_functional`` collective followed by its
 ``wait_tensor``. Each new node carries in ``meta``: ``hp_source`` (the joint-graph node it comes
 from), ``hp_role`` ("compute", "redistribute", or "accumulate" for the add of a gradient accumulated by
-earlier micro-steps), ``hp_layout`` of its source for compute nodes,
-``hp_redistribute`` ("S(0) -> R") for communication, and the source's ``stack_trace`` and module
-stacks, so dumps and errors point at the user's code.
+earlier micro-steps), ``hp_layout`` of its source for compute nodes, ``hp_redistribute``
+("S(0) -> R") and ``hp_why`` (why.py) for communication, and the source's ``stack_trace`` and
+module stacks, so dumps and errors point at the user's code.
 
 How: the joint graph is interpreted once under ``make_fx`` with every value a DTensor wrapping a
 local fake tensor. Before each op its arguments are redistributed to the layouts propagation chose
@@ -38,6 +38,7 @@ from ..layout import format_placements
 from ..moe.lowering import ExpertLowering
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from ..propagation import rules
+from ..why import lowering_reason
 
 log = logging.getLogger(__name__)
 
@@ -325,6 +326,8 @@ def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
             node.meta[meta.REGION] = region
         if custom[meta.ROLE] == meta.ROLE_COMPUTE:
             node.meta[meta.LAYOUT] = src.meta[meta.LAYOUT]
+        elif custom[meta.ROLE] == meta.ROLE_REDISTRIBUTE:
+            node.meta[meta.WHY] = lowering_reason(src, node.meta, context)
         for key in meta.COPIED_BY_LOWERING:
             if key in src.meta:
                 node.meta[key] = src.meta[key]

@@ -13,6 +13,7 @@ import torch
 # --- propagation (propagation/engine.py) ----------------------------------------------------------
 LAYOUT = "hp_layout"  # NodeLayout: the input layouts a node computes with and its output layout
 LOSS_MEAN = "hp_loss_mean"  # True on the global token-mean loss (propagation/loss_reduction.py)
+PLAN_ENTRY = "hp_plan_entry"  # on boundary / boundary_grad nodes: the plan entry they apply, as text
 
 # --- FSDP (propagation/unshard.py, passes/reshard_after_forward.py, passes/bucketing.py) ----------
 FSDP_PARAM = "hp_fsdp_param"  # FQN of the FSDP parameter an all-gather (or its copy) gathers
@@ -25,6 +26,7 @@ SOURCE = "hp_source"  # name of the joint-graph node a lowered node comes from
 ROLE = "hp_role"  # one of the ROLE_* values below
 REDISTRIBUTE = "hp_redistribute"  # text of a layout change, "S(0) -> R"
 GRAD_OF = "hp_grad_of"  # FQN of the parameter whose gradient a collective reduces
+WHY = "hp_why"  # on redistributions: why the program has them, one line (why.py)
 
 ROLE_COMPUTE = "compute"  # the op of the source node, on local shards
 ROLE_REDISTRIBUTE = "redistribute"  # a collective (or local slice) that changes a layout
@@ -57,8 +59,8 @@ COPIED_BY_LOWERING = (
 )
 
 ALL_KEYS = (
-    LAYOUT, LOSS_MEAN, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD, SOURCE, ROLE, REDISTRIBUTE,
-    GRAD_OF, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK, CP_RING,
+    LAYOUT, LOSS_MEAN, PLAN_ENTRY, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD, SOURCE, ROLE,
+    REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK, CP_RING,
 )
 
 

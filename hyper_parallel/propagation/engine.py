@@ -133,7 +133,8 @@ class _Propagator:
         self.mesh = mesh
         self.axis_names = tuple(mesh.mesh_dim_names or ())
         self.report = PropagationReport()
-        self.forward_boundary_source: dict[str, tuple] = {}  # key -> placements before the boundary
+        # key -> (placements before the boundary, the constrained axes, the plan entry's text)
+        self.forward_boundary_source: dict[str, tuple] = {}
         self.output_specs: dict[int, compat.DTensorSpec] = {}
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -251,7 +252,8 @@ class _Propagator:
         target = self.with_constraint(src.placements, constraint.placements, val.dim())
         spec = make_spec(self.mesh, target, val)
         check_divisible(node, spec, self.mesh, constraint.source)
-        self.forward_boundary_source[key] = (src.placements, tuple(constraint.placements))
+        self.forward_boundary_source[key] = (src.placements, tuple(constraint.placements), constraint.source)
+        node.meta[meta.PLAN_ENTRY] = constraint.source
         if src.placements != target:
             self.report.boundaries.append(
                 f"{key}: {format_placements(src.placements)} -> {format_placements(target)}  ({constraint.source})"
@@ -261,7 +263,7 @@ class _Propagator:
     def boundary_grad(self, node) -> NodeLayout:
         g, key = node.args
         src = self.spec_of(g)
-        before, axes = self.forward_boundary_source[key]
+        before, axes, node.meta[meta.PLAN_ENTRY] = self.forward_boundary_source[key]
         target = list(src.placements)
         for axis in axes:
             i = self.axis_names.index(axis)

@@ -60,6 +60,7 @@ details > summary { cursor: pointer; color: var(--accent); }
 #layout-table th { position: sticky; top: 0; background: #fff; }
 #layout-table td { white-space: nowrap; }
 #layout-table td.src { white-space: normal; min-width: 300px; color: var(--muted); }
+#layout-table td.why { white-space: normal; min-width: 280px; }
 button { font: inherit; font-size: 13px; padding: 3px 10px; border: 1px solid var(--line); background: #fff;
          border-radius: 4px; cursor: pointer; }
 .chart { position: relative; width: 100%; }
@@ -90,9 +91,11 @@ BODY = """
     compares the forward and backward programs together with the last joint graph.</p>
     <div id="passes-body"></div></section>
   <section id="layouts"><h2>Layouts</h2>
-    <p class="note">One row per node of the final joint graph (layouts.tsv). Type to filter: every word must
-    appear in the row (node, op, module, layouts, shape or source).</p>
-    <input id="layout-search" type="search" placeholder="filter, e.g.  layers.0 mm  or  all_reduce" autocomplete="off">
+    <p class="note">One row per node of the final joint graph (layouts.tsv). It opens on the collectives and
+    layout changes, each with why the program has it (a plan entry, an op's sharding rule, the loss, an FSDP
+    unit, a pass); untick the box for every node. Type to filter: every word must appear in the row.</p>
+    <label class="note"><input id="layout-only-comm" type="checkbox" checked> only collectives and layout changes</label>
+    <input id="layout-search" type="search" placeholder="filter, e.g.  layers.0 mm  or  all_reduce  or  plan:" autocomplete="off">
     <span id="layout-count" class="note"></span>
     <div id="layout-table-wrap"><table id="layout-table"><thead></thead><tbody></tbody></table></div>
     <div id="layout-more"></div></section>

@@ -42,6 +42,10 @@ function fmtUs(us) {
   if (Math.abs(us) >= 1e3) return (us / 1e3).toFixed(3) + " ms";
   return us.toFixed(us >= 100 ? 1 : 2) + " \u00b5s";
 }
+// A compile's dump cannot know the optimizer (memory_report(optimizer) adds it); explain's names it.
+function optimizerNote(optimizer) {
+  return optimizer && optimizer !== "none" ? optimizer + " optimizer state counted" : "no optimizer state counted (the dump cannot know the optimizer)";
+}
 function fmtS(s) { return fmtUs(s * 1e6); }
 function fmtTick(us, step) {  // axis labels: the unit of the tick step, just enough decimals
   var unit = step >= 1e6 ? [1e6, " s"] : step >= 1e3 ? [1e3, " ms"] : [1, " \u00b5s"];
@@ -93,7 +97,7 @@ function renderSummary() {
   cards.appendChild(card("mesh", Object.keys(mesh).map(function (a) { return a + "=" + mesh[a]; }).join(" \u00d7 ") || "1 rank",
                          "spmd hash " + String(S.spmd_hash || "-").slice(0, 16)));
   if (mem.peak !== undefined) cards.appendChild(card("peak memory (est.)", fmtBytes(mem.peak),
-      "at " + ((mem.peak_site || {}).where || "-") + "; no optimizer state counted"));
+      "at " + ((mem.peak_site || {}).where || "-") + "; " + optimizerNote(mem.optimizer)));
   cards.appendChild(card("collectives / step", String(nColl), fmtBytes(nBytes) + " of local inputs"));
   var T = D.timeline && D.timeline.totals;
   if (T && T.step_s !== undefined) {
@@ -156,6 +160,15 @@ function renderSummary() {
                  table(["boundary", "layout change (plan entry)"], boundaries.map(split)));
     }
     body.appendChild(el("details", {id: "fallbacks"}, parts));
+  }
+  var unplanned = S.unplanned_collectives || [];
+  if (unplanned.length) {
+    // Open: collectives an op's rule added beyond the plan's boundaries cost communication the plan did not ask for.
+    body.appendChild(el("details", {id: "unplanned", open: "open"}, [
+      el("summary", {text: "collectives the plan adds beyond its boundaries (" + unplanned.length + " modules)"}),
+      table(["module", "per step", "axes", "plan entries", "example"], unplanned.map(function (f) {
+        return [f.module, f.count + " " + f.kinds.join("/"), f.axes.join(", "), f.entries.join("; "), f.example];
+      }))]));
   }
 }
 
@@ -235,13 +248,25 @@ function renderLayouts() {
   var L = D.layouts, input = document.getElementById("layout-search");
   var thead = document.querySelector("#layout-table thead"), tbody = document.querySelector("#layout-table tbody");
   var count = document.getElementById("layout-count"), more = document.getElementById("layout-more");
+  var onlyBox = document.getElementById("layout-only-comm");
   thead.appendChild(el("tr", {}, L.columns.map(function (c) { return el("th", {text: c}); })));
   var haystack = L.rows.map(function (r) { return r.join("\t").toLowerCase(); });
-  var srcCol = L.columns.indexOf("source"), showAll = false;
+  var srcCol = L.columns.indexOf("source"), whyCol = L.columns.indexOf("why");
+  var opCol = L.columns.indexOf("op"), inCol = L.columns.indexOf("input_layouts"), showAll = false;
+  // Collectives (not their waits) and the layout changes lowering made locally (slices): the rows
+  // that cost communication or say where a value changed layout, each with its reason.
+  function isComm(r) {
+    if (whyCol < 0 || !r[whyCol]) return false;
+    var op = r[opCol] || "";
+    if (op.indexOf("_c10d_functional.") === 0) return op.indexOf("wait_tensor") < 0;
+    return (r[inCol] || "").indexOf("->") >= 0;
+  }
+  var comm = L.rows.map(isComm), commCount = comm.filter(Boolean).length;
   function draw() {
-    var words = input.value.toLowerCase().split(/\s+/).filter(Boolean);
+    var words = input.value.toLowerCase().split(/\s+/).filter(Boolean), only = onlyBox.checked;
     var matches = [];
     for (var i = 0; i < L.rows.length; i++) {
+      if (only && !comm[i]) continue;
       var h = haystack[i], ok = true;
       for (var w = 0; w < words.length && ok; w++) ok = h.indexOf(words[w]) >= 0;
       if (ok) matches.push(i);
@@ -250,12 +275,13 @@ function renderLayouts() {
     var frag = document.createDocumentFragment();
     shown.forEach(function (i) {
       frag.appendChild(el("tr", {}, L.rows[i].map(function (c, j) {
-        return el("td", {cls: j === srcCol ? "src mono" : "mono", text: c});
+        return el("td", {cls: j === srcCol ? "src mono" : j === whyCol ? "why" : "mono", text: c});
       })));
     });
     tbody.textContent = "";
     tbody.appendChild(frag);
-    count.textContent = matches.length + " of " + L.rows.length + " rows" + (shown.length < matches.length ? ", showing the first " + shown.length : "");
+    var of = only ? commCount + " collectives and layout changes (" + L.rows.length + " nodes in all)" : L.rows.length + " rows";
+    count.textContent = matches.length + " of " + of + (shown.length < matches.length ? ", showing the first " + shown.length : "");
     more.textContent = "";
     if (shown.length < matches.length) {
       var btn = el("button", {text: "show all " + matches.length});
@@ -265,6 +291,7 @@ function renderLayouts() {
   }
   var timer = null;
   input.addEventListener("input", function () { showAll = false; clearTimeout(timer); timer = setTimeout(draw, 80); });
+  onlyBox.addEventListener("change", function () { showAll = false; draw(); });
   draw();
 }
 
@@ -435,7 +462,7 @@ function renderMemory() {
   var P = M.points, cats = M.categories, peak = P[M.peak_index], est = M.estimate || {};
   body.appendChild(el("p", {}, ["Live bytes on " + (est.device || "the device") + " at every node of forward then backward (x: moment in the step), then the optimizer step. Peak ",
     el("b", {text: fmtBytes(peak[3])}), " at " + peak[0] + (peak[1] ? " " + peak[1] : "") + (peak[2] ? " in " + peak[2] : "") +
-    ". Stacked by what holds the memory; no optimizer state is counted (the dump cannot know the optimizer)."]));
+    ". Stacked by what holds the memory; " + optimizerNote(est.optimizer) + "."]));
   var legend = el("div", {cls: "legend"});
   cats.forEach(function (c) { legend.appendChild(el("span", {}, [el("i", {style: "background:" + (MEM_COLORS[c] || "#999")}), c])); });
   body.appendChild(legend);

@@ -22,6 +22,7 @@ from .. import compat
 from ..compile.capture import CapturedGraph
 from ..errors import internal_error
 from .partition import partition_by_phase
+from .profiled import with_ranges
 
 
 def flatten_placeholders(gm: torch.fx.GraphModule, captured: CapturedGraph) -> None:
@@ -70,6 +71,19 @@ class CompiledProgram:
     # Set by the runtime per call: (exception, GraphModule, "forward" | "backward") -> a clearer
     # exception naming the call and collective, or None to re-raise as is (collective_errors.py).
     on_error: object = None
+    # Set by the compile driver: what the profiler ranges inside the programs are named by
+    # (runtime/profiled.py); their copies with the ranges, built on the first profiled call.
+    ranges: object = None
+    _with_ranges: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def runnable(self, phase: str) -> torch.fx.GraphModule:
+        """The program of ``phase`` to run now: with named ranges while a profiler records."""
+        gm = self.forward_gm if phase == "forward" else self.backward_gm
+        if self.ranges is None or not compat.profiler_enabled():
+            return gm
+        if phase not in self._with_ranges:
+            self._with_ranges[phase] = with_ranges(gm, phase, self.ranges)
+        return self._with_ranges[phase]
 
     @classmethod
     def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
@@ -152,7 +166,7 @@ def write_buffers(module: torch.nn.Module, values: dict) -> None:
 class _RunStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: CompiledProgram, *primals):
-        outs = _call(program.on_error, program.forward_gm, "forward", primals)
+        outs = _call(program.on_error, program.runnable("forward"), "forward", primals)
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
         ctx.grad_hook = program.grad_hook
@@ -179,7 +193,7 @@ class _RunStep(torch.autograd.Function):
             del tensors  # it references the first list: only ``args`` may own the saved tensors
         args += [grad_outputs[i].contiguous() for i in program.tangent_outputs]
         ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
-        grads = _call(ctx.on_error, program.backward_gm, "backward", args, boxed=True)
+        grads = _call(ctx.on_error, program.runnable("backward"), "backward", args, boxed=True)
         if len(grads) != program.num_primals + len(program.kept_gathered):
             # Gradients would be handed to the wrong parameters: never run on.
             raise internal_error(

@@ -53,19 +53,36 @@ def test_step_meter_against_what_the_test_measures(dist2):
             assert "tok/s" in str(m) and "MFU" in str(m) and "(estimated)" in str(m)
 
 
-def _profiled_step() -> list[str]:
+def _profiled_step() -> dict:
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = hp.parallelize(build_model("llama", num_hidden_layers=1), {}, mesh)
+    plan = {"fully_shard": hp.FullyShard(units=("model.layers.*", ""))}
+    model = hp.parallelize(build_model("llama", num_hidden_layers=2), plan, mesh)
     batch = local_batch(global_batch("llama", 4, 16), mesh)
-    model(**batch)["loss"].backward()  # compiled before profiling
+    plain = model(**batch)["loss"]  # compiled before profiling
+    plain.backward()
+    program = model._last_entry().program
+    built_before = dict(program._with_ranges)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        model(**batch)["loss"].backward()
-    return [e.name for e in prof.events()]
+        profiled = model(**batch)["loss"]
+        profiled.backward()
+    return {"names": [e.name for e in prof.events()], "built_before": built_before,
+            "losses": (float(plain.detach()), float(profiled.detach()))}
 
 
-def test_profiler_trace_names_the_programs(dist2):
-    """A torch.profiler trace of one compiled step holds each program as a named range, and the
-    collectives inside them under their c10d names."""
-    names = dist2.run(_profiled_step)[0]
+def test_profiler_trace_names_programs_units_and_collectives(dist2):
+    """A torch.profiler trace of one compiled FSDP step holds each program as a named range, inside it
+    each FSDP unit's stretch and each collective named by kind, axis and reason, and each wait. The
+    ranges exist only while profiling, and do not change the numbers."""
+    result = dist2.run(_profiled_step)[0]
+    names = result["names"]
     assert names.count("hyper_parallel::forward") == 1 and names.count("hyper_parallel::backward") == 1, names
-    assert any("all_reduce" in n for n in names)
+    for unit in ("model.layers.0", "model.layers.1", "<root>"):
+        for phase in ("forward", "backward"):
+            assert f"hyper_parallel::unit {unit} {phase}" in names, (unit, phase, sorted(set(names)))
+    gather = "hyper_parallel::all_gather[dp] FSDP unit model.layers.1: all-gather of its parameters for forward"
+    assert any(n.startswith(gather) for n in names), sorted(set(names))
+    assert any(n.startswith("hyper_parallel::reduce_scatter[dp] FSDP unit model.layers.0: reduce-scatter")
+               for n in names)
+    assert "hyper_parallel::wait all_gather[dp]" in names and "hyper_parallel::wait reduce_scatter[dp]" in names
+    assert result["built_before"] == {}  # without a profiler the programs run unchanged
+    assert result["losses"][0] == result["losses"][1]

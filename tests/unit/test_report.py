@@ -69,6 +69,37 @@ def _load(dump, name):
 # --- the dump ---------------------------------------------------------------------------------------
 
 
+def _comm_rows(layouts: dict) -> list[list[str]]:
+    """The rows the Layouts table opens on: collectives (not their waits) and lowering's local layout
+    changes, as the page selects them."""
+    col = {c: i for i, c in enumerate(layouts["columns"])}
+    return [r for r in layouts["rows"] if r[col["why"]] and (
+        "wait_tensor" not in r[col["op"]] if r[col["op"]].startswith("_c10d_functional.")
+        else "->" in r[col["input_layouts"]])]
+
+
+def test_every_collective_says_why(dump):
+    """layouts.tsv's ``why`` column: every collective of the program has a reason, and FSDP + TP's
+    reasons name the FSDP units, the plan entries, the vocab-parallel loss and the passes."""
+    with open(os.path.join(dump["dir"], "rank0", "layouts.tsv")) as f:
+        lines = f.read().splitlines()
+    columns, rows = lines[0].split("\t"), [line.split("\t") for line in lines[1:]]
+    assert columns[-1] == "why" and all(len(r) == len(columns) for r in rows)
+    collectives = [r for r in rows if r[1].startswith("_c10d_functional.") and "wait_tensor" not in r[1]]
+    assert collectives and all(r[-1] for r in collectives), [r[0] for r in collectives if not r[-1]]
+    reasons = {r[-1] for r in collectives}
+    assert "FSDP unit model.layers.0: all-gather of its parameters for forward (9 params; bucketing)" in reasons
+    assert "FSDP unit model.layers.1: reduce-scatter of its gradients to their shards (9 params; bucketing)" \
+        in reasons
+    assert "plan: tensor_parallel['model.layers.*.self_attn.o_proj'] RowwiseParallel output 0" in reasons
+    assert "plan: tensor_parallel['lm_head'] ColwiseParallel input 0 (its gradient)" in reasons
+    assert any(r.startswith("op rule: aten._log_softmax, vocab-parallel cross-entropy") for r in reasons)
+    assert any(r.startswith("fused: small reductions forward") for r in reasons)
+    # Nodes that move nothing have no reason.
+    assert not any(r[-1] for r in rows if r[1] in ("aten.mm.default", "placeholder"))
+    assert dump["summary"]["unplanned_collectives"] == []
+
+
 def test_dump_has_report_files(dump):
     for name in DUMP_FILES:
         assert os.path.isfile(os.path.join(dump["dir"], "rank0", name)), name
@@ -241,6 +272,11 @@ setTimeout(function () {
   setTimeout(function () {
     var b = document.body.dataset;
     b.probeRows = String(document.querySelectorAll("#layout-table tbody tr").length);
+    var only = document.getElementById("layout-only-comm");
+    only.checked = false;
+    input.value = "";
+    only.dispatchEvent(new Event("change"));
+    b.probeAllRows = String(document.querySelectorAll("#layout-table tbody tr").length);
     var lists = document.querySelector('tr.pass-detail[data-stage="bucketing"]');
     b.probeDetails = lists.querySelectorAll(".lists > div").length + "";
     b.probeAdded = lists.querySelectorAll(".lists > div:first-child tbody tr").length + "";
@@ -263,8 +299,11 @@ def test_page_renders_in_headless_chromium(dump, tmp_path):
     assert _attr(dom, "data-rendered") == "ok"
     # Every section was built from the data.
     assert dom.count('class="pass-row"') == len(data["passes"])
-    rows = len(data["layouts"]["rows"])
-    assert re.search(rf"{rows} of {rows} rows", dom)
+    # The Layouts table opens on the collectives and layout changes, each with its reason.
+    rows, comm = len(data["layouts"]["rows"]), len(_comm_rows(data["layouts"]))
+    assert 0 < comm < rows
+    assert f"{comm} of {comm} collectives and layout changes ({rows} nodes in all)" in dom
+    assert dom.count('class="why"') == comm
     assert _attr(dom, "data-drawn") == str(len(data["timeline"]["events"]))
     assert 'id="memory-total"' in dom and 'id="memory-peak"' in dom
     assert 'class="missing"' not in dom
@@ -283,8 +322,10 @@ def test_page_renders_in_headless_chromium(dump, tmp_path):
         f.write(page.replace("</body>", PROBE))
     dom, console = _render(probe)
     assert console == [] and _attr(dom, "data-errors") is None, (console, _attr(dom, "data-errors"))
-    gathers = sum("all_gather_into_tensor" in "\t".join(r) for r in data["layouts"]["rows"])
+    gathers = sum("all_gather_into_tensor" in "\t".join(r) for r in _comm_rows(data["layouts"]))
     assert int(_attr(dom, "data-probe-rows")) == gathers > 0
+    # Unticked, with no search: every node (up to the table's first 500).
+    assert int(_attr(dom, "data-probe-all-rows")) == min(500, len(data["layouts"]["rows"])) > comm
     assert _attr(dom, "data-probe-details") == "3"  # added, removed, moved
     bucketing = next(s for s in data["passes"] if s["stage"] == "bucketing")
     assert _attr(dom, "data-probe-added") == str(len(bucketing["added"]))
@@ -321,3 +362,30 @@ def test_chromium_check_catches_script_errors(tmp_path):
     assert any("Uncaught" in line for line in console), console
     assert "boom" in (_attr(dom, "data-errors") or "")
     assert _attr(dom, "data-rendered") == "ok"  # the page itself (with no data at all) rendered first
+
+
+def test_explain_dump_page_shows_what_explain_printed(tmp_path, capsys):
+    """``explain --dump-dir`` then ``report``: the rendered page names the hardware explain priced the
+    step on, its step time and peak, and the optimizer whose state explain counted."""
+    _chromium()
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"base": "llama3-8b", "hidden_size": 256, "intermediate_size": 512,
+                                  "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}))
+    dump = tmp_path / "dump"
+    assert main(["explain", "--config", str(config), "--parallel", "dp_shard=-1,tp=2", "--world-size", "8",
+                 "--plan", "fsdp+tp", "--seq-len", "64", "--hardware", "a100", "--dump-dir", str(dump),
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert main(["report", str(dump)]) == 0
+    dom, console = _render(str(dump / "report.html"))
+    assert console == [] and _attr(dom, "data-errors") is None and _attr(dom, "data-rendered") == "ok"
+    shown_dom = re.sub(r"<(script|style)\b.*?</\1>", "", dom, flags=re.S)
+    text = html.unescape(re.sub(r"<[^>]+>", "", shown_dom))
+    step = printed["step"]["step_s"] * 1e6  # fmtUs: ms with 3 decimals at this size
+    assert 1e3 <= step < 1e6
+    assert f"Simulated step on the a100 hardware profile: {step / 1e3:.3f} ms" in text, text[:3000]
+    peak = printed["memory"]["peak"] / 2 ** 30 if printed["memory"]["peak"] >= 2 ** 30 else None
+    shown = f"{peak:.2f} GiB" if peak else f"{printed['memory']['peak'] / 2 ** 20:.2f} MiB"
+    assert f"peak memory (est.){shown}" in text.replace("\n", "")
+    assert "Memory (a100, optimizer: adamw)" in text and "adamw optimizer state counted" in text
+    assert "undefined" not in text and "no optimizer state counted" not in text

@@ -1,0 +1,54 @@
+"""A plan that adds collectives beyond its own boundaries is warned about, naming the module, its plan
+entries and an example node (compile/unplanned.py); the same plan on a model it fits warns nothing.
+
+One key/value head over tp=2: ``k_proj``/``v_proj`` are column-parallel, so their one head's dims are
+split across the two ranks; attention needs whole heads, so propagation gathers them inside the
+attention module (exact, but 3 all-gathers per layer the plan never asked for). Compiled for rank 0 of
+a simulated 4-rank mesh (torch's fake process-group backend): nothing runs."""
+
+import warnings
+
+import pytest
+import torch.distributed as dist
+
+import hyper_parallel as hp
+from hyper_parallel.api import compile_for_inputs
+from hyper_parallel.explain import fake_world
+from hyper_parallel.models.plans import llama_tp_plan
+from hyper_parallel.testing.parity import build_model, global_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _compile(kv_heads: int):
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process (leaked by another test)")
+    with fake_world(4, 0):
+        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = build_model("llama", num_hidden_layers=1, num_key_value_heads=kv_heads)
+        pmodel = hp.parallelize(model, llama_tp_plan(), mesh)
+        batch = {k: v[:2] for k, v in global_batch("llama", 4, 16).items()}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compile_for_inputs(pmodel, (), batch)
+        return pmodel.compile_summary(), [str(w.message) for w in caught if "beyond its own" in str(w.message)]
+
+
+def test_one_kv_head_over_tp2_is_warned_with_the_module_and_its_entries_two_fit_quietly():
+    summary, messages = _compile(kv_heads=1)
+    [finding] = summary["unplanned_collectives"]
+    assert finding["module"] == "model.layers.0.self_attn"
+    assert finding["axes"] == ["tp"] and finding["kinds"] == ["all_gather"] and finding["count"] == 3
+    assert "tensor_parallel['model.layers.*.self_attn.k_proj'] ColwiseParallel" in finding["entries"]
+    assert "tensor_parallel['model.layers.*.mlp.down_proj'] RowwiseParallel" not in finding["entries"]
+    assert finding["example"].startswith("all_gather_into_tensor") and "op rule: aten." in finding["example"]
+    assert "llama.py" in finding["example"]  # the user's source line
+    [message] = messages
+    assert "3 collective(s) per step beyond its own boundaries" in message
+    assert "'model.layers.0.self_attn'" in message and "k_proj" in message and "heads" in message
+    # The same 3 are in the per-step counts: the warning explains them, it does not invent them.
+    fitting, quiet = _compile(kv_heads=2)
+    assert fitting["unplanned_collectives"] == [] and quiet == []  # the plan fits: nothing to say
+    extra = summary["collectives_per_step"]["all_gather"]["tp"]["count"]
+    assert extra - fitting["collectives_per_step"].get("all_gather", {}).get("tp", {"count": 0})["count"] >= 3
+
