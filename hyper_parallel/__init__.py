@@ -30,7 +30,8 @@ from .cp import AsyncContextParallel, ContextParallel, shard_sequence
 from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
 from .parallel_dims import ParallelDims
 from .pipeline import (
-    MetaStep, MetaStepType, PipelinePlan, PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+    BatchDimSpec, CustomSchedule, MetaStep, MetaStepType, PipelinePlan, PipelineStage, Schedule1F1B, ScheduleGPipe,
+    ScheduleInterleaved1F1B,
 )
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
@@ -68,6 +69,8 @@ __version__ = _version()
 __all__ = [
     "__version__",
     "register_sharding",
+    "BatchDimSpec",
+    "CustomSchedule",
     "AdamW",
     "ChainedOptimizer",
     "Muon",

@@ -2,13 +2,15 @@
 
 ``ParallelPlan.pipeline = hp.PipelinePlan(...)`` (pipeline/plan.py) cuts the captured program into stages
 (passes/pipeline_split.py), api.py compiles this rank's stages, runtime.py runs them on a schedule
-(schedules.py) and auto.py places the cuts with the cost model when ``split_points="auto"``.
+(schedules.py: the built-in ones, or a hand-written ``CustomSchedule`` of ``MetaStep`` lists) over
+micro-batches cut along each input's batch dim (``BatchDimSpec`` in plan.py), and auto.py
+places the cuts with the cost model when ``split_points="auto"``.
 stages.py holds the seed's ``PipelineStage`` / ``Schedule*`` objects for hand-built stages.
 """
 
-from .plan import PipelinePlan
-from .schedules import MetaStep, MetaStepType
+from .plan import BatchDimSpec, PipelinePlan
+from .schedules import CustomSchedule, MetaStep, MetaStepType
 from .stages import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-__all__ = ["MetaStep", "MetaStepType", "PipelinePlan", "PipelineStage", "Schedule1F1B", "ScheduleGPipe",
-           "ScheduleInterleaved1F1B"]
+__all__ = ["BatchDimSpec", "CustomSchedule", "MetaStep", "MetaStepType", "PipelinePlan", "PipelineStage",
+           "Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B"]

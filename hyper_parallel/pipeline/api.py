@@ -9,8 +9,9 @@ stages. The first ``pmodel.step(inputs, targets)`` for an input signature compil
     → for each stage this rank runs: passes → forward/backward partition, for two variants of the
       stage when it reduces gradients (passes/pipeline_split.py): no sync (local gradients kept for
       the step) and sync (the stage's last micro-batch: adds them and reduces once)
-    → for a split-backward schedule (ZB-H1), each variant's backward cut into an input-gradient and
-      a weight-gradient program (runtime/partition.py:split_backward; the reductions go with the
+    → for a split-backward schedule (ZB-H1; the stages a CustomSchedule runs with BACKWARD_INPUT /
+      BACKWARD_WEIGHT steps), each variant's backward cut into an input-gradient and a
+      weight-gradient program (runtime/partition.py:split_backward; the reductions go with the
       weight gradients, so the sync variant is the stage's last weight-gradient step)
 
 then releases the parameters of the stages this rank does not run, and every later step runs the
@@ -25,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import os
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -51,10 +53,11 @@ from ..runtime.partition import partition_by_phase
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count, loss_combination, loss_source
-from .plan import AUTO, ResolvedPipeline
+from .plan import AUTO, DEFAULT_INPUT, TARGETS, BatchDimSpec, ResolvedPipeline
 from .runtime import PipelineExecutor, StageProgram, flat_steps, program_for, split_stage_backward, sync_microbatches
 from .schedules import (
-    SPLIT_BACKWARD_SCHEDULES, MetaStepType, analytic_bubble, build_schedule, format_schedule, simulate,
+    CustomSchedule, MetaStepType, analytic_bubble, equal_stage_bubble, format_schedule, simulate,
+    split_backward_stages,
 )
 
 log = logging.getLogger(__name__)
@@ -153,20 +156,73 @@ def call_arguments(inputs: Any, targets: Any, loss_fn) -> tuple[tuple, dict]:
     return args, kwargs
 
 
-def micro_batches(flat: list, num_microbatches: int, paths: list[str]) -> list[list]:
-    """Split every tensor input along dim 0 into ``num_microbatches`` equal micro-batches."""
+def input_names(forward: Callable, num_args: int, kwargs: Mapping, with_targets: bool) -> list[str]:
+    """The batch_dims name of each top-level input of a step: ``forward``'s parameter names for the
+    positional ones (``[i]`` past them), the keys for the keyword ones, ``"targets"`` last when
+    ``step`` appended the targets."""
+    try:
+        params = [p.name for p in inspect.signature(forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    names = [params[i] if i < len(params) else f"[{i}]" for i in range(num_args)]
+    if with_targets and names:
+        names[-1] = TARGETS
+    return names + list(kwargs)
+
+
+def forward_parameters(forward: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def leaf_specs(args: tuple, kwargs: dict, names: list[str], batch_dims: Mapping[str, BatchDimSpec],
+               forward: Callable) -> tuple[list[str], list[BatchDimSpec]]:
+    """(label, BatchDimSpec) of every leaf of ``pytree.tree_flatten((args, kwargs))``, in order."""
+    known = set(names) | forward_parameters(forward) | {DEFAULT_INPUT}
+    unknown = sorted(set(batch_dims) - known)
+    if unknown:
+        raise ValueError(
+            f"PipelinePlan(batch_dims=...) names {unknown}, which are neither inputs of this step nor "
+            f"arguments of forward; this step's inputs are {names} ('*': every input not named)"
+        )
+    default = batch_dims.get(DEFAULT_INPUT, BatchDimSpec(0))
+    labels, specs = [], []
+    for name, value in zip(names, (*args, *kwargs.values())):
+        spec = batch_dims.get(name, default)
+        for path, _ in pytree.tree_flatten_with_path(value)[0]:
+            labels.append(name + pytree.keystr(path))
+            specs.append(spec)
+    return labels, specs
+
+
+def micro_batches(flat: list, num_microbatches: int, labels: list[str],
+                  specs: list[BatchDimSpec] | None = None) -> list[list]:
+    """Every tensor input cut into ``num_microbatches`` equal chunks along its batch dim (dim 0
+    unless ``specs`` names another; contiguous); ``micro_batches[mb]``: the flat inputs of ``mb``."""
+    specs = specs or [BatchDimSpec(0)] * len(flat)
     per_input = []
-    for path, x in zip(paths, flat):
-        if isinstance(x, torch.Tensor):
-            if x.dim() == 0 or x.shape[0] % num_microbatches:
-                raise ValueError(
-                    f"pipeline: input {path!r} has batch size {x.shape[0] if x.dim() else 'none (0-dim)'}, "
-                    f"which num_microbatches={num_microbatches} does not divide; use a local batch that is "
-                    "a multiple of num_microbatches"
-                )
-            per_input.append(list(x.chunk(num_microbatches, dim=0)))
-        else:
+    for label, x, spec in zip(labels, flat, specs, strict=True):
+        dim = spec.batch_dim
+        if not isinstance(x, torch.Tensor) or dim is None:
             per_input.append([x] * num_microbatches)
+            continue
+        if dim >= x.dim():
+            raise ValueError(
+                f"pipeline: input {label!r} has shape {list(x.shape)}, with no batch dim {dim} to split into "
+                f"micro-batches; set its PipelinePlan(batch_dims=...) entry ({spec!r} now), or "
+                "BatchDimSpec(None) to give every micro-batch the whole tensor"
+            )
+        if x.shape[dim] % num_microbatches:
+            raise ValueError(
+                f"pipeline: input {label!r} has batch size {x.shape[dim]} on dim {dim} ({spec!r}, shape "
+                f"{list(x.shape)}), which num_microbatches={num_microbatches} does not divide; use a local "
+                "batch that is a multiple of num_microbatches"
+            )
+        chunks = x.chunk(num_microbatches, dim=dim)
+        per_input.append(list(chunks) if dim == 0 else [c.contiguous() for c in chunks])
     return [[chunks[mb] for chunks in per_input] for mb in range(num_microbatches)]
 
 
@@ -185,7 +241,11 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     text = "\n".join(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat))
     agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
           empty_problem(flat, lambda: paths), timeout=state.options.timeout)
-    mbs = micro_batches(flat, plan.num_microbatches, paths)
+    # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
+    forward = state.original_cls.forward.__get__(module)
+    names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
+    labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
+    mbs = micro_batches(flat, plan.num_microbatches, labels, specs)
 
     key = (in_spec, tuple(signature(x) for x in mbs[0]))
     entry = pipe.cache.get(key)
@@ -302,6 +362,8 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             loss_source(lowered.local, lowered.captured), plan.num_microbatches, plan.num_microbatches,
         )
     stages = split_stages(lowered.local, lowered.captured, split_points, resolved.num_stages)
+    schedule = plan.rank_schedules(resolved.num_ranks)
+    split_backward = split_backward_stages(schedule)  # stages whose backward runs as I and W steps
 
     programs: dict[int, StageProgram] = {}
     colls = {}
@@ -332,7 +394,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             program = StageProgram(s, forward_gm, backward_gm, variant)
             colls[f"stage{s} forward{suffix}"] = collectives(forward_gm, axis_of_group)
             backwards = {"backward": backward_gm}
-            if plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+            if s in split_backward:
                 program.split = split_stage_backward(program)
                 backwards = {"backward input": program.split.input_gm, "backward weight": program.split.weight_gm}
                 stage_dumper.graph("backward_input", program.split.input_gm)
@@ -347,8 +409,6 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     # The ranks of this stage mesh run the same stages: the plain path's check among them.
     check_spmd_on_mesh(colls, state.mesh)
 
-    schedule = build_schedule(plan.schedule, resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank,
-                              plan.overlap_p2p)
     transfers = [t for g in stages for t in g.sends]
     device = _device_of(module, flat)
     loss_dtype = next(
@@ -362,7 +422,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         "split_points": list(split_points),
         "num_stages": resolved.num_stages,
         "local_stages": list(resolved.local_stages),
-        "schedule": plan.schedule,
+        "schedule": plan.schedule_name,
         "num_microbatches": plan.num_microbatches,
         "loss": loss_combination(token_mean),  # pipeline/loss.py
         "transfers": [dataclasses.asdict(t) | {"dtype": str(t.dtype)} for t in transfers],
@@ -371,8 +431,9 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
         "runs_per_step": runs,
         "collectives_per_step": per_step(colls, runs),
         "gradient_reductions_per_step": per_step(reductions, runs),
-        "analytic_bubble": analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank,
-                                           plan.schedule),
+        # A custom schedule's own idle fraction with equal stages (the built-in ones' formula).
+        "analytic_bubble": equal_stage_bubble(schedule) if isinstance(plan.schedule, CustomSchedule) else
+        analytic_bubble(resolved.num_ranks, plan.num_microbatches, plan.stages_per_rank, plan.schedule),
     }
     if auto_report is not None:
         summary["auto_split"] = auto_report
@@ -381,7 +442,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     summary["pass_seconds"] = pass_seconds  # after the dump: seconds differ between runs
     _release_other_stages(module, state, programs)
     if rank == 0:
-        log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule)
+        log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule_name)
     progress.done(f"{len(programs)} stage program{'s' if len(programs) != 1 else ''} on this rank")
     return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary)
 
@@ -495,12 +556,12 @@ def pipeline_report(module) -> dict:
         for name, stage, start, end in r["events"]:
             durations.setdefault(name[0], {}).setdefault(stage, []).append(end - start)
     mean = {k: {s: sum(v) / len(v) for s, v in d.items()} for k, d in durations.items()}
-    if "W" in mean:
-        simulated = simulate(entry.schedule, mean["F"], mean["I"], weight_time=mean["W"]).bubble_fraction()
-    else:
-        simulated = simulate(entry.schedule, mean["F"], mean["B"]).bubble_fraction()
+    # (A custom schedule may run some stages' backward whole and others' split.)
+    backward = {**mean.get("B", {}), **mean.get("I", {})}
+    weight = {s: mean.get("W", {}).get(s, 0.0) for s in mean["F"]} if "W" in mean else None
+    simulated = simulate(entry.schedule, mean["F"], backward, weight_time=weight).bubble_fraction()
     return {
-        "schedule": plan.schedule,
+        "schedule": plan.schedule_name,
         "num_microbatches": plan.num_microbatches,
         "split_points": list(entry.split_points),
         "analytic_bubble": entry.summary["analytic_bubble"],

@@ -31,6 +31,7 @@ from ..passes.pipeline_split import assign_stages
 from ..recompute import repeated_blocks
 from ..ir.phase import BACKWARD, FORWARD
 from .plan import ResolvedPipeline
+from .schedules import CustomSchedule, peak_in_flight
 
 
 def segment_costs(gm: torch.fx.GraphModule, captured, blocks: tuple[str, ...], profile) -> tuple[list, list, list]:
@@ -104,8 +105,13 @@ def choose_split_points(gm: torch.fx.GraphModule, captured, module, resolved: Re
     seconds, param_bytes, saved_bytes = segment_costs(gm, captured, blocks, profile)
     plan = resolved.plan
     # Micro-batches in flight on the first stage (the most): all of them for GPipe, else one per
-    # pipeline rank (1F1B's warm-up).
-    in_flight = plan.num_microbatches if plan.schedule == "GPipe" else min(plan.num_microbatches, resolved.num_ranks)
+    # pipeline rank (1F1B's warm-up); a custom schedule's own peak.
+    if isinstance(plan.schedule, CustomSchedule):
+        in_flight = peak_in_flight(plan.rank_schedules(resolved.num_ranks))
+    elif plan.schedule == "GPipe":
+        in_flight = plan.num_microbatches
+    else:
+        in_flight = min(plan.num_microbatches, resolved.num_ranks)
     memory = [p + in_flight * a for p, a in zip(param_bytes, saved_bytes)]
     cuts, slowest = best_split(seconds, memory, resolved.num_stages, profile.memory_bytes * plan.stages_per_rank)
     split_points = [blocks[c - 1] for c in cuts]

@@ -3,19 +3,87 @@
 :class:`PipelinePlan` is pure data with validation; :func:`resolve_pipeline` checks it against the
 model and the mesh (the pp axis exists, the stage count matches it, every split point is a module
 the model has) and returns the :class:`ResolvedPipeline` the compiler and runtime read.
+:class:`BatchDimSpec` names the dim an input's batch is on, where micro-batches are cut
+(``PipelinePlan.batch_dims``; the cut itself is api.micro_batches).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
 import torch.nn as nn
 
 from ..plan import option_from_value
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, CustomSchedule, build_schedule
 
 AUTO = "auto"
+DEFAULT_INPUT = "*"  # PipelinePlan.batch_dims key for every input not named
+TARGETS = "targets"  # PipelinePlan.batch_dims key for step()'s targets
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchDimSpec:
+    """The dim of an input its batch is on: micro-batches are cut along ``batch_dim``; ``None``:
+    not cut, every micro-batch gets the whole tensor. Negative dims are refused (``-1`` would read
+    as the last dim here but as "not cut" in other pipeline APIs: write the dim, or None)."""
+
+    batch_dim: int | None
+
+    def __post_init__(self):
+        dim = self.batch_dim
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+            raise TypeError(f"BatchDimSpec(batch_dim={dim!r}) must be an int >= 0 or None")
+        if dim is not None and dim < 0:
+            raise ValueError(
+                f"BatchDimSpec(batch_dim={dim}): give the dim counted from the front (>= 0), or "
+                "BatchDimSpec(None) for an input every micro-batch gets whole"
+            )
+
+    def __repr__(self):
+        return f"BatchDimSpec({self.batch_dim})"
+
+    @classmethod
+    def of(cls, value: Any) -> "BatchDimSpec":
+        """A BatchDimSpec, or the same as its ``batch_dim`` (an int or None)."""
+        return value if isinstance(value, cls) else cls(value)
+
+    @staticmethod
+    def from_tuple(batch_dims: tuple) -> tuple:
+        """``(1, None, ...)`` -> ``(BatchDimSpec(1), BatchDimSpec(None), ...)``."""
+        if not isinstance(batch_dims, tuple):
+            raise TypeError(f"BatchDimSpec.from_tuple takes a tuple, got {type(batch_dims).__name__}")
+        return tuple(BatchDimSpec.of(d) for d in batch_dims)
+
+    @staticmethod
+    def from_dict(batch_dims: Mapping) -> dict:
+        """``{"x": 1, ...}`` -> ``{"x": BatchDimSpec(1), ...}``."""
+        if not isinstance(batch_dims, Mapping):
+            raise TypeError(f"BatchDimSpec.from_dict takes a dict, got {type(batch_dims).__name__}")
+        return {k: BatchDimSpec.of(v) for k, v in batch_dims.items()}
+
+
+def normalize_batch_dims(value: Any, where: str) -> dict[str, BatchDimSpec]:
+    """``PipelinePlan.batch_dims`` as {input name: BatchDimSpec}: a dict of specs (or ints / None),
+    or one spec (or int) for every input (the ``"*"`` entry)."""
+    if value is None:
+        return {}
+    if isinstance(value, (BatchDimSpec, int)) and not isinstance(value, bool):
+        value = {DEFAULT_INPUT: value}
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{where}={value!r} must map input names to BatchDimSpec (or an int dim), e.g. "
+            "{'input_ids': hp.BatchDimSpec(1)}, or be one BatchDimSpec for every input"
+        )
+    out = {}
+    for name, spec in value.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{where}: keys are input names (str), got {name!r}")
+        try:
+            out[name] = BatchDimSpec.of(spec)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{where}[{name!r}]: {exc}") from None
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,18 +94,25 @@ class PipelinePlan:
     stage, 4 onwards in the next), one fewer than the number of stages; or ``"auto"`` to place the
     cuts with the cost model. ``schedule``: "GPipe", "1F1B", "Interleaved1F1B" or "ZBH1" (zero
     bubble: each backward split into an input-gradient and a weight-gradient step, the weight
-    gradients delayed into 1F1B's cooldown bubble at 1F1B's activation memory; one stage per rank);
-    ``num_microbatches``: micro-batches each step's local batch is split into (dim 0);
+    gradients delayed into 1F1B's cooldown bubble at 1F1B's activation memory; one stage per rank),
+    or a hand-written :class:`~hyper_parallel.pipeline.schedules.CustomSchedule` (a
+    ``{pp_rank: [MetaStep, ...]}`` dict is taken as one), checked here like the built-in ones;
+    ``num_microbatches``: micro-batches each step's local batch is split into;
     ``stages_per_rank``: stages each pp rank holds (2+ for Interleaved1F1B); ``overlap_p2p``:
-    post the next compute step's receives before the current one runs.
+    post the next compute step's receives before the current one runs; ``batch_dims``: {input
+    name: :class:`BatchDimSpec`} for inputs whose batch is not on dim 0, an int standing for its
+    BatchDimSpec. The names: a keyword input's name, the ``forward`` parameter a positional input
+    binds to, ``"targets"`` for ``step``'s targets, ``"*"`` for every input not named (one
+    BatchDimSpec or int alone: every input). Every tensor under a named input is cut along its dim.
     """
 
     axis: str = "pp"
     split_points: Any = AUTO
-    schedule: str = "1F1B"
+    schedule: str | CustomSchedule = "1F1B"
     num_microbatches: int = 2
     stages_per_rank: int = 1
     overlap_p2p: bool = False
+    batch_dims: Any = dataclasses.field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.axis, str) or not self.axis:
@@ -54,12 +129,20 @@ class PipelinePlan:
             if len(set(points)) != len(points):
                 raise ValueError(f"PipelinePlan(split_points={list(points)!r}) names a module twice")
             object.__setattr__(self, "split_points", tuple(points))
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"PipelinePlan(schedule={self.schedule!r}) is not a schedule; choose one of {SCHEDULES}")
+        object.__setattr__(self, "batch_dims", normalize_batch_dims(self.batch_dims, "PipelinePlan(batch_dims)"))
+        if isinstance(self.schedule, (dict, list, tuple)):  # {pp_rank: [MetaStep, ...]}
+            object.__setattr__(self, "schedule", CustomSchedule(self.schedule))
+        custom = isinstance(self.schedule, CustomSchedule)
+        if not custom and (not isinstance(self.schedule, str) or self.schedule not in SCHEDULES):
+            raise ValueError(f"PipelinePlan(schedule={self.schedule!r}) is not a schedule; choose one of {SCHEDULES}, "
+                             "or write one: hp.CustomSchedule({pp_rank: [MetaStep, ...]})")
         for name in ("num_microbatches", "stages_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PipelinePlan({name}={value!r}) must be a positive integer")
+        if custom:
+            self._check_custom_schedule()
+            return
         if self.schedule == "Interleaved1F1B" and self.stages_per_rank < 2:
             raise ValueError("PipelinePlan(schedule='Interleaved1F1B') needs stages_per_rank >= 2")
         if self.schedule != "Interleaved1F1B" and self.stages_per_rank != 1:
@@ -67,6 +150,34 @@ class PipelinePlan:
                 f"PipelinePlan(schedule={self.schedule!r}) runs one stage per rank; use "
                 "schedule='Interleaved1F1B' for stages_per_rank > 1"
             )
+
+    def _check_custom_schedule(self) -> None:
+        """The checks of a built schedule (schedules.check_schedule), without a mesh: the custom
+        schedule's ranks are the pp ranks."""
+        schedule: CustomSchedule = self.schedule
+        steps = [sub for rank in schedule.steps for step in rank for sub in (step.sub_steps or (step,))]
+        micro = 1 + max((s.micro_batch for s in steps), default=-1)
+        if micro > self.num_microbatches:
+            raise ValueError(f"PipelinePlan(num_microbatches={self.num_microbatches}): the schedule "
+                             f"{schedule.name!r} runs micro-batches 0..{micro - 1}; set num_microbatches={micro}")
+        stages, ranks = 1 + max((s.stage for s in steps), default=-1), schedule.num_ranks
+        if stages > ranks * self.stages_per_rank:
+            raise ValueError(
+                f"PipelinePlan(stages_per_rank={self.stages_per_rank}): the schedule {schedule.name!r} runs "
+                f"stages 0..{stages - 1} on its {ranks} ranks; set stages_per_rank={-(-stages // ranks)}"
+            )
+        schedule.build(ranks * self.stages_per_rank, self.num_microbatches, self.overlap_p2p)
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule's name in summaries and reports ("1F1B", or the CustomSchedule's name)."""
+        return self.schedule.name if isinstance(self.schedule, CustomSchedule) else self.schedule
+
+    def rank_schedules(self, num_ranks: int) -> dict:
+        """{pp rank: [MetaStep, ...]} the executor runs, checked (schedules.check_schedule)."""
+        if isinstance(self.schedule, CustomSchedule):
+            return self.schedule.build(num_ranks * self.stages_per_rank, self.num_microbatches, self.overlap_p2p)
+        return build_schedule(self.schedule, num_ranks, self.num_microbatches, self.stages_per_rank, self.overlap_p2p)
 
     @classmethod
     def from_value(cls, value: Any) -> "PipelinePlan":
@@ -99,6 +210,11 @@ def resolve_pipeline(value: Any, model: nn.Module, mesh) -> ResolvedPipeline:
         )
     num_ranks = mesh.size(names.index(plan.axis))
     num_stages = num_ranks * plan.stages_per_rank
+    if isinstance(plan.schedule, CustomSchedule) and plan.schedule.num_ranks != num_ranks:
+        raise ValueError(
+            f"PipelinePlan(schedule=CustomSchedule {plan.schedule.name!r}) has steps for {plan.schedule.num_ranks} "
+            f"pp ranks, but the '{plan.axis}' axis has {num_ranks}; write one step list per pp rank"
+        )
     if plan.split_points != AUTO:
         if len(plan.split_points) + 1 != num_stages:
             raise ValueError(

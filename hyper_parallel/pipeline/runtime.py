@@ -26,8 +26,9 @@ rank's list of :class:`~hyper_parallel.pipeline.schedules.MetaStep`:
 
 Values between two stages on the same rank (interleaved schedules with one pp rank) are handed
 over in memory. Messages carry a tag derived from (value, micro-batch), so a backend that matches
-by tag (gloo) pairs them exactly; NCCL / HCCL match by order, which the built schedules keep
-(every rank posts a pair's receives in the order the peer sends them).
+by tag (gloo) pairs them exactly; NCCL / HCCL match by order, which every schedule keeps, custom
+ones included (schedules.check_schedule: each rank posts a pair's receives in the order the peer
+sends them).
 
 The loss is the mean over all the step's tokens when the last stage returns its token count
 (pipeline/loss.py: each micro-batch backward starts from its count, the gradients are divided by

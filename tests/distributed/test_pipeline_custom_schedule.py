@@ -1,0 +1,160 @@
+"""Hand-written pipeline schedules and micro-batches cut on a dim other than 0, end to end.
+
+``PipelinePlan(schedule=CustomSchedule({pp_rank: [MetaStep, ...]}))`` runs through the same
+executor as the built-in schedules; ``PipelinePlan(batch_dims={name: BatchDimSpec(d)})`` cuts
+an input's micro-batches along dim ``d``. On the example Llama with 2 stages (2 layers, the cut at
+the second), 2 pp ranks: every case trains SGD steps and checks the loss and every gradient of this
+rank's stages against one device on the whole batch. The plans' validation errors are unit tests
+(tests/unit/test_pipeline_schedule_objects.py).
+"""
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import hyper_parallel as hp
+from hyper_parallel.pipeline import BatchDimSpec, CustomSchedule
+from hyper_parallel.pipeline.schedules import MetaStepType, build_schedule
+from hyper_parallel.testing.parity import build_model, error_message, global_batch, run_pipeline_parity
+
+LAYERS = 2
+SPLIT = ["model.layers.1"]
+NUM_MICROBATCHES = 4
+COMPUTE = {t.value for t in (MetaStepType.FORWARD, MetaStepType.BACKWARD, MetaStepType.BACKWARD_INPUT,
+                             MetaStepType.BACKWARD_WEIGHT)}
+
+# 1F1B on 2 ranks and 4 micro-batches, written by hand: rank 0 warms up with one extra forward.
+HAND_1F1B = {
+    0: "F0@s0 F1@s0 B0@s0 F2@s0 B1@s0 F3@s0 B2@s0 B3@s0",
+    1: "F0@s1 B0@s1 F1@s1 B1@s1 F2@s1 B2@s1 F3@s1 B3@s1",
+}
+# Another valid order: GPipe on rank 0; rank 1 splits its backward (input gradients sent at once,
+# weight gradients later, the last two swapped) so rank 0's backwards start early.
+HAND_MIXED = {
+    0: "F0@s0 F1@s0 F2@s0 F3@s0 B0@s0 B1@s0 B2@s0 B3@s0",
+    1: "F0@s1 I0@s1 F1@s1 I1@s1 W0@s1 F2@s1 I2@s1 W1@s1 F3@s1 I3@s1 W3@s1 W2@s1",
+}
+
+
+def _written_compute(schedule):
+    return {r: [repr(s) for s in steps if s.step_type.value in COMPUTE] for r, steps in schedule.items()}
+
+
+def _ran(report, rank):
+    return [name for name, *_ in report["timeline"][rank]]
+
+
+def _custom_next_to_builtin(steps: int = 2) -> dict:
+    """The hand-written 1F1B and the built-in one side by side with one device: same losses and
+    gradients (bitwise between the two pipelines, assert_close defaults against one device)."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    reference = build_model("llama", num_hidden_layers=LAYERS)
+    plans = {
+        "builtin": hp.PipelinePlan(split_points=SPLIT, schedule="1F1B", num_microbatches=NUM_MICROBATCHES),
+        "custom": hp.PipelinePlan(split_points=SPLIT, schedule=CustomSchedule(HAND_1F1B, name="hand-1F1B"),
+                                  num_microbatches=NUM_MICROBATCHES),
+    }
+    models = {k: hp.parallelize(copy.deepcopy(reference), {"pipeline": plan}, mesh) for k, plan in plans.items()}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        batch = global_batch("llama", 8, 16, seed=step + 1)
+        loss = {k: m.step(batch) for k, m in models.items()}
+        ref_loss = reference(**batch)["loss"]
+        ref_loss.backward()
+        assert torch.equal(loss["custom"], loss["builtin"]), (step, loss)
+        torch.testing.assert_close(loss["custom"], ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
+        ref_params = dict(reference.named_parameters())
+        builtin = dict(models["builtin"].named_parameters())
+        for name, p in models["custom"].named_parameters():
+            assert torch.equal(p.grad.full_tensor(), builtin[name].grad.full_tensor()), (step, name)
+            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
+                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        for opt in (*opts.values(), ref_opt):
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss["custom"].item())
+    return {"losses": losses, "params": sorted(n for n, _ in models["custom"].named_parameters()),
+            "report": models["custom"].pipeline_report(), "summary": models["custom"].compile_summary(),
+            "builtin_schedule": models["builtin"]._hp.pipeline.last.schedule,
+            "custom_schedule": models["custom"]._hp.pipeline.last.schedule}
+
+
+def test_hand_written_1f1b_matches_builtin_1f1b_and_one_device(dist2):
+    results = dist2.run(_custom_next_to_builtin)
+    assert results[0]["losses"] == results[1]["losses"], "every pp rank returns the loss"
+    assert not set(results[0]["params"]) & set(results[1]["params"])
+    r = results[0]
+    # The compute steps as written, with the sends and receives the built-in 1F1B has.
+    assert r["custom_schedule"] == r["builtin_schedule"] == build_schedule("1F1B", 2, NUM_MICROBATCHES)
+    for rank in (0, 1):
+        assert _ran(r["report"], rank) == HAND_1F1B[rank].split(), rank
+    assert r["summary"]["schedule"] == r["report"]["schedule"] == "hand-1F1B"
+    assert r["report"]["analytic_bubble"] == 1 / (NUM_MICROBATCHES + 1)  # (p-1)/(m+p-1), as 1F1B
+
+
+def test_hand_written_different_order_matches_one_device(dist2):
+    """GPipe order on rank 0, a split backward in its own order on rank 1: at parity, run as written."""
+    plan = {"pipeline": {"split_points": SPLIT, "schedule": HAND_MIXED, "num_microbatches": NUM_MICROBATCHES}}
+    results = dist2.run(run_pipeline_parity, plan, (2,), ("pp",), num_layers=LAYERS, steps=2)
+    assert results[0]["losses"] == results[1]["losses"]
+    report = results[0]["report"]
+    for rank in (0, 1):
+        assert _ran(report, rank) == HAND_MIXED[rank].split(), rank
+    # Stage 1's backward is compiled split (I and W programs), stage 0's whole.
+    assert set(results[1]["summary"]["runs_per_step"]) == {"stage1 forward", "stage1 backward input",
+                                                           "stage1 backward weight"}
+    assert set(results[0]["summary"]["runs_per_step"]) == {"stage0 forward", "stage0 backward"}
+    assert results[0]["summary"]["schedule"] == "custom"
+    assert 0 <= report["simulated_bubble"] < 1
+
+
+class SeqFirstLlama(nn.Module):
+    """The example Llama taking its inputs laid out [seq, batch] (batch on dim 1)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, labels):
+        return self.inner(input_ids.t(), labels=labels.t())
+
+
+def _batch_on_dim_1(batch_dims, steps: int = 2) -> dict:
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    reference = SeqFirstLlama(build_model("llama", num_hidden_layers=LAYERS))
+    plan = hp.PipelinePlan(split_points=["inner.model.layers.1"], schedule="1F1B", num_microbatches=2,
+                           batch_dims=batch_dims)
+    parallel = hp.parallelize(copy.deepcopy(reference), {"pipeline": plan}, mesh)
+    opt, ref_opt = torch.optim.SGD(parallel.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        # [seq=16, batch=4]: micro-batches of 2 sequences each (dim 0 would cut the sequence).
+        batch = {k: v.t().contiguous() for k, v in global_batch("llama", 4, 16, seed=step + 1).items()}
+        loss = parallel.step(batch)
+        ref_loss = reference(**batch)["loss"]
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
+        ref_params = dict(reference.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
+                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        for opt in (opt, ref_opt):
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    # 3 sequences: dim 1 does not divide into 2 micro-batches (raised before anything runs).
+    odd = {k: v.t().contiguous() for k, v in global_batch("llama", 3, 16).items()}
+    return {"losses": losses, "odd_batch": error_message(parallel.step, odd)}
+
+
+def test_micro_batches_split_on_dim_1_match_one_device(dist2):
+    results = dist2.run(_batch_on_dim_1, {"input_ids": BatchDimSpec(1), "labels": BatchDimSpec(1)})
+    assert results[0]["losses"] == results[1]["losses"]
+    for r in results:
+        assert r["odd_batch"] == (
+            "ValueError: pipeline: input 'input_ids' has batch size 3 on dim 1 (BatchDimSpec(1), shape [16, 3]), "
+            "which num_microbatches=2 does not divide; use a local batch that is a multiple of num_microbatches"
+        ), r["odd_batch"]
