@@ -188,17 +188,16 @@ def _default_prefetch_depth() -> int:
 
 
 def _offload_shards(model: nn.Module, resolved: ResolvedPlan) -> None:
-    """CPU offload: FSDP shards (hence their gradients and optimizer state) live on the host."""
-    from .fsdp.plan import CPUOffloadPolicy
-
+    """CPU offload: FSDP shards (hence their gradients and optimizer state) live on the host, for
+    the units whose offload policy is a CPUOffloadPolicy."""
     fsdp = resolved.fsdp
-    if fsdp is None or not isinstance(fsdp.offload_policy, CPUOffloadPolicy):
+    if fsdp is None:
         return
     for fqn, param in list(model.named_parameters()):
         local = param.to_local()
-        if fqn in fsdp.unit_of and local.device.type != "cpu":
+        if fqn in fsdp.unit_of and fsdp.offloaded(fqn) and local.device.type != "cpu":
             host = local.detach().to("cpu")
-            if fsdp.offload_policy.pin_memory and torch.cuda.is_available():
+            if fsdp.offload_of(fqn).pin_memory and torch.cuda.is_available():
                 host = host.pin_memory()
             owner_name, _, name = fqn.rpartition(".")
             dt = DTensor.from_local(host, param.device_mesh, param.placements, run_check=False)

@@ -9,8 +9,6 @@ reshard after forward / backward, the reduce op, and which units ``unshard()`` g
 
 from __future__ import annotations
 
-import dataclasses
-
 from .unshard import UnshardHandle, gather_unit
 
 
@@ -20,41 +18,52 @@ class FsdpMethods:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """False: accumulate gradients locally without communication (micro-steps); True: the next
-        backward reduces everything accumulated once. Numerics equal one large batch."""
-        self._require_fsdp("set_requires_gradient_sync")
-        self._set_flag(gradient_sync=bool(requires_gradient_sync))
+        backward reduces everything accumulated once. Numerics equal one large batch. Here every
+        unit must have the same value when the next forward runs (one program for the model)."""
+        _check_bool("set_requires_gradient_sync", requires_gradient_sync)
+        self._set_flag("gradient_sync", requires_gradient_sync, self._flag_units("set_requires_gradient_sync", recurse))
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients over the shard axis but skips the all-reduce over
         the replicate axis (accumulation with reduce-scatter only); the next step with True
-        all-reduces the accumulated sum once. No effect without a replicate axis."""
-        self._require_fsdp("set_requires_all_reduce")
-        self._set_flag(all_reduce=bool(requires_all_reduce))
+        all-reduces the accumulated sum once. No effect without a replicate axis. The same on
+        every unit, as set_requires_gradient_sync."""
+        _check_bool("set_requires_all_reduce", requires_all_reduce)
+        self._set_flag("all_reduce", requires_all_reduce, self._flag_units("set_requires_all_reduce", recurse))
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
-        """Override every unit's reshard_after_forward (recompiles once per setting)."""
-        self._require_fsdp("set_reshard_after_forward")
-        if not isinstance(reshard_after_forward, bool):
-            raise ValueError("set_reshard_after_forward takes True or False")
-        self._set_flag(reshard_after_forward=reshard_after_forward)
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Override reshard_after_forward of every unit (``recurse=False``: the root unit only);
+        recompiles once per setting."""
+        _check_bool("set_reshard_after_forward", reshard_after_forward)
+        self._set_flag("reshard_after_forward", reshard_after_forward,
+                       self._flag_units("set_reshard_after_forward", recurse))
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False: backward keeps the gathered parameters, so the next forward (a gradient
         accumulation micro-step) issues no all-gather; more memory, less communication. What is
         already kept stays for the next forward (as in FSDP2); kept values are dropped once an
         optimizer step changes the shards, or by reshard()."""
-        self._require_fsdp("set_reshard_after_backward")
-        if not isinstance(reshard_after_backward, bool):
-            raise ValueError(f"set_reshard_after_backward takes True or False, got {reshard_after_backward!r}")
-        self._set_flag(reshard_after_backward=reshard_after_backward)
+        _check_bool("set_reshard_after_backward", reshard_after_backward)
+        self._set_flag("reshard_after_backward", reshard_after_backward,
+                       self._flag_units("set_reshard_after_backward", recurse))
 
-    def set_reduce_op_type(self, reduce_op_type: str) -> None:
+    def set_reduce_op_type(self, reduce_op_type: str, *, recurse: bool = True) -> None:
         """"avg" (default): gradients of the global mean loss, equal to one device's. "sum": the
         data-parallel ranks' gradients summed, i.e. scaled by the data-parallel degree."""
-        self._require_fsdp("set_reduce_op_type")
         if reduce_op_type not in ("avg", "sum"):
             raise ValueError(f"set_reduce_op_type takes 'avg' or 'sum', got {reduce_op_type!r}")
-        self._set_flag(reduce_op=reduce_op_type)
+        self._set_flag("reduce_op", reduce_op_type, self._flag_units("set_reduce_op_type", recurse))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's custom divide factor, for the root unit (not recursive, as in FSDP2): its
+        gradients are the data-parallel ranks' gradients summed and divided by ``factor`` instead
+        of by the data-parallel degree, i.e. ``degree / factor`` times one device's gradients."""
+        self._set_flag("divide_factor", _check_factor(factor),
+                       self._flag_units("set_reduce_scatter_divide_factor", recurse=False))
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's newer name of :meth:`set_reduce_scatter_divide_factor`."""
+        self.set_reduce_scatter_divide_factor(factor)
 
     def unshard(self, async_op: bool = False, *, recurse: bool = False) -> UnshardHandle | None:
         """All-gather the root unit's parameters now (every unit's with ``recurse=True``), for the
@@ -72,8 +81,7 @@ class FsdpMethods:
         """Accepted for FSDP2 compatibility. Nothing to do: every compiled backward waits for its
         own reductions before it returns, so no gradient reduction is ever left in flight."""
         self._require_fsdp("set_is_last_backward")
-        if not isinstance(is_last_backward, bool):
-            raise ValueError(f"set_is_last_backward takes True or False, got {is_last_backward!r}")
+        _check_bool("set_is_last_backward", is_last_backward)
 
     def zero_grads(self) -> None:
         """Drop every FSDP gradient: those accumulated without sync (which the optimizer cannot
@@ -102,9 +110,29 @@ class FsdpMethods:
         handle.wait()
         return None
 
-    def _set_flag(self, **change) -> None:
+    def _set_flag(self, field: str, value, units: list[str]) -> None:
         """The next call compiles (or reuses) the program variant for the changed flags."""
-        self._hp.fsdp_flags = dataclasses.replace(self._hp.fsdp_flags, **change)
+        self._hp.fsdp_flags = self._hp.fsdp_flags.set(field, value, units)
+
+    def _flag_units(self, method: str, recurse: bool, module_fqn: str = "") -> list[str]:
+        """The units a switch called on module ``module_fqn`` ("" the root) acts on, as FSDP2:
+        with ``recurse`` every unit inside that module (its own included), else its own unit."""
+        self._require_fsdp(method)
+        _check_bool(f"{method}(recurse=)", recurse)
+        units = self._hp.resolved.fsdp.units
+        own = [u.module_fqn for u in units if module_fqn in u.modules]
+        if recurse:
+            inside = [u.module_fqn for u in units
+                      if any(module_fqn == "" or m == module_fqn or m.startswith(module_fqn + ".") for m in u.modules)]
+            return list(dict.fromkeys(own + inside))
+        if not own:
+            where = f"module {module_fqn!r}" if module_fqn else "the root module"
+            raise ValueError(
+                f"{method}: {where} is not an FSDP unit, and this call acts on its own unit only "
+                "(recurse=False, or a switch FSDP2 does not apply recursively), so it would change "
+                f"nothing; the units are {[u.module_fqn or '<root>' for u in units]}: call it on one of them"
+            )
+        return own
 
     def _require_fsdp(self, method: str) -> None:
         if self._hp.resolved.fsdp is None:
@@ -112,3 +140,14 @@ class FsdpMethods:
                 f"{method} applies to fully sharded modules: add fully_shard units to the plan "
                 "(ParallelPlan(fully_shard=hp.FullyShard(units=[...]))) or call hp.fully_shard"
             )
+
+
+def _check_bool(method: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{method} takes True or False, got {value!r}")
+
+
+def _check_factor(factor) -> float:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise ValueError(f"set_reduce_scatter_divide_factor takes a positive number, got {factor!r}")
+    return float(factor)

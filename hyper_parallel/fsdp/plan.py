@@ -9,6 +9,7 @@ the compiler reads; ``GRADIENT_LAYOUTS`` names the layouts an FSDP gradient can 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -17,12 +18,32 @@ from torch.distributed.tensor import Partial, Replicate
 
 @dataclasses.dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """Gather parameters in ``param_dtype``, reduce gradients in ``reduce_dtype`` (seed/FSDP2 names)."""
+    """Gather parameters in ``param_dtype``, reduce gradients in ``reduce_dtype`` (seed/FSDP2 names).
+
+    ``cast_forward_inputs``: the unit's floating-point forward inputs are cast to ``param_dtype``
+    (when it is set); ``output_dtype``: its floating-point forward outputs are cast to that dtype.
+    Both are casts at the unit's module boundary inside the compiled program, as FSDP2's hooks do,
+    so units with different policies can follow each other."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+    def __post_init__(self):
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, torch.dtype):
+                raise TypeError(f"MixedPrecisionPolicy.{name} must be a torch.dtype or None, got {value!r}")
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                f"MixedPrecisionPolicy.cast_forward_inputs must be True or False, got {self.cast_forward_inputs!r}"
+            )
+
+    @property
+    def casts(self) -> bool:
+        """Whether the policy casts anything at the unit's boundary."""
+        return self.output_dtype is not None or (self.cast_forward_inputs and self.param_dtype is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,29 +62,62 @@ class CPUOffloadPolicy(OffloadPolicy):
 class FullyShard:
     """FSDP/HSDP units (module-FQN globs, innermost first; "" is the root) and their options.
 
+    A unit given as a list/tuple of globs is one unit over all the modules they match (FSDP2's
+    ``fully_shard([a, b])``: one all-gather and one reduce-scatter for their parameters).
     ``mesh_axes``: ("dp_shard",) style for FSDP, (replicate_axis, shard_axis) for HSDP; by default
     the mesh's ("dp_replicate", "dp_shard") pair, else its "dp_shard", "fsdp" or "dp" axis.
+    ``shard_placement_fn``: FSDP2's: called with each parameter, returns ``Shard(dim)`` to store it
+    sharded on that dim (even shards only when dim != 0) or None for the default ``Shard(0)``.
+    ``ignored_params``: parameter-FQN globs FSDP leaves alone: stored replicated, their gradients
+    all-reduced over the data-parallel axes like parameters outside every unit.
+    ``reshard_after_forward=None``: FSDP2's default, False for the root unit and True for the others.
     """
 
-    units: tuple[str, ...] = ("",)
+    units: tuple = ("",)
     mesh_axes: tuple[str, ...] | None = None
-    reshard_after_forward: bool | int = True
+    reshard_after_forward: bool | int | None = True
     mixed_precision: MixedPrecisionPolicy | None = None
     offload_policy: OffloadPolicy | None = None
     comm_fusion: bool = True
+    shard_placement_fn: Any = None
+    ignored_params: tuple[str, ...] = ()
 
     def __post_init__(self):
         if isinstance(self.units, str):
             object.__setattr__(self, "units", (self.units,))
-        object.__setattr__(self, "units", tuple(self.units))
+        object.__setattr__(self, "units", tuple(
+            u if isinstance(u, str) else tuple(u) for u in self.units
+        ))
+        for unit in self.units:
+            if not isinstance(unit, str) and (not unit or not all(isinstance(g, str) for g in unit)):
+                raise TypeError(
+                    f"FullyShard.units entries are module-FQN globs, or a non-empty list of them for one "
+                    f"unit over several modules; got {unit!r}"
+                )
+        if isinstance(self.ignored_params, str):
+            object.__setattr__(self, "ignored_params", (self.ignored_params,))
+        object.__setattr__(self, "ignored_params", tuple(self.ignored_params))
+        if self.shard_placement_fn is not None and not callable(self.shard_placement_fn):
+            raise TypeError(
+                "FullyShard.shard_placement_fn must be a callable taking a parameter and returning "
+                f"Shard(dim) or None, got {self.shard_placement_fn!r}"
+            )
+        if self.offload_policy is not None and not isinstance(self.offload_policy, OffloadPolicy):
+            raise TypeError(
+                f"FullyShard.offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {self.offload_policy!r}"
+            )
         if self.mesh_axes is not None:
             axes = (self.mesh_axes,) if isinstance(self.mesh_axes, str) else tuple(self.mesh_axes)
             object.__setattr__(self, "mesh_axes", axes)
         if isinstance(self.mixed_precision, dict):
             object.__setattr__(self, "mixed_precision", MixedPrecisionPolicy(**self.mixed_precision))
-        if not isinstance(self.reshard_after_forward, (bool, int)):
+        if self.mixed_precision is not None and not isinstance(self.mixed_precision, MixedPrecisionPolicy):
             raise TypeError(
-                f"FullyShard.reshard_after_forward must be True, False or an int, "
+                f"FullyShard.mixed_precision must be a MixedPrecisionPolicy, got {self.mixed_precision!r}"
+            )
+        if self.reshard_after_forward is not None and not isinstance(self.reshard_after_forward, (bool, int)):
+            raise TypeError(
+                f"FullyShard.reshard_after_forward must be True, False, an int or None, "
                 f"got {self.reshard_after_forward!r}"
             )
 
@@ -91,6 +145,26 @@ class FsdpUnit:
     reshard_after_forward: bool | int
     post_forward_group: str | None = None
     post_forward_rank: int = 0
+    # The modules of a unit over several modules (``fully_shard([a, b])``), ``module_fqn`` first;
+    # empty for a unit of one module.
+    members: tuple[str, ...] = ()
+    # This unit's policies (``fully_shard(mp_policy=, offload_policy=)`` per call, else the entry's).
+    mixed_precision: MixedPrecisionPolicy | None = None
+    offload_policy: OffloadPolicy | None = None
+    # Switches set per unit (FsdpFlags, the FSDP2 methods on this unit or recursively above it):
+    # set_reduce_op_type, set_reduce_scatter_divide_factor, set_reshard_after_backward.
+    reduce_op: str = "avg"
+    divide_factor: float | None = None
+    reshard_after_backward: bool = True
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The unit's module FQNs (one, or the members of a unit over several modules)."""
+        return self.members or (self.module_fqn,)
+
+    def contains(self, fqn: str) -> bool:
+        """Whether module or parameter ``fqn`` is inside one of the unit's modules."""
+        return any(m == "" or fqn == m or fqn.startswith(m + ".") for m in self.modules)
 
 
 def post_forward_size(unit: FsdpUnit) -> int | None:
@@ -114,8 +188,9 @@ class FsdpPlan:
     # dp_shard_cp), an expert weight over shard_axis only.
     extra_shard_axes: tuple[str, ...] = ()
     comm_fusion: bool = True
-    mixed_precision: MixedPrecisionPolicy | None = None
-    offload_policy: OffloadPolicy | None = None
+    # Mixed precision and offload policies are per unit (FsdpUnit; policy_of / offload_of below).
+    # (unit, DeviceMesh) for each hp.fully_shard(mesh=...) call, checked against parallelize's mesh.
+    unit_meshes: tuple = dataclasses.field(default=(), hash=False, compare=False)
     # False while accumulating gradients (set_requires_gradient_sync(False)): each FSDP gradient
     # stays the unsharded partial sum of this rank's data, nothing is reduced.
     gradient_sync: bool = True
@@ -128,12 +203,10 @@ class FsdpPlan:
     # Units whose parameters the user gathered ahead (``unshard()``): the program takes them
     # gathered as inputs and all-gathers them only again in backward, when the unit reshards.
     pregathered: tuple[str, ...] = ()
-    # set_reshard_after_backward(False): backward also returns the gathered parameters, kept for the
-    # next forward (gradient accumulation micro-steps then skip the forward all-gathers).
+    # set_reshard_after_backward(False) on every unit: backward also returns the gathered
+    # parameters, kept for the next forward (gradient accumulation micro-steps then skip the
+    # forward all-gathers). Per unit: FsdpUnit.reshard_after_backward (keeps_gathered).
     reshard_after_backward: bool = True
-    # set_reduce_op_type: "avg" gives the gradient of the global mean loss (one device's numbers);
-    # "sum" sums the data-parallel ranks' gradients instead, i.e. scales by the dp degree.
-    reduce_op: str = "avg"
 
     @property
     def data_axes(self) -> tuple[str, ...]:
@@ -143,6 +216,36 @@ class FsdpPlan:
 
     def unit(self, module_fqn: str) -> FsdpUnit:
         return next(u for u in self.units if u.module_fqn == module_fqn)
+
+    def policy_of(self, param: str) -> MixedPrecisionPolicy | None:
+        """The mixed precision policy of ``param``'s unit (None: it computes in its own dtype)."""
+        return self.unit(self.unit_of[param]).mixed_precision
+
+    def offload_of(self, param: str) -> OffloadPolicy | None:
+        """The offload policy of ``param``'s unit."""
+        return self.unit(self.unit_of[param]).offload_policy
+
+    def offloaded(self, param: str) -> bool:
+        """Whether ``param``'s unit keeps its shards on the host (CPUOffloadPolicy)."""
+        return isinstance(self.offload_of(param), CPUOffloadPolicy)
+
+    def keeps_gathered(self, param: str) -> bool:
+        """set_reshard_after_backward(False) on ``param``'s unit: backward returns it gathered."""
+        return not self.unit(self.unit_of[param]).reshard_after_backward
+
+    def gradient_scale(self, param: str, mesh_dim_names, mesh_shape) -> float:
+        """What ``param``'s gradient is multiplied by before it is reduced, relative to the
+        default (the gradient of the global mean loss, one device's numbers). The data-parallel
+        ranks' gradients summed is ``degree`` times that; ``set_reduce_op_type("sum")`` keeps the
+        sum, ``set_reduce_scatter_divide_factor(f)`` divides the sum by ``f`` instead of by the
+        degree (FSDP2's custom divide factor), so the scale is ``degree / f``."""
+        unit = self.unit(self.unit_of[param])
+        if unit.divide_factor is None and unit.reduce_op == "avg":
+            return 1.0
+        degree = math.prod(mesh_shape[list(mesh_dim_names).index(a)] for a in self.data_axes)
+        if unit.divide_factor is not None:
+            return degree / unit.divide_factor
+        return float(degree)
 
     @property
     def gradient_layout(self) -> str:

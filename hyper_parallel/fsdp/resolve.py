@@ -1,9 +1,11 @@
 """Resolution of fully sharded data parallelism: units, storage layouts, post-forward groups.
 
 ``FullyShard`` (``ParallelPlan.fully_shard``) and ``fully_shard(module, ...)`` (FSDP2-style, called
-on each layer then on the root) say which modules are FSDP units. ``resolve_fully_shard`` turns that
-into what the compiler reads: every parameter of a unit is *stored* sharded on dim 0 over the shard
-axis (and replicated over the HSDP replicate axis), while it is *computed with* in its plain layout
+on each layer then on the root) say which modules are FSDP units (a list of modules is one unit).
+``resolve_fully_shard`` turns that into what the compiler reads: every parameter of a unit (but the
+``ignored_params``, left replicated like parameters outside every unit) is *stored* sharded on dim
+0, or the dim its unit's ``shard_placement_fn`` returns, over the shard axis (and replicated over
+the HSDP replicate axis), while it is *computed with* in its plain layout
 (the tensor-parallel layout, Replicate over the data-parallel axes). Expert- and context-parallel
 axes take other tokens, so they are data-parallel for every parameter not split over them: dense
 parameters are stored sharded over shard axis x those axes (torchtitan's dense FSDP over dp_shard x
@@ -66,6 +68,85 @@ def _fsdp_axes(spec: FullyShard, names: tuple[str, ...]) -> tuple[str | None, st
     )
 
 
+def _unit_mesh_axes(spec: FullyShard, names: tuple[str, ...], sizes: tuple[int, ...]) -> FullyShard:
+    """``spec`` with ``mesh_axes`` taken from the meshes passed to ``hp.fully_shard(mesh=...)``.
+
+    A unit's mesh must be parallelize's mesh or a sub-mesh of it (``mesh["dp"]``, HSDP
+    ``mesh["dp_replicate", "dp_shard"]``): its axes are then the FSDP axes, 1-D sharding and 2-D
+    replicating over dim 0 and sharding over dim 1, as FSDP2. Every unit must shard over the same
+    axes (one shard axis for the whole model here). That the mesh holds the same ranks as
+    parallelize's is checked by :func:`attach_post_forward_groups`, which sees the mesh itself."""
+    by_axes: dict[tuple, list[str]] = {}
+    for unit, options in getattr(spec, "_per_unit", {}).items():
+        mesh = options.get("mesh")
+        if mesh is not None:
+            by_axes.setdefault(_axes_of_unit_mesh(mesh, unit, names, sizes), []).append(unit or "<root>")
+    if not by_axes:
+        return spec
+    if len(by_axes) > 1:
+        listed = "; ".join(f"{list(axes)} for {units}" for axes, units in by_axes.items())
+        raise ValueError(
+            f"hp.fully_shard calls pass meshes over different axes ({listed}): here every unit shards "
+            "over the same axes; pass the same (sub-)mesh to every call"
+        )
+    axes, units = next(iter(by_axes.items()))
+    if spec.mesh_axes is not None and tuple(spec.mesh_axes) != axes:
+        raise ValueError(
+            f"hp.fully_shard: mesh_axes={list(spec.mesh_axes)} and the mesh= of {units} (axes {list(axes)}) "
+            "disagree; pass one of them"
+        )
+    out = dataclasses.replace(spec, mesh_axes=axes)
+    object.__setattr__(out, "_per_unit", spec._per_unit)
+    object.__setattr__(out, "_axes_from_mesh", units)
+    return out
+
+
+def _axes_of_unit_mesh(mesh, unit: str, names: tuple[str, ...], sizes: tuple[int, ...]) -> tuple[str, ...]:
+    where = f"hp.fully_shard({unit or '<root>'}, mesh=...)"
+    dim_names = getattr(mesh, "mesh_dim_names", None)
+    if not dim_names:
+        raise ValueError(
+            f"{where}: the mesh has no dim names, so it cannot be matched to parallelize's mesh (axes "
+            f"{list(names)}); pass a sub-mesh of that mesh, e.g. mesh['{names[0]}']"
+        )
+    dim_names = tuple(dim_names)
+    if len(dim_names) not in (1, 2):
+        raise ValueError(
+            f"{where}: a {len(dim_names)}-D mesh {list(dim_names)}; as in FSDP2 the mesh is 1-D (FSDP) or 2-D "
+            "(HSDP: replicate over dim 0, shard over dim 1): pass the data-parallel sub-mesh, e.g. "
+            "mesh['dp'] or mesh['dp_replicate', 'dp_shard']"
+        )
+    for axis, size in zip(dim_names, mesh.mesh.shape):
+        if axis not in names:
+            raise ValueError(
+                f"{where}: the mesh's axis {axis!r} is not an axis of the mesh given to hp.parallelize "
+                f"(axes {list(names)}); FSDP shards over axes of that mesh: pass a sub-mesh of it, "
+                f"e.g. mesh[{axis!r}] of the mesh with that axis, or mesh_axes=(...)"
+            )
+        if size != sizes[names.index(axis)]:
+            raise ValueError(
+                f"{where}: the mesh's axis {axis!r} has {size} ranks, parallelize's mesh {sizes[names.index(axis)]}: "
+                "pass a sub-mesh of the mesh given to hp.parallelize"
+            )
+    return dim_names
+
+
+def check_unit_meshes(fsdp, mesh) -> None:
+    """Each ``hp.fully_shard(mesh=...)`` is the sub-mesh of parallelize's ``mesh`` over the same
+    axes: the same ranks in the same order (a mesh named alike but laid out otherwise would shard
+    other ranks' data). Raises ValueError naming the unit."""
+    for unit, unit_mesh in fsdp.unit_meshes:
+        axes = tuple(unit_mesh.mesh_dim_names)
+        expected = mesh if axes == tuple(mesh.mesh_dim_names) else mesh[axes if len(axes) > 1 else axes[0]]
+        if unit_mesh.mesh.tolist() != expected.mesh.tolist() or unit_mesh.device_type != expected.device_type:
+            raise ValueError(
+                f"hp.fully_shard({unit or '<root>'}, mesh=...): the mesh over {list(axes)} holds ranks "
+                f"{unit_mesh.mesh.tolist()} on {unit_mesh.device_type}, but parallelize's mesh has "
+                f"{expected.mesh.tolist()} on {expected.device_type} there: pass the sub-mesh of the mesh "
+                f"given to hp.parallelize (mesh[{axes[0]!r}]{' ...' if len(axes) > 1 else ''})"
+            )
+
+
 def _extra_shard_axes(spec: FullyShard, resolved: ResolvedPlan, shard_axis: str, replicate_axis) -> tuple[str, ...]:
     """The expert- and context-parallel axes FSDP shards parameters over too (every
     ``expert_parallel`` axis and the ``context_parallel`` sequence axis), unless the entry names
@@ -79,29 +160,66 @@ def _extra_shard_axes(spec: FullyShard, resolved: ResolvedPlan, shard_axis: str,
     )
 
 
-def _assign_units(spec: FullyShard, model: nn.Module) -> dict[str, str]:
-    """Parameter FQN -> the innermost unit module that contains it."""
+def _unit_groups(spec: FullyShard, model: nn.Module) -> list[tuple[str, tuple[str, ...]]]:
+    """(unit name, its module FQNs) per unit: each module a glob matches is a unit, and a list of
+    globs is one unit over every module they match, named by the first (FSDP2's list form)."""
     module_fqns = [fqn for fqn, _ in model.named_modules()]
-    unit_modules: list[str] = []
-    for glob in spec.units:
+
+    def matches(glob: str) -> list[str]:
         matched = [fqn for fqn in module_fqns if fqn_matches(glob, fqn)] if glob else [""]
         if not matched:
             raise ValueError(
                 f"fully_shard unit {glob!r} matches no module of {type(model).__name__}; units are "
                 "module-FQN globs matched segment by segment, e.g. 'model.layers.*', or '' for the root"
             )
-        unit_modules.extend(m for m in matched if m not in unit_modules)
+        return matched
 
-    def contains(unit: str, fqn: str) -> bool:
-        return unit == "" or fqn == unit or fqn.startswith(unit + ".")
+    groups: list[tuple[str, tuple[str, ...]]] = []
+    placed: dict[str, str] = {}  # module FQN -> the unit it is in
+    for entry in spec.units:
+        if isinstance(entry, str):  # a module matched again as its own unit is that unit
+            new = [(m, (m,)) for m in matches(entry) if (m, (m,)) not in groups]
+        else:
+            members = list(dict.fromkeys(m for glob in entry for m in matches(glob)))
+            # A member inside another member adds nothing (FSDP2 keeps the outer ones).
+            members = [m for m in members if not any(o != m and (o == "" or m.startswith(o + ".")) for o in members)]
+            new = [(members[0], tuple(members))]
+        for name, members in new:
+            for m in members:
+                if m in placed:
+                    raise ValueError(
+                        f"module {m or '<root>'!r} is in two fully_shard units ({placed[m] or '<root>'!r} and "
+                        f"{name or '<root>'!r}); a module belongs to one unit: drop it from one of them"
+                    )
+                placed[m] = name
+            groups.append((name, members))
+    return groups
+
+
+def _depth(module_fqn: str) -> tuple[bool, int]:
+    return module_fqn != "", module_fqn.count(".")
+
+
+def _assign_units(groups: list[tuple[str, tuple[str, ...]]], model: nn.Module) -> dict[str, str]:
+    """Parameter FQN -> the innermost unit that contains it (by its module that contains it)."""
+
+    def contains(module: str, fqn: str) -> bool:
+        return module == "" or fqn == module or fqn.startswith(module + ".")
+
+    def holding(fqn: str) -> dict[str, tuple]:
+        """unit -> depth of its innermost module containing ``fqn``, for the units containing it."""
+        out = {}
+        for unit, members in groups:
+            depths = [_depth(m) for m in members if contains(m, fqn)]
+            if depths:
+                out[unit] = max(depths)
+        return out
 
     owner: dict[str, str] = {}
     for fqn, _ in model.named_parameters(remove_duplicate=False):
-        holders = [u for u in unit_modules if contains(u, fqn)]
-        if not holders:
-            continue
-        innermost = max(holders, key=lambda u: (u != "", u.count(".")))
-        owner[fqn] = innermost
+        holders = holding(fqn)
+        if holders:
+            owner[fqn] = max(holders, key=holders.__getitem__)
     # A tensor shared by two units must have one unit that contains the other; otherwise no single
     # unit can own (gather and reduce) it.
     by_tensor: dict[int, list[str]] = {}
@@ -113,20 +231,61 @@ def _assign_units(spec: FullyShard, model: nn.Module) -> dict[str, str]:
         if len(units) == 1:
             continue
         # The innermost unit that contains every name of the tensor owns it.
-        common = [u for u in unit_modules if all(contains(u, f) for f in fqns)]
+        each = [holding(f) for f in fqns]
+        common = [u for u, _ in groups if all(u in h for h in each)]
         if not common:
             raise ValueError(
                 f"parameters {fqns} are one shared tensor owned by units {units}, which do not "
                 "nest, so no unit can own it: add a unit that contains them all (e.g. the root '') "
                 "or untie the parameters"
             )
-        outer = max(common, key=lambda u: (u != "", u.count(".")))
+        outer = max(common, key=lambda u: min(h[u] for h in each))
         for f in fqns:
             owner[f] = outer
     return owner
 
 
-def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn: str, shape) -> tuple:
+def _ignored(spec: FullyShard, owner: dict[str, str], model: nn.Module) -> set[str]:
+    """The parameters FSDP leaves alone: matched by the entry's ``ignored_params`` globs, or in the
+    ``ignored_params`` of the ``fully_shard`` call of the unit that would own them (FSDP2: a
+    parameter a nested unit owns stays with it). Every name of a tied tensor goes together."""
+    per_unit = getattr(spec, "_per_unit", {})
+    ignored = {f for f, unit in owner.items() if f in per_unit.get(unit, {}).get("ignored_params", ())}
+    names = [fqn for fqn, _ in model.named_parameters(remove_duplicate=False)]
+    for glob in spec.ignored_params:
+        matched = [f for f in names if fqn_matches(glob, f)]
+        if not matched:
+            raise ValueError(
+                f"fully_shard ignored_params {glob!r} matches no parameter of {type(model).__name__}; "
+                "entries are parameter-FQN globs, e.g. 'model.layers.*.mlp.gate_proj.weight'"
+            )
+        ignored.update(f for f in matched if f in owner)
+    by_tensor: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(fqn)
+    for fqns in by_tensor.values():
+        if ignored.intersection(fqns):
+            ignored.update(f for f in fqns if f in owner)
+    return ignored
+
+
+def _shard_dim(fn, param, fqn: str, unit: str) -> int:
+    """The dim ``shard_placement_fn`` stores ``param`` sharded on (0 without one, or for None)."""
+    if fn is None:
+        return 0
+    result = fn(param)
+    if result is None:
+        return 0
+    where = f"fully_shard unit {unit or '<root>'!r}: shard_placement_fn returned {result!r} for {fqn!r}"
+    if type(result) is not Shard:
+        raise TypeError(f"{where}; it must return Shard(dim) or None (the dim to store the parameter sharded on)")
+    dim = result.dim + param.dim() if result.dim < 0 else result.dim
+    if not 0 <= dim < param.dim():
+        raise ValueError(f"{where}, but the parameter has {param.dim()} dims (shape {tuple(param.shape)})")
+    return dim
+
+
+def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn: str, shape, dim: int = 0) -> tuple:
     """``compute`` with every FSDP axis in ``fsdp_axes`` (mesh indices, outermost first) that
     ``fqn`` is computed replicated over turned into a dim-0 shard. The first must be replicated (it
     is the unit's shard axis); the others are expert- or context-parallel axes, skipped where the parameter is
@@ -145,6 +304,8 @@ def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn:
         )
     axes = [i for i in fsdp_axes if isinstance(compute[i], Replicate)]
     ranks = math.prod(sizes[j] for j in axes)
+    if dim != 0:  # shard_placement_fn asked for another dim
+        return _storage_on_dim(compute, placements, names, sizes, axes, fqn, shape, dim)
     # Dim-0 shards the parameter is computed with (tensor or expert parallel) are applied first;
     # the FSDP shards split each of those pieces further, which in DTensor terms is a strided shard
     # whose split factor is the number of computed dim-0 pieces after it in mesh order.
@@ -172,6 +333,29 @@ def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn:
     return tuple(placements)
 
 
+def _storage_on_dim(compute: tuple, placements: list, names, sizes, axes: list[int], fqn: str, shape, dim: int) -> tuple:
+    """``shard_placement_fn``'s ``Shard(dim)``, dim != 0: every FSDP axis shards that dim. As in
+    FSDP2 the shards must be even there; a dim tensor parallelism already splits is refused."""
+    split = [i for i in range(len(names)) if isinstance(compute[i], Shard) and compute[i].dim == dim]
+    if split:
+        raise ValueError(
+            f"shard_placement_fn: parameter {fqn!r} has layout {format_placements(compute)}, which already "
+            f"splits dim {dim} over {names[split[0]]!r}; store it sharded on another dim (or return None "
+            "for dim 0)"
+        )
+    ranks = math.prod(sizes[j] for j in axes)
+    if shape[dim] % ranks != 0:
+        over = " x ".join(f"{names[j]}={sizes[j]}" for j in axes)
+        raise ValueError(
+            f"shard_placement_fn: parameter {fqn!r} of shape {tuple(shape)} sharded on dim {dim}: {shape[dim]} "
+            f"does not divide over {over}; as in FSDP2, shards on a dim other than 0 must be even: return "
+            "Shard(0) or None for it"
+        )
+    for i in axes:
+        placements[i] = Shard(dim)
+    return tuple(placements)
+
+
 def _dim1_shardable(compute: tuple, shape, ranks: int) -> bool:
     """Dim 1 exists, no computed placement splits it, and it divides over ``ranks``."""
     return (
@@ -180,11 +364,14 @@ def _dim1_shardable(compute: tuple, shape, ranks: int) -> bool:
     )
 
 
-def _reshard_value(value: Any, unit: str | None, shard_axis: str, size: int) -> bool | int:
+def _reshard_value(value: Any, unit: str | None, shard_axis: str, size: int, is_root: bool = False) -> bool | int:
     """``reshard_after_forward`` normalised as FSDP2 does: an int k must divide the shard-axis size;
-    k == size means True and k == 1 means False, so an int result is always 1 < k < size.
-    ``unit``: the unit's module FQN when the value was given per unit (``hp.fully_shard``)."""
+    k == size means True and k == 1 means False, so an int result is always 1 < k < size; None is
+    False for the root unit and True for the others. ``unit``: the unit's module FQN when the value
+    was given per unit (``hp.fully_shard``)."""
     where = "fully_shard" if unit is None else f"fully_shard unit {unit or '<root>'!r}:"
+    if value is None:
+        return not is_root
     if isinstance(value, bool):
         return value
     if not isinstance(value, int):
@@ -203,39 +390,60 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
     """Return ``resolved`` with FSDP storage layouts and ``resolved.fsdp`` set (module docstring)."""
     spec = FullyShard.from_value(value)
     names, sizes = tuple(resolved.mesh_dim_names), tuple(resolved.mesh_shape)
+    spec = _unit_mesh_axes(spec, names, sizes)
+    per_unit = getattr(spec, "_per_unit", {})
     replicate_axis, shard_axis = _fsdp_axes(spec, names)
     for axis in (replicate_axis, shard_axis):
         if axis is not None and axis not in resolved.data_parallel_axes:
+            from_mesh = getattr(spec, "_axes_from_mesh", None)
             raise ValueError(
                 f"fully_shard shards over {axis!r}, which is not a data-parallel axis (those are "
                 f"{list(resolved.data_parallel_axes)}); name data-parallel axes 'dp*' or 'fsdp'"
+                + (f". The axes come from the mesh= of {from_mesh}: as in FSDP2, a 2-D mesh means HSDP "
+                   "(replicate over dim 0, shard over dim 1); pass the data-parallel sub-mesh, e.g. mesh['dp']"
+                   if from_mesh else "")
             )
     shard_size = sizes[names.index(shard_axis)]
     per_unit_reshard = {  # hp.fully_shard calls: checked first, so an error names the unit
-        unit: _reshard_value(value, unit, shard_axis, shard_size)
-        for unit, value in getattr(spec, "_per_unit_reshard", {}).items()
+        unit: _reshard_value(options["reshard_after_forward"], unit, shard_axis, shard_size, unit == "")
+        for unit, options in per_unit.items()
     }
-    default_reshard = _reshard_value(spec.reshard_after_forward, None, shard_axis, shard_size)
-    owner = _assign_units(spec, model)
+    groups = _unit_groups(spec, model)
+    members_of = dict(groups)
+    owner = _assign_units(groups, model)
+    for fqn in _ignored(spec, owner, model):
+        del owner[fqn]
     params = dict(model.named_parameters(remove_duplicate=False))
     extra_axes = _extra_shard_axes(spec, resolved, shard_axis, replicate_axis)
     fsdp_axes = [names.index(shard_axis)] + sorted(names.index(a) for a in extra_axes)
+
+    def option(unit: str, name: str):
+        return per_unit[unit][name] if unit in per_unit else getattr(spec, name)
+
     storage = dict(resolved.param_placements)
     compute = {}
     for fqn, unit in owner.items():
         compute[fqn] = resolved.param_placements[fqn]
-        storage[fqn] = _storage_placements(compute[fqn], names, sizes, fsdp_axes, fqn, params[fqn].shape)
+        dim = _shard_dim(option(unit, "shard_placement_fn"), params[fqn], fqn, unit)
+        storage[fqn] = _storage_placements(compute[fqn], names, sizes, fsdp_axes, fqn, params[fqn].shape, dim)
     units = []
     for unit in dict.fromkeys(owner.values()):
         members = tuple(f for f, u in owner.items() if u == unit)
+        policy = option(unit, "mixed_precision")
         dtypes = {params[f].dtype for f in members}
-        if len(dtypes) > 1 and (spec.mixed_precision is None or spec.mixed_precision.param_dtype is None):
+        if len(dtypes) > 1 and (policy is None or policy.param_dtype is None):
             raise ValueError(
                 f"FSDP unit {unit or '<root>'!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                 "one fused all-gather needs one dtype: set mixed_precision=MixedPrecisionPolicy("
-                "param_dtype=...) or split the unit"
+                "param_dtype=...) or split the unit (or leave some out with ignored_params)"
             )
-        units.append(FsdpUnit(unit, members, per_unit_reshard.get(unit, default_reshard)))
+        reshard = per_unit_reshard[unit] if unit in per_unit_reshard else _reshard_value(
+            spec.reshard_after_forward, None, shard_axis, shard_size, unit == "")
+        modules = members_of[unit]
+        units.append(FsdpUnit(
+            unit, members, reshard, members=modules if len(modules) > 1 else (),
+            mixed_precision=policy, offload_policy=option(unit, "offload_policy"),
+        ))
     fsdp = FsdpPlan(
         shard_axis=shard_axis,
         replicate_axis=replicate_axis,
@@ -244,8 +452,7 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
         compute_placements=compute,
         extra_shard_axes=extra_axes,
         comm_fusion=spec.comm_fusion,
-        mixed_precision=spec.mixed_precision,
-        offload_policy=spec.offload_policy,
+        unit_meshes=tuple((u, o["mesh"]) for u, o in per_unit.items() if o.get("mesh") is not None),
     )
     return dataclasses.replace(resolved, param_placements=storage, fsdp=fsdp)
 
@@ -253,9 +460,12 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
 def attach_post_forward_groups(fsdp, mesh):
     """``fsdp`` (an FsdpPlan) with ``post_forward_group``/``post_forward_rank`` set on every unit
     with ``reshard_after_forward=<k>``: the shard axis of N ranks is split into N/k contiguous
-    groups of k, one split per distinct k. Creates process groups, so every rank calls it."""
+    groups of k, one split per distinct k. Creates process groups, so every rank calls it. Being
+    the FSDP step that sees parallelize's mesh, it first checks the units' own meshes against it
+    (:func:`check_unit_meshes`)."""
     if fsdp is None:
         return fsdp
+    check_unit_meshes(fsdp, mesh)
     sizes = sorted({k for u in fsdp.units if (k := post_forward_size(u))})
     if not sizes:
         return fsdp

@@ -84,7 +84,7 @@ class UnshardHandle:
 def gather_unit(model: torch.nn.Module, fsdp, unit: str, async_op: bool) -> dict[str, torch.Tensor]:
     """Each parameter of ``unit``: this rank's local part of it in its computing layout."""
     params = dict(model.named_parameters())
-    policy = fsdp.mixed_precision
+    policy = fsdp.unit(unit).mixed_precision
     out = {}
     for fqn in fsdp.unit(unit).params:
         p = params[fqn].detach()

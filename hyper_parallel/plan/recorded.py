@@ -186,10 +186,13 @@ def parallelize_module(
     ``parallelize_plan`` is a style (or style name) for ``module`` itself, or a dict
     ``{glob relative to module: style}``. ``device_mesh`` is the 1-D tensor-parallel mesh (its axis
     name becomes the plan's ``tp_axis``), an axis name, or None (use the plan's ``tp_axis``).
-    ``src_data_rank`` is accepted for API parity; the compiler distributes parameters itself.
+    ``src_data_rank``: the rank whose values the parameters start from. ``hp.parallelize`` always
+    distributes them from rank 0's values (torch's default, 0, which is what is honoured here); any
+    other value raises ValueError rather than being ignored.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_module expects an nn.Module, got {type(module).__name__}")
+    _check_src_data_rank(src_data_rank)
     axis = _tp_axis_of(device_mesh)
     if parallelize_plan is None:
         warnings.warn(
@@ -210,6 +213,20 @@ def parallelize_module(
             raise _no_match_error("parallelize_plan", glob, fqns, module)
         _record(module, _RecordedEntry("tensor_parallel", glob, style, axis))
     return module
+
+
+def _check_src_data_rank(src_data_rank) -> None:
+    """Only torch's default is what ``hp.parallelize`` does: every parameter starts from rank 0's values."""
+    if src_data_rank is not None and (isinstance(src_data_rank, bool) or not isinstance(src_data_rank, int)):
+        raise TypeError(f"parallelize_module(src_data_rank=) takes an int or None, got {src_data_rank!r}")
+    if src_data_rank != 0:
+        raise ValueError(
+            f"parallelize_module(src_data_rank={src_data_rank!r}) is not supported: hp.parallelize distributes "
+            "every parameter from rank 0's values (src_data_rank=0, torch's default), one rule for the whole "
+            "model. Leave src_data_rank at 0; to skip that communication (what src_data_rank=None is for), "
+            "build the model under hp.init_empty_weights(): each rank then initialises only its own shards "
+            "and no parameter values are sent"
+        )
 
 
 def collect_recorded_plan(model: nn.Module) -> ParallelPlan:

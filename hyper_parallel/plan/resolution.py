@@ -100,7 +100,14 @@ def resolve(
             "memory_budget_bytes applies to recompute='auto'; set ParallelPlan(recompute='auto') or "
             "drop memory_budget_bytes"
         )
-    fully_shard_spec = full_plan.fully_shard or collect_recorded_fully_shard(model)
+    recorded = collect_recorded_fully_shard(model)
+    if full_plan.fully_shard is not None and recorded is not None:
+        # Two sources of FSDP units: taking either would silently drop the other's.
+        raise ValueError(
+            f"the plan has a fully_shard entry and hp.fully_shard was also called on modules of "
+            f"{type(model).__name__} (units {list(recorded.units)}): use one of the two, either the "
+            "plan's FullyShard(units=...) or the hp.fully_shard calls")
+    fully_shard_spec = full_plan.fully_shard or recorded
     if fully_shard_spec is not None:
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
         # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).

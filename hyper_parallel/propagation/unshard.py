@@ -6,7 +6,7 @@ are rerouted through an ``unshard(param, fqn)`` node placed right before its fir
 all-gather it lowers to sits where the parameter is needed (the prefetch pass may move it earlier).
 The node's ``meta`` gets ``hp_fsdp_param`` (FQN) and ``hp_fsdp_unit`` (unit module FQN).
 
-Mixed precision: the model was captured with these parameters in ``param_dtype`` (so the whole
+Mixed precision (each unit's policy, ``fsdp.policy_of``): the model was captured with these parameters in ``param_dtype`` (so the whole
 forward and backward compute in it); here the placeholder goes back to the storage dtype and a cast
 to ``param_dtype`` is placed before the unshard, so the all-gather moves ``param_dtype`` bytes. The
 parameter's gradient is cast to ``reduce_dtype`` (default: ``param_dtype``, as FSDP2) before it leaves
@@ -15,8 +15,8 @@ the graph, so its reduce-scatter runs in that dtype; the runtime casts the resul
 Gathered ahead (``unshard()``, units in ``fsdp.pregathered``): the parameter's forward uses read a
 new ``pregathered`` input holding the gathered value instead; only when the unit reshards after
 forward does an unshard node remain, tagged backward (``hp_fsdp_phase``), for the backward uses.
-Kept after backward (``set_reshard_after_backward(False)``, ``fsdp.reshard_after_backward``): every
-gathered parameter becomes an extra output of the joint graph, after the gradients.
+Kept after backward (``set_reshard_after_backward(False)`` on a unit, ``fsdp.keeps_gathered``): each
+of its gathered parameters becomes an extra output of the joint graph, after the gradients.
 
 CPU offload (``CPUOffloadPolicy``): shards, gradients and optimizer state stay on the host; when the
 mesh computes elsewhere, a host-to-device copy of the shard precedes the cast and the unshard (the
@@ -53,7 +53,6 @@ def insert_unshard_nodes(
     graph = captured.gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     inserted = 0
-    policy = fsdp.mixed_precision
     kept: dict[str, torch.fx.Node] = {}  # parameter FQN -> its gathered value at the end of backward
     for node, info in zip(list(graph.find_nodes(op="placeholder")), list(captured.inputs)):
         if info.kind != InputKind.PARAM or info.name not in fsdp.unit_of or not node.users:
@@ -77,7 +76,7 @@ def insert_unshard_nodes(
                 )
             source.meta["val"] = compute_val
             tag(source, phase)
-        if _offloaded(fsdp) and compute_val.device.type != compute_device:
+        if fsdp.offloaded(info.name) and compute_val.device.type != compute_device:
             # CPU offload: the shard lives on the host; copy it to the compute device first.
             with graph.inserting_before(first_user):
                 source = graph.call_function(
@@ -100,10 +99,10 @@ def insert_unshard_nodes(
         node.replace_all_uses_with(gathered, delete_user_cb=lambda user: user in users)
         kept[info.name] = gathered
         inserted += 1
-    if not fsdp.reshard_after_backward:
+    kept = {fqn: node for fqn, node in kept.items() if fsdp.keeps_gathered(fqn)}
+    if kept:
         _keep_gathered(captured, kept)
-    if policy is not None and (policy.param_dtype is not None or policy.reduce_dtype is not None) or fsdp.reduce_op == "sum":
-        _prepare_gradients(captured, fsdp, policy, resolved)
+    _prepare_gradients(captured, fsdp, resolved)
     captured.gm.recompile()
     return inserted
 
@@ -131,26 +130,20 @@ def _keep_gathered(captured: CapturedGraph, kept: dict[str, torch.fx.Node]) -> N
     captured.outputs = list(captured.outputs) + [OutputInfo(GATHERED, fqn, -1) for fqn in kept]
 
 
-def _offloaded(fsdp) -> bool:
-    from ..fsdp.plan import CPUOffloadPolicy
-
-    return isinstance(fsdp.offload_policy, CPUOffloadPolicy)
-
-
-def _prepare_gradients(captured: CapturedGraph, fsdp, policy, resolved) -> None:
-    """Cast each FSDP gradient to ``reduce_dtype`` and, for reduce op "sum", scale it by the
-    data-parallel degree, before it leaves the graph (and is reduced)."""
-    reduce_dtype = (policy.reduce_dtype or policy.param_dtype) if policy is not None else None
-    scale = 1
-    if fsdp.reduce_op == "sum":
-        names, sizes = resolved.mesh_dim_names, resolved.mesh_shape
-        for axis in fsdp.data_axes:  # every rank with other batch rows, expert-parallel ones too
-            scale *= sizes[names.index(axis)]
+def _prepare_gradients(captured: CapturedGraph, fsdp, resolved) -> None:
+    """Cast each FSDP gradient to its unit's ``reduce_dtype`` and scale it by its unit's
+    ``FsdpPlan.gradient_scale`` (reduce op "sum", a custom divide factor), before it leaves the
+    graph (and is reduced)."""
     graph = captured.gm.graph
     output = graph.output_node()
     slots = list(output.args[0])
     for i, (slot, info) in enumerate(zip(slots, captured.outputs)):
         if info.kind != OutputKind.GRAD or info.name not in fsdp.unit_of or slot is None:
+            continue
+        policy = fsdp.policy_of(info.name)
+        reduce_dtype = (policy.reduce_dtype or policy.param_dtype) if policy is not None else None
+        scale = fsdp.gradient_scale(info.name, resolved.mesh_dim_names, resolved.mesh_shape)
+        if reduce_dtype is None and scale == 1:
             continue
         grad = slot
         # Right after the gradient is computed, not at the end of backward: the unit's reduce-scatter

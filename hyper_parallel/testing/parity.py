@@ -181,13 +181,7 @@ def run_parity(
         losses.append(loss.item())
         ref_losses.append(ref_loss.item())
         if optimizer == "sgd":
-            torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-            ref_params = dict(reference.named_parameters())
-            for name, p in parallel.named_parameters():
-                torch.testing.assert_close(
-                    p.grad.full_tensor(), ref_params[name].grad,
-                    msg=lambda m, name=name: f"step {step} grad of {name}: {m}",
-                )
+            assert_same_step(parallel, loss, reference, ref_loss, f"step {step}")
         else:
             rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             assert rel <= loss_rtol, f"step {step}: loss {loss.item()} vs {ref_loss.item()} (rel {rel:.2e})"
@@ -197,6 +191,16 @@ def run_parity(
         ref_opt.zero_grad()
     return {"losses": losses, "ref_losses": ref_losses, "summary": parallel.compile_summary(),
             "rank": dist.get_rank()}
+
+
+def assert_same_step(parallel, loss, reference, ref_loss, what: str = "") -> None:
+    """The parallel model's loss and every parameter's gradient (gathered whole) equal the
+    single-device reference's, with ``assert_close`` defaults; ``what`` prefixes the messages."""
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), msg=lambda m: f"{what} loss: {m}")
+    ref_params = dict(reference.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
+                                   msg=lambda m, name=name: f"{what} grad of {name}: {m}")
 
 
 def bf16_reference_step(master: torch.nn.Module, batch: dict) -> tuple[torch.nn.Module, torch.Tensor]:

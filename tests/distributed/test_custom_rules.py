@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
 import hyper_parallel as hp
+from hyper_parallel.testing.parity import assert_same_step
 
 
 @torch.library.custom_op("hp_test::scaled_silu", mutates_args=())
@@ -83,15 +84,12 @@ def _train(rules: bool) -> dict:
     reference = MLP()
     model = hp.parallelize(copy.deepcopy(reference), PLAN, mesh)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
-    ref_params = dict(reference.named_parameters())
     for step in range(3):
         x, target = torch.randn(8, 16), torch.randn(8, 16)
         loss, ref_loss = model(x, target), reference(x, target)
         loss.backward()
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss)
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+        assert_same_step(model, loss, reference, ref_loss, f"step {step}")
         for o in opts:
             o.step()
             o.zero_grad()

@@ -16,7 +16,9 @@ import torch.nn as nn
 import hyper_parallel as hp
 from hyper_parallel.pipeline import BatchDimSpec, CustomSchedule
 from hyper_parallel.pipeline.schedules import MetaStepType, build_schedule
-from hyper_parallel.testing.parity import build_model, error_message, global_batch, run_pipeline_parity
+from hyper_parallel.testing.parity import (
+    assert_same_step, build_model, error_message, global_batch, run_pipeline_parity,
+)
 
 LAYERS = 2
 SPLIT = ["model.layers.1"]
@@ -136,11 +138,7 @@ def _batch_on_dim_1(batch_dims, steps: int = 2) -> dict:
         loss = parallel.step(batch)
         ref_loss = reference(**batch)["loss"]
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        assert_same_step(parallel, loss, reference, ref_loss, f"step {step}")
         for opt in (opt, ref_opt):
             opt.step()
             opt.zero_grad()
