@@ -202,6 +202,13 @@ RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
 RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
+def split_by_placement(placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
+    """The pieces a ``Shard`` / ``_StridedShard`` placement cuts ``tensor`` into over ``num_chunks``
+    ranks, as ``distribute_tensor`` cuts it (no padding, views where possible)."""
+    pieces, _ = placement._split_tensor(tensor, num_chunks, with_padding=False, contiguous=False)
+    return pieces
+
+
 def profiler_enabled() -> bool:
     """Whether a torch.profiler (or autograd profiler) is recording on this thread."""
     return torch.autograd.profiler._is_profiler_enabled

@@ -27,8 +27,8 @@ and it is two collectives per step for all matrices, not one or two per matrix. 
 side by side, which needs no further communication.
 
 Where every shard lives in the full matrix comes from the placements, applied left to right over the
-mesh axes exactly as ``distribute_tensor`` slices a full tensor (each placement's own split, through
-torch's private ``_split_tensor``), for every rank of the group (not only this one), so the owner
+mesh axes exactly as ``distribute_tensor`` slices a full tensor (each placement's own split,
+``compat.split_by_placement``), for every rank of the group (not only this one), so the owner
 needs no index messages; each rank checks that the shape this gives its own shard is its shard's.
 
 Memory: an owner holds its matrices whole while it computes (about 1/N of the matrices, input and
@@ -76,8 +76,8 @@ def shard_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: S
 
     Sharding splits each tensor dim independently, so a shard is the outer product of one index
     vector per dim. Each placement's own split (``torch.chunk`` semantics, ``_StridedShard``'s
-    interleaving) is applied to the index vectors, mesh axis by mesh axis, as ``distribute_tensor``
-    applies it to the data."""
+    interleaving, through ``compat.split_by_placement``) is applied to the index vectors, mesh axis
+    by mesh axis, as ``distribute_tensor`` applies it to the data."""
     indices = [torch.arange(size) for size in shape]
     for mesh_dim, placement in enumerate(placements):
         if placement.is_partial():
@@ -86,7 +86,7 @@ def shard_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: S
             continue
         dim = placement.dim % len(shape)
         as_dim = indices[dim].view([1] * dim + [-1])  # the vector along tensor dim ``dim``
-        pieces, _ = placement._split_tensor(as_dim, mesh_shape[mesh_dim], with_padding=False, contiguous=False)
+        pieces = compat.split_by_placement(placement, as_dim, mesh_shape[mesh_dim])
         position = coordinate[mesh_dim]
         indices[dim] = pieces[position].reshape(-1) if position < len(pieces) else indices[dim][:0]
     return tuple(indices)
