@@ -202,6 +202,13 @@ RECORD_FUNCTION_ENTER = torch.ops.profiler._record_function_enter_new.default
 RECORD_FUNCTION_EXIT = torch.ops.profiler._record_function_exit._RecordFunction
 
 
+def current_mesh():
+    """The mesh of the innermost ``with mesh:`` block (torch's current mesh), or None."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_current_mesh() if _mesh_resources.mesh_stack else None
+
+
 def split_by_placement(placement, tensor: torch.Tensor, num_chunks: int) -> list[torch.Tensor]:
     """The pieces a ``Shard`` / ``_StridedShard`` placement cuts ``tensor`` into over ``num_chunks``
     ranks, as ``distribute_tensor`` cuts it (no padding, views where possible)."""

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor import distribute_tensor as _torch_distribute_tensor
 
+from . import compat
 from .layout import to_placements
 from .mesh import axis_size, mesh_axis_names, mesh_shape
 
@@ -45,14 +46,13 @@ def get_current_mesh() -> DeviceMesh:
 
     Raises RuntimeError when no mesh is active.
     """
-    from torch.distributed.device_mesh import _mesh_resources
-
-    if not _mesh_resources.mesh_stack:
+    mesh = compat.current_mesh()
+    if mesh is None:
         raise RuntimeError(
             "no device mesh is active: enter one with `with mesh:` (mesh = hp.init_device_mesh("
             "'cpu', (2, 2), mesh_dim_names=('dp', 'tp'))), or pass mesh=... explicitly"
         )
-    return _mesh_resources.get_current_mesh()
+    return mesh
 
 
 def get_device_num_along_axis(dim_name: str, mesh: DeviceMesh | None = None) -> int:
