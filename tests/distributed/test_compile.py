@@ -39,9 +39,15 @@ def test_dumps_are_deterministic_and_readable(dist2):
     assert any(s.endswith("_cleanup.py") for s in stages), "one file per pass"
     assert any(s.endswith("_forward.py") for s in stages) and any(s.endswith("_backward.py") for s in stages)
     header, *rows = rank0["layouts.tsv"].splitlines()
-    assert header.split("\t") == ["node", "op", "module", "input_layouts", "output_layout", "local_shape", "source"]
+    assert header.split("\t") == ["node", "op", "module", "input_layouts", "output_layout", "local_shape", "source",
+                                   "why"]
     q_proj = [r for r in rows if "\tmodel.layers.0.self_attn.q_proj\t" in r and "aten.mm" in r]
     assert q_proj and "[S(1)]" in q_proj[0], q_proj  # colwise output: sharded features
+    # Every collective says why it is there; the row-parallel output's all-reduce names its entry.
+    collectives = [r.split("\t") for r in rows if "_c10d_functional.all_reduce" in r]
+    assert collectives and all(r[-1] for r in collectives)
+    assert any(r[-1] == "plan: tensor_parallel['model.layers.*.self_attn.o_proj'] RowwiseParallel output 0"
+               for r in collectives), [r[-1] for r in collectives]
     summary = rank0["summary.json"]
     assert '"all_reduce"' in summary and '"tp"' in summary and '"bytes"' in summary
 
