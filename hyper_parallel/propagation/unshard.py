@@ -6,8 +6,9 @@ are rerouted through an ``unshard(param, fqn)`` node placed right before its fir
 all-gather it lowers to sits where the parameter is needed (the prefetch pass may move it earlier).
 The node's ``meta`` gets ``hp_fsdp_param`` (FQN) and ``hp_fsdp_unit`` (unit module FQN).
 
-Mixed precision (each unit's policy, ``fsdp.policy_of``): the model was captured with these parameters in ``param_dtype`` (so the whole
-forward and backward compute in it); here the placeholder goes back to the storage dtype and a cast
+Mixed precision (each unit's policy, ``fsdp.policy_of``): the model was captured with these
+parameters in ``param_dtype`` (so the whole forward and backward compute in it); here the
+placeholder goes back to the storage dtype and a cast
 to ``param_dtype`` is placed before the unshard, so the all-gather moves ``param_dtype`` bytes. The
 parameter's gradient is cast to ``reduce_dtype`` (default: ``param_dtype``, as FSDP2) before it leaves
 the graph, so its reduce-scatter runs in that dtype; the runtime casts the result to the storage dtype.
