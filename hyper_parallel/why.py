@@ -35,10 +35,10 @@ def is_communication(node: torch.fx.Node) -> bool:
     return meta.is_redistribute(node) or getattr(node.target, "namespace", None) in _C10D_NAMESPACES
 
 
-def lowering_reason(src: torch.fx.Node, node_meta: dict, context=None) -> str:
+def lowering_reason(src: torch.fx.Node, node_meta: dict, context=None, tangents=frozenset()) -> str:
     """Why lowering moved a value for joint-graph node ``src``; ``node_meta`` is the meta of the
     lowered node (its ``hp_redistribute`` change, ``hp_grad_of`` parameter); ``context`` the plan's
-    ``ContextPlan`` or None."""
+    ``ContextPlan`` or None; ``tangents`` the joint graph's tangent placeholders."""
     change = node_meta.get(meta.REDISTRIBUTE, "")
     layout = src.meta.get(meta.LAYOUT)
     how = getattr(layout, "how", None)
@@ -54,6 +54,10 @@ def lowering_reason(src: torch.fx.Node, node_meta: dict, context=None) -> str:
         return f"context parallel: load-balanced sequence order ({change})"
     if src.op == "output":
         return f"output: to its returned layout ({change})"
+    if any(isinstance(a, torch.fx.Node) and a in tangents for a in src.args):
+        # The gradient of a returned value arrives in the layout the value was returned in (the
+        # plan's ``outputs``), which the op combining it with other gradients may not compute in.
+        return f"output: the gradient of a returned value, from its returned layout ({change})"
     if src.meta.get(meta.LOSS_MEAN):
         return "loss: global token mean (the loss's sum and token count over the data-parallel ranks)"
     op = _op_name(src.target)

@@ -311,6 +311,8 @@ def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
     with fx_traceback.preserve_node_meta():
         local_gm = compat.make_fx(interpreter, tracing_mode="fake", pre_dispatch=False)(primals, tangents)
     sources = {n.name: n for n in captured.gm.graph.nodes}
+    tangents = frozenset(node for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs)
+                         if info.kind == InputKind.TANGENT)
     for node in local_gm.graph.nodes:
         custom = node.meta.get("custom") or {}
         src = sources.get(custom.get(meta.SOURCE))
@@ -327,7 +329,7 @@ def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
         if custom[meta.ROLE] == meta.ROLE_COMPUTE:
             node.meta[meta.LAYOUT] = src.meta[meta.LAYOUT]
         elif custom[meta.ROLE] == meta.ROLE_REDISTRIBUTE:
-            node.meta[meta.WHY] = lowering_reason(src, node.meta, context)
+            node.meta[meta.WHY] = lowering_reason(src, node.meta, context, tangents)
         for key in meta.COPIED_BY_LOWERING:
             if key in src.meta:
                 node.meta[key] = src.meta[key]
