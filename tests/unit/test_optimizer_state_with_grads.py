@@ -33,14 +33,22 @@ def test_state_dict_of_a_fresh_optimizer_with_gradients_is_complete():
 
 
 def test_loading_into_a_fresh_optimizer_with_gradients_loads_the_state():
+    """As load_checkpoint loads: the fresh optimizer's own state dict is the template whose tensors
+    the saved values are read into (DCP fills what the template has), then it is set. Without the
+    state initialised despite the gradients, the template has no state and nothing is loaded."""
     source, source_opt = _trained()
     saved = hp.get_optimizer_state_dict(source, source_opt)
     model = nn.Linear(4, 3)
     model.load_state_dict(source.state_dict())
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(5, 4)).sum().backward()  # gradients exist before the load
-    hp.set_optimizer_state_dict(model, opt, saved)
+    template = hp.get_optimizer_state_dict(model, opt)
+    for fqn, values in template["state"].items():
+        for key, value in values.items():
+            value.copy_(saved["state"][fqn][key])
+    hp.set_optimizer_state_dict(model, opt, template)
     loaded = hp.get_optimizer_state_dict(model, opt)
+    assert set(loaded["state"]) == set(saved["state"]) == {"weight", "bias"}
     for fqn, values in saved["state"].items():
         for key, value in values.items():
             torch.testing.assert_close(loaded["state"][fqn][key], value, rtol=0, atol=0)
