@@ -52,3 +52,29 @@ def test_one_kv_head_over_tp2_is_warned_with_the_module_and_its_entries_two_fit_
     extra = summary["collectives_per_step"]["all_gather"]["tp"]["count"]
     assert extra - fitting["collectives_per_step"].get("all_gather", {}).get("tp", {"count": 0})["count"] >= 3
 
+
+
+def _compile_hf(arch: str) -> dict:
+    from hyper_parallel.models.hf_zoo import hf_tp_plan, tiny_hf_model
+    from hyper_parallel.testing.parity import local_batch
+
+    with fake_world(2, 0):
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        pmodel = hp.parallelize(tiny_hf_model(arch), hf_tp_plan(arch), mesh)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile_for_inputs(pmodel, (), local_batch(global_batch(arch, 4, 16), mesh))
+        return pmodel.compile_summary()
+
+
+def test_transformers_models_gpt2_fused_qkv_warned_llama_quiet():
+    """GPT-2's fused ``c_attn`` (q, k, v in one [in, 3 * hidden] weight) split by contiguous columns
+    puts each rank's columns across q, k and v: splitting them gathers per layer. HF Llama's
+    separate projections fit the plan."""
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process (leaked by another test)")
+    findings = _compile_hf("GPT2LMHeadModel")["unplanned_collectives"]
+    assert [f["module"] for f in findings] == ["transformer.h.0.attn", "transformer.h.1.attn"], findings
+    assert all(f["kinds"] == ["all_gather"] and f["axes"] == ["tp"] and f["count"] == 4 for f in findings)
+    assert all("aten.split" in f["example"] for f in findings)
+    assert _compile_hf("LlamaForCausalLM")["unplanned_collectives"] == []
