@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from . import compat, options
+from .codegen import check_codegen
 from .compile.driver import current_rank
 from .compile.options import CompileOptions
 from .fsdp.fully_shard import link_units_to_root
@@ -63,6 +64,7 @@ def parallelize(
     timeout=None,
     recompile_limit: int = 8,
     fail_on_recompile_limit: bool = False,
+    codegen: str = "eager",
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see docs/architecture.md §1).
 
@@ -89,6 +91,9 @@ def parallelize(
     process groups' own, 30 minutes on gloo, 10 on NCCL). ``recompile_limit``: programs are
     compiled for fixed input shapes, one per new signature (each logged with what changed); past
     this many a warning says so, or a ValueError with ``fail_on_recompile_limit=True``.
+    ``codegen``: how each rank's programs run: ``"eager"`` (default), op by op, or ``"inductor"``:
+    the compute between collectives as Inductor-generated kernels (compiled on the first step),
+    collectives and the passes' schedule unchanged (docs/codegen.md).
 
     Before distributing anything the ranks check that they resolved the same plan and options
     (a ValueError on every rank naming the difference, not a hang); every call likewise checks
@@ -104,6 +109,7 @@ def parallelize(
     if not isinstance(fail_on_recompile_limit, bool):
         raise TypeError(f"fail_on_recompile_limit is True or False, got {fail_on_recompile_limit!r}")
     check_disabled_passes(disable_passes)
+    codegen = check_codegen(codegen)
     enable_default_logging()
     if mesh is None:
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
@@ -121,7 +127,8 @@ def parallelize(
     settings = _describe_plan(resolved, activation, resolution.plan, prefetch_depth=prefetch_depth,
                               reductions_in_flight=reductions_in_flight,
                               bucket_cap_mb=bucket_cap_mb, disable_passes=sorted(disable_passes),
-                              check_inputs=check_inputs, timeout=timeout, loss_fn=loss_fn is not None)
+                              check_inputs=check_inputs, timeout=timeout, loss_fn=loss_fn is not None,
+                              codegen=codegen)
     agree(resolution.full_mesh, f"parallelize({type(model).__name__})",
           digest_of(settings), lambda: settings, timeout=timeout)
     dump_source = "dump_dir" if dump_dir else "HYPER_PARALLEL_DUMP_DIR"
@@ -136,7 +143,7 @@ def parallelize(
         reductions_in_flight=reductions_in_flight,
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), memory_budget_bytes=memory_budget_bytes,
         check_inputs=check_inputs, timeout=timeout, recompile_limit=recompile_limit,
-        fail_on_recompile_limit=fail_on_recompile_limit,
+        fail_on_recompile_limit=fail_on_recompile_limit, codegen=codegen,
     )
     model._hp = ParallelState(resolved, mesh, original_cls, list(model.parameters()), compile_options,
                               activation=activation, plan_swap=resolution.plan.swap)

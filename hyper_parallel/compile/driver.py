@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -27,6 +28,7 @@ from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from ..cp.check import check_attention_stays_sharded
 from .. import compat
+from ..codegen import generate
 from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .lower import lower
@@ -293,6 +295,10 @@ def finish(
         program = CompiledProgram.from_joint(local, captured)
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)
+    if state.options.codegen == "inductor":
+        program.generator = functools.partial(generate, dumper=dumper)
+        for phase in ("forward", "backward"):
+            program.runnable(phase)  # outlined now, so its dump sits with the others; compiled on first call
 
     axis_of_group = group_axis_names(mesh, resolved_plan.fsdp, resolved_plan.context)
     fsdp_units = tuple(sorted(set(resolved_plan.fsdp.unit_of.values()))) if resolved_plan.fsdp else ()

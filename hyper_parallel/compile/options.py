@@ -25,3 +25,4 @@ class CompileOptions:
     timeout: datetime.timedelta | None = None  # how long this module's collectives wait for peers
     recompile_limit: int = 8  # programs compiled for one module before warning (runtime/recompiles.py)
     fail_on_recompile_limit: bool = False  # past the limit: a ValueError instead of a warning
+    codegen: str = "eager"  # "inductor": compute regions as Inductor kernels (hyper_parallel/codegen)

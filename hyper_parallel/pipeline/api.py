@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
+from ..codegen import generate
 from ..compile.capture import flat_paths
 from ..compile.driver import (
     capture_and_lower, copy_graph_module, current_rank, format_signature, run_pass_pipeline, signature,
@@ -403,6 +404,10 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             for name, bwd in backwards.items():  # the programs the schedule runs
                 colls[f"stage{s} {name}{suffix}"] = collectives(bwd, axis_of_group)
                 reductions[f"stage{s} {name}{suffix}"] = gradient_reductions(bwd, axis_of_group)
+            if state.options.codegen == "inductor":
+                programs_run = {"forward": forward_gm, **{k.replace(" ", "_"): v for k, v in backwards.items()}}
+                program.runners = {name: generate(gm, f"stage{s}{suffix}.{name}", stage_dumper)
+                                   for name, gm in programs_run.items()}
             built[suffix] = program
         programs[s] = (dataclasses.replace(built[NO_SYNC], deferred=frozenset(deferred), sync=built[""])
                        if deferred else built[""])

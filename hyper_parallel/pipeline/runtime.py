@@ -95,6 +95,18 @@ class StageProgram:
     deferred: frozenset = frozenset()
     sync: "StageProgram | None" = None
     split: BackwardSplit | None = None  # backward_gm cut into I and W (split_stage_backward)
+    # What runs in place of each program ("forward", "backward", "backward_input",
+    # "backward_weight") with codegen="inductor" (codegen.generate); the GraphModules otherwise.
+    runners: dict = dataclasses.field(default_factory=dict)
+
+    def run(self, name: str):
+        """The callable to run for program ``name`` (module docstring of codegen)."""
+        runner = self.runners.get(name)
+        if runner is not None:
+            return runner
+        return {"forward": self.forward_gm, "backward": self.backward_gm,
+                "backward_input": self.split.input_gm if self.split else None,
+                "backward_weight": self.split.weight_gm if self.split else None}[name]
 
     def __post_init__(self):
         graph = self.graph
@@ -240,7 +252,7 @@ class PipelineExecutor:
                         primals.append(self._take(received, pending_recv, (info.name, s, mb)))
                 start = time.perf_counter() - t0  # after the receives: waiting is bubble
                 with torch.no_grad():  # the programs are forward and backward already
-                    outs = program.forward_gm(*primals)
+                    outs = program.run("forward")(*primals)
                 n = program.num_forward_outputs
                 saved[(s, mb)] = list(outs[n:])
                 self._route(program.sends[FORWARD], outs[n - len(program.sends[FORWARD]):n], s, mb, FORWARD,
@@ -270,13 +282,13 @@ class PipelineExecutor:
                     direct = {i: args[i] for i in cut.weight_args if i not in accum}
                     del args
                     with torch.no_grad():
-                        outs = cut.input_gm(i_args)
+                        outs = program.run("backward_input")(i_args)
                     num = len(cut.input_outputs)
                     handoff[(s, mb)] = _HandOff(list(outs[num:]), direct, accum)
                     sends = outs[num - len(program.sends[BACKWARD]):num]
                 else:
                     with torch.no_grad():
-                        outs = program.backward_gm(args)
+                        outs = program.run("backward")(args)
                     del args
                     self._add_gradients(program, zip(program.primal_infos, outs), grads, pending)
                     sends = outs[len(program.primal_infos):]
@@ -290,7 +302,7 @@ class PipelineExecutor:
                 del given, sums
                 start = time.perf_counter() - t0
                 with torch.no_grad():
-                    outs = cut.weight_gm(w_args)
+                    outs = program.run("backward_weight")(w_args)
                 self._add_gradients(program, ((program.primal_infos[slot], g) for slot, g
                                               in zip(cut.weight_outputs, outs, strict=True)), grads, pending)
                 del outs

@@ -136,6 +136,14 @@ class ParallelModule(FsdpMethods, nn.Module):
         entry = self._last_entry()
         return entry.program.forward_gm, entry.program.backward_gm
 
+    def generated_programs(self) -> tuple:
+        """(forward, backward) as they run: with ``codegen="inductor"`` the programs whose compute
+        regions are Inductor kernels (``.gm`` is the GraphModule around them; the collectives and
+        their order are those of :meth:`compiled_programs`), else the same as
+        :meth:`compiled_programs`."""
+        program = self._last_entry().program
+        return program.runnable("forward"), program.runnable("backward")
+
     def memory_report(self, optimizer=None) -> dict:
         """This rank's estimated memory for one training step of the program the last call ran
         (hyper_parallel.memory): parameters, gradients, optimizer state, saved activations, the

@@ -75,15 +75,26 @@ class CompiledProgram:
     # (runtime/profiled.py); their copies with the ranges, built on the first profiled call.
     ranges: object = None
     _with_ranges: dict = dataclasses.field(default_factory=dict, repr=False)
+    # Set by the compile driver for codegen="inductor": (program, label) -> what runs in its place
+    # (codegen.generate: the compute regions as Inductor kernels, the schedule unchanged).
+    generator: object = None
+    _generated: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def runnable(self, phase: str) -> torch.fx.GraphModule:
-        """The program of ``phase`` to run now: with named ranges while a profiler records."""
+    def runnable(self, phase: str):
+        """The program of ``phase`` to run now: with named ranges while a profiler records, through
+        the kernel generator when there is one."""
         gm = self.forward_gm if phase == "forward" else self.backward_gm
-        if self.ranges is None or not compat.profiler_enabled():
+        profiled = self.ranges is not None and compat.profiler_enabled()
+        if profiled:
+            if phase not in self._with_ranges:
+                self._with_ranges[phase] = with_ranges(gm, phase, self.ranges)
+            gm = self._with_ranges[phase]
+        if self.generator is None:
             return gm
-        if phase not in self._with_ranges:
-            self._with_ranges[phase] = with_ranges(gm, phase, self.ranges)
-        return self._with_ranges[phase]
+        key = (phase, profiled)
+        if key not in self._generated:
+            self._generated[key] = self.generator(gm, phase + (".profiled" if profiled else ""))
+        return self._generated[key]
 
     @classmethod
     def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
@@ -214,14 +225,15 @@ class _RunStep(torch.autograd.Function):
         ))
 
 
-def _call(on_error, gm: torch.fx.GraphModule, phase: str, args, boxed: bool = False):
+def _call(on_error, gm, phase: str, args, boxed: bool = False):
     """Run one program, as the range ``hyper_parallel::<phase>`` in a torch.profiler trace; an
     exception it raises goes through ``on_error`` to name where it was."""
     try:
         with torch.profiler.record_function(f"hyper_parallel::{phase}"):
             return gm(args) if boxed else gm(*args)
     except RuntimeError as exc:
-        better = on_error(exc, gm, phase) if on_error is not None else None
+        # A generated program (codegen="inductor") keeps the collectives in its GraphModule.
+        better = on_error(exc, getattr(gm, "gm", gm), phase) if on_error is not None else None
         if better is None:
             raise
         raise better from exc

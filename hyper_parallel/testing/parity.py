@@ -249,6 +249,7 @@ def run_pipeline_parity(
     ignore_fraction: float = 0.0,
     model: str = "llama",
     reference_microbatches: int = 1,
+    parallelize_options: dict | None = None,
 ) -> dict:
     """:func:`run_parity` for a pipelined model: ``pmodel.step`` against forward + backward of the
     single-device model on the whole batch, ``steps`` SGD steps. The optimizer is built before the
@@ -260,7 +261,7 @@ def run_pipeline_parity(
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     reference = build_model(model, num_hidden_layers=num_layers, **(model_overrides or {}))
     parallel = hp.parallelize(copy.deepcopy(reference), plan, mesh, dump_dir=dump_dir,
-                              loss_fn=lm_loss if with_loss_fn else None)
+                              loss_fn=lm_loss if with_loss_fn else None, **(parallelize_options or {}))
     opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses = []

@@ -1,0 +1,212 @@
+"""Cut a per-rank program into compute regions for a kernel generator, keeping its schedule.
+
+A program after our passes is a sequence of compute (aten ops) and scheduling decisions: when each
+collective is issued and waited, when collective inputs are released, when activations go to host
+memory and come back, where profiler ranges open. A kernel generator (Inductor) is free to reorder
+and fuse what it is given; it must not move any of those decisions. So only *compute regions* go
+to it: maximal runs of consecutive compute nodes in program order. Everything else stays a node of
+the program, in its place, between the regions: the collectives run in exactly the order and at
+exactly the points the passes chose (tests read the generated program to show it).
+
+A node is compute when it is a functional aten op on tensors: not a collective or wait (other
+namespaces), not an in-place or ``out=`` op (a mutation of a value the program holds elsewhere),
+not a seeded random op (its generator draws stay in program order, bit for bit), no device change
+(a swap copy to or from host memory), no symbolic sizes in or out (an expert region's split sizes,
+computed at run time). ``getitem`` of a compute node belongs to its region; ``get_attr`` constants
+stay in the program and enter a region as its inputs.
+
+:func:`cut_regions` returns the regions; :func:`outline` replaces each one worth compiling by one
+``call_module`` node whose submodule the caller supplies, followed by ``getitem`` of its outputs.
+Nothing here knows about Inductor (codegen/inductor.py does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+
+from .. import compat
+
+
+@dataclasses.dataclass
+class Region:
+    """A maximal run of consecutive compute nodes of one program."""
+
+    nodes: list[torch.fx.Node]
+    inputs: list[torch.fx.Node]  # values defined before the region that it reads, first use first
+    outputs: list[torch.fx.Node]  # its values read after it (by later nodes or the program's output)
+
+    @property
+    def work(self) -> int:
+        """Ops that do work (not views, not ``getitem``): what makes a region worth compiling."""
+        return sum(1 for n in self.nodes if not _is_view(n) and n.target is not operator.getitem)
+
+
+def _tensor_vals(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return True
+    if isinstance(val, (tuple, list)) and val:
+        return all(v is None or isinstance(v, torch.Tensor) for v in val)
+    return False
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    info = schema.returns[0].alias_info
+    return info is not None and not info.is_write
+
+
+def _devices(node: torch.fx.Node) -> set:
+    found = set()
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            found.add(val.device)
+    val = node.meta.get("val")
+    for v in (val if isinstance(val, (tuple, list)) else (val,)):
+        if isinstance(v, torch.Tensor):
+            found.add(v.device)
+    return found
+
+
+def is_compute(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may go to a kernel generator (module docstring)."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, torch.fx.Node) and is_compute(source)
+    if not isinstance(target, compat.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    schema = target._schema
+    if schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags and not _without_dropout(node):
+        return False
+    if not _tensor_vals(node.meta.get("val")):
+        return False
+    for arg in node.all_input_nodes:
+        if not isinstance(arg.meta.get("val"), torch.Tensor):
+            return False  # a symbolic size or a scalar computed at run time
+    return len(_devices(node)) <= 1
+
+
+def _without_dropout(node: torch.fx.Node) -> bool:
+    """A seeded op that draws nothing: attention called with ``dropout_p=0`` (as in training
+    without attention dropout, and always in eval)."""
+    schema = node.target._schema
+    names = [a.name for a in schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[i].default_value)
+    return value == 0
+
+
+def cut_regions(graph: torch.fx.Graph) -> list[Region]:
+    """The maximal runs of consecutive compute nodes of ``graph``, in program order."""
+    runs: list[list[torch.fx.Node]] = []
+    current: list[torch.fx.Node] = []
+    for node in graph.nodes:
+        if is_compute(node):
+            current.append(node)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    regions = []
+    for nodes in runs:
+        inside = set(nodes)
+        inputs: dict[torch.fx.Node, None] = {}
+        for node in nodes:
+            for arg in node.all_input_nodes:
+                if arg not in inside:
+                    inputs.setdefault(arg)
+        outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+        regions.append(Region(nodes, list(inputs), outputs))
+    return regions
+
+
+def region_graph_module(region: Region, owner: torch.nn.Module) -> torch.fx.GraphModule:
+    """The region as a standalone GraphModule: placeholders ``arg<i>`` for its inputs, nodes
+    renamed ``n<i>`` in order, returning its outputs as a tuple. Two regions that compute the same
+    thing (the same layer's forward in two layers) give the same code, so a cache keyed on it
+    compiles them once."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, node in enumerate(region.inputs):
+        env[node] = graph.placeholder(f"arg{i}")
+        env[node].meta = dict(node.meta)
+    for i, node in enumerate(region.nodes):
+        new = graph.node_copy(node, lambda a: env[a])
+        new.name = f"n{i}"
+        new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "stack_trace")}
+        env[node] = new
+    graph.output(tuple(env[n] for n in region.outputs))
+    return torch.fx.GraphModule(owner, graph)
+
+
+def outline(gm: torch.fx.GraphModule, regions: list[Region], make_module) -> torch.fx.GraphModule:
+    """A copy of ``gm``'s program (same calling convention) with each region for which
+    ``make_module(index, region)`` returns a module replaced by one ``call_module`` node of it
+    (named ``region<index>``) and ``getitem`` of its outputs; regions it returns None for stay as
+    they are. The copy's other nodes are ``gm``'s, in the same order."""
+    import copy
+
+    graph = copy.deepcopy(gm.graph)  # the calling convention (boxed) and node meta come with it
+    by_name = {n.name: n for n in graph.nodes}
+    root = torch.nn.Module()
+    for name, value in gm.named_children():
+        root.add_module(name, value)
+    for name in _attr_names(gm.graph):
+        _set_dotted(root, name, _resolve(gm, name))
+    for index, region in enumerate(regions):
+        module = make_module(index, region)
+        if module is None:
+            continue
+        name = f"region{index}"
+        root.add_module(name, module)
+        nodes = [by_name[n.name] for n in region.nodes]
+        inputs = [by_name[n.name] for n in region.inputs]
+        outputs = [by_name[n.name] for n in region.outputs]
+        with graph.inserting_before(nodes[0]):
+            call = graph.call_module(name, tuple(inputs))
+            call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
+            results = []
+            for i, out in enumerate(outputs):
+                item = graph.call_function(operator.getitem, (call, i))
+                item.meta = dict(out.meta)
+                results.append(item)
+        for out, item in zip(outputs, results):
+            out.replace_all_uses_with(item)
+            by_name[out.name] = item  # later regions read the output through its getitem
+        for node in reversed(nodes):
+            graph.erase_node(node)
+    graph.lint()
+    return torch.fx.GraphModule(root, graph)
+
+
+def _attr_names(graph: torch.fx.Graph) -> list[str]:
+    return sorted({n.target for n in graph.nodes if n.op == "get_attr"})
+
+
+def _set_dotted(root: torch.nn.Module, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        if not hasattr(root, part):
+            root.add_module(part, torch.nn.Module())
+        root = getattr(root, part)
+    setattr(root, last, value)
+
+
+def _resolve(gm: torch.nn.Module, dotted: str):
+    value = gm
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
