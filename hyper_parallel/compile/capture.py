@@ -273,6 +273,7 @@ def capture(
             raise _unsupported(desc, "output slot", type(model).__name__, input_paths, joint.out_spec)
 
     _put_buffer_updates_after_user_outputs(gm, outputs)
+    gm.recompile()  # once for both rewrites of the graph above
 
     # Readable output paths ("loss", "logits", "[0]") from the exported program's output structure.
     out_spec = joint.out_spec
@@ -369,7 +370,8 @@ def _unsupported(desc, slot: str, model_name: str, input_paths: list[str], out_s
 def _put_buffer_updates_after_user_outputs(gm: torch.fx.GraphModule, outputs: list[OutputInfo]) -> None:
     """Reorder the joint graph's output slots (and ``outputs``, in place) to user outputs, buffer
     updates, then the rest (gradients): aot_autograd puts input mutations first, while the
-    compiler's passes and the runtime find the gradients right after the forward's outputs."""
+    compiler's passes and the runtime find the gradients right after the forward's outputs. The
+    caller recompiles ``gm``."""
     rank = {"output": 0, BUFFER_UPDATE: 1}
     order = sorted(range(len(outputs)), key=lambda i: rank.get(outputs[i].kind, 2))  # stable
     if order == list(range(len(outputs))):
@@ -381,15 +383,14 @@ def _put_buffer_updates_after_user_outputs(gm: torch.fx.GraphModule, outputs: li
     if descs is not None:
         output_node.meta["desc"] = [descs[i] for i in order]
     outputs[:] = [outputs[i] for i in order]
-    gm.recompile()
 
 
 def _drop_metadata_assertions(gm: torch.fx.GraphModule) -> None:
     """``aten._assert_tensor_metadata`` checks dtype/device of a global value at trace time; it
-    computes nothing and has no meaning on shards, so it is removed from the joint graph."""
+    computes nothing and has no meaning on shards, so it is removed from the joint graph. The caller
+    recompiles ``gm``."""
     for node in list(gm.graph.find_nodes(op="call_function", target=aten._assert_tensor_metadata.default)):
         gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def module_fqn_of(node: torch.fx.Node) -> str:

@@ -333,8 +333,8 @@ def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
         for key in meta.COPIED_BY_LOWERING:
             if key in src.meta:
                 node.meta[key] = src.meta[key]
-    local_gm.graph.eliminate_dead_code(is_impure_node=_kept_when_unused)
-    local_gm.recompile()
+    if local_gm.graph.eliminate_dead_code(is_impure_node=_kept_when_unused):
+        local_gm.recompile()  # make_fx compiled the graph before the dead code went
     return local_gm
 
 

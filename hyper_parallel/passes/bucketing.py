@@ -39,7 +39,6 @@ unchanged (same elements, same reductions).
 
 from __future__ import annotations
 
-import math
 import operator
 from collections import defaultdict
 
@@ -48,6 +47,7 @@ import torch
 from .. import compat
 from ..ir import meta
 from ..ir.phase import BACKWARD, PARTITIONER_TAG, gather_phase, tag_value
+from ..propagation import recompile
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -112,27 +112,31 @@ def _buckets(graph, fsdp):
 def _position(graph):
     return {n: i for i, n in enumerate(graph.nodes)}
 
+# Where a node is relative to another: fx keeps an order key on every node, updated as nodes are
+# inserted and moved, so ``a < b`` (a before b in the graph) needs no {node: index} map rebuilt per
+# fused bucket, which made the pass quadratic in the graph's size.
 
-def _hoistable(node, anchor, order, seen) -> bool:
+
+def _hoistable(node, anchor, seen) -> bool:
     """Whether ``node`` is available at ``anchor`` or can be recomputed there by copying pure ops
     (no collective, no random op, nothing impure: copying those would change what runs)."""
-    if node.op == "placeholder" or order.get(node, math.inf) < order[anchor] or node in seen:
+    if node.op == "placeholder" or node < anchor or node in seen:
         return True
     if (node.op != "call_function" or node.is_impure() or compat.is_random_op(node.target)
             or getattr(node.target, "namespace", None) == "_c10d_functional"):
         return False
     seen.add(node)
-    return all(_hoistable(arg, anchor, order, seen) for arg in node.all_input_nodes)
+    return all(_hoistable(arg, anchor, seen) for arg in node.all_input_nodes)
 
 
-def _hoist(graph, node, anchor, order, memo):
+def _hoist(graph, node, anchor, memo):
     """``node`` if it is available at ``anchor``; else a copy there of the pure ops computing it
     (the caller checked :func:`_hoistable`; in practice a cast or view of a parameter shard)."""
-    if node.op == "placeholder" or order.get(node, math.inf) < order[anchor]:
+    if node.op == "placeholder" or node < anchor:
         return node
     if node not in memo:
         for arg in node.all_input_nodes:
-            _hoist(graph, arg, anchor, order, memo)
+            _hoist(graph, arg, anchor, memo)
         with graph.inserting_before(anchor):
             memo[node] = graph.node_copy(node, lambda a: memo.get(a, a))
     return memo[node]
@@ -146,16 +150,15 @@ def _erase(graph, members, waits) -> None:
 
 
 def _fuse_all_gather(graph, members, label):
-    order = _position(graph)
     waits = [_single_wait(m) for m in members]
-    first_use = min((u for w in waits for u in w.users), key=order.__getitem__)
+    first_use = min(u for w in waits for u in w.users)
     seen: set = set()
-    if not all(_hoistable(m.args[0], first_use, order, seen) for m in members):
+    if not all(_hoistable(m.args[0], first_use, seen) for m in members):
         # An input only exists after the first use (and cannot be copied earlier): gather after the
         # last input instead; the final topological sort moves the earlier uses after the gather.
-        first_use = max((m.args[0] for m in members), key=order.__getitem__).next
+        first_use = max(m.args[0] for m in members).next
     memo: dict = {}
-    inputs = [_hoist(graph, m.args[0], first_use, order, memo) for m in members]
+    inputs = [_hoist(graph, m.args[0], first_use, memo) for m in members]
     _, size, group = members[0].args
     sample = members[0].meta["val"]
     emit = _Builder(graph, first_use, {meta.BUCKET: label, meta.ROLE: meta.ROLE_REDISTRIBUTE,
@@ -192,7 +195,7 @@ def _relayout_early(graph, members) -> None:
     split and cat: pure ops, role "redistribute", no collective) from where lowering emitted it,
     the graph's output at the end of backward, to right after the values it reads, so the
     reduction can follow the gradient instead of waiting for the end of backward."""
-    where: dict = _position(graph)
+    where: dict | None = None  # positions, built when a chain moves (most members have none)
     for member in members:
         chain: set = set()
         stack = [member.args[0]]
@@ -206,6 +209,8 @@ def _relayout_early(graph, members) -> None:
         outside = [i for n in chain for i in n.all_input_nodes if i not in chain]
         if not outside:
             continue
+        if where is None:
+            where = _position(graph)
         cursor = max(outside, key=where.__getitem__)
         # The chain keeps its own (topological) order and lands after its latest outside input.
         for node in sorted(chain, key=where.__getitem__):
@@ -220,9 +225,8 @@ def _fuse_reduction(graph, members, label, phase: str = BACKWARD):
     held once, not as a packed copy plus an out-of-place result, and each gradient is a view of it
     (as DDP's ``gradient_as_bucket_view``)."""
     _relayout_early(graph, members)
-    order = _position(graph)
     waits = [_single_wait(m) for m in members]
-    anchor = max((m.args[0] for m in members), key=order.__getitem__).next
+    anchor = max(m.args[0] for m in members).next
     scatter = members[0].target is c10d.reduce_scatter_tensor.default
     op, *rest = members[0].args[1:]
     size = rest[0] if scatter else 1
@@ -259,8 +263,7 @@ def _issue_alone(graph, members, label):
     (member,) = members
     wait = _single_wait(member)
     source = member.args[0]
-    order = _position(graph)
-    if order[source] < order[member]:
+    if source < member:
         source.append(member)
         member.append(wait)
     for node in (member, wait):
@@ -465,5 +468,5 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm

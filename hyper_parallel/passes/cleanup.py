@@ -7,6 +7,7 @@ functional graph that autograd does not run through) and dead code. Idempotent.
 from __future__ import annotations
 
 import torch
+from ..propagation import recompile
 
 aten = torch.ops.aten
 
@@ -17,5 +18,5 @@ def cleanup_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
+    recompile(gm)
     return gm

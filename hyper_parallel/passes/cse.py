@@ -17,6 +17,7 @@ import torch
 
 from .. import compat
 from ..ir import meta
+from ..propagation import recompile
 
 _C10D_NAMESPACE = "_c10d_functional"
 
@@ -66,5 +67,5 @@ def cse_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         if survivor is not node:
             node.replace_all_uses_with(survivor)
             gm.graph.erase_node(node)
-    gm.recompile()
+    recompile(gm)
     return gm

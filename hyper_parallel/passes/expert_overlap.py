@@ -27,6 +27,7 @@ import torch
 
 from ..ir import meta
 from ..ir.phase import phases_of
+from ..propagation import recompile
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -108,7 +109,7 @@ def expert_overlap(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             changed |= _reorder(gm.graph, group, schedule)
     if changed:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
     return gm
 
 

@@ -30,6 +30,7 @@ import torch
 from ..ir import meta
 from ..ir.phase import phases_of
 from .bucketing import _acyclic_parts, _fuse_reduction, _restore_topological_order, _single_wait
+from ..propagation import recompile
 
 c10d = torch.ops._c10d_functional
 
@@ -69,7 +70,7 @@ def fuse_small_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import meta
+from ..propagation import recompile
 
 c10d = torch.ops._c10d_functional
 
@@ -35,8 +36,8 @@ _KINDS = {
 }
 
 
-def _position(graph):
-    return {n: i for i, n in enumerate(graph.nodes)}
+# ``a < b``: node a is before node b in the graph (fx keeps an order key on every node as nodes are
+# inserted and moved), so no {node: index} map is rebuilt per reduction.
 
 
 def _wait_of(node):
@@ -55,14 +56,13 @@ def overlap_reductions_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModu
             limit = reductions[k + in_flight] if k + in_flight < len(reductions) else None
             _sink_wait(graph, _wait_of(reduction), limit)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm
 
 
 def _sink_wait(graph, wait: torch.fx.Node, limit: torch.fx.Node | None = None) -> None:
     """Move ``wait`` and the copy-out that only depends on it to just before its first consumer
     outside that copy-out, or before ``limit`` if that comes first."""
-    order = _position(graph)
     tail: list[torch.fx.Node] = [wait]
     frontier = [wait]
     while frontier:
@@ -73,7 +73,7 @@ def _sink_wait(graph, wait: torch.fx.Node, limit: torch.fx.Node | None = None) -
             if (user in tail or user.op != "call_function" or user.is_impure()
                     or getattr(user.target, "namespace", None) == "_c10d_functional"):
                 continue
-            if all(a in tail or order[a] < order[wait] for a in user.all_input_nodes):
+            if all(a in tail or a < wait for a in user.all_input_nodes):
                 tail.append(user)
                 frontier.append(user)
     outside = [u for n in tail for u in n.users if u not in tail]
@@ -81,8 +81,8 @@ def _sink_wait(graph, wait: torch.fx.Node, limit: torch.fx.Node | None = None) -
         outside.append(limit)
     if not outside:
         return
-    first = min(outside, key=order.__getitem__)
-    if order[first] <= order[wait]:
+    first = min(outside)
+    if first <= wait:
         return
-    for node in sorted(tail, key=order.__getitem__):
+    for node in sorted(tail):
         first.prepend(node)

@@ -27,22 +27,23 @@ from __future__ import annotations
 import torch
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, gather_phase
+from ..propagation import recompile
 
 c10d = torch.ops._c10d_functional
 
 
-def _position(graph):
-    return {n: i for i, n in enumerate(graph.nodes)}
+# ``a < b``: node a is before node b in the graph. fx keeps an order key on every node as nodes are
+# inserted and moved, so no {node: index} map is rebuilt per moved gather (quadratic in graph size).
 
 
-def _movable_chain(node: torch.fx.Node, before: torch.fx.Node, order) -> list[torch.fx.Node] | None:
+def _movable_chain(node: torch.fx.Node, before: torch.fx.Node) -> list[torch.fx.Node] | None:
     """``node`` and its ancestors that sit after ``before``, if they can all move in front of it
     (pure ops whose own inputs are placeholders or nodes already before ``before``)."""
     chain: list[torch.fx.Node] = []
     seen: set = set()
 
     def visit(n: torch.fx.Node) -> bool:
-        if n in seen or n.op == "placeholder" or order[n] < order[before]:
+        if n in seen or n.op == "placeholder" or n < before:
             return True
         if n.op != "call_function" or (n.is_impure() and n.target is not c10d.all_gather_into_tensor.default):
             return False
@@ -52,7 +53,7 @@ def _movable_chain(node: torch.fx.Node, before: torch.fx.Node, order) -> list[to
         chain.append(n)
         return True
 
-    return sorted(chain, key=order.__getitem__) if visit(node) else None
+    return sorted(chain) if visit(node) else None
 
 
 def _fused(graph, kind, target):
@@ -81,10 +82,9 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             anchor = _wait_of(by_unit[unit])
             for target in targets:
                 gather = by_unit.get(target)
-                order = _position(graph)
-                if gather is None or order[gather] < order[anchor]:
+                if gather is None or gather < anchor:
                     continue
-                for node in _movable_chain(gather, anchor, order) or ():
+                for node in _movable_chain(gather, anchor) or ():
                     anchor.prepend(node)
     if depth > 0:
         for phase in (FORWARD, BACKWARD):
@@ -92,16 +92,14 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             # wait, so a second run sees the same order and moves nothing). When unit j waits,
             # units j+1..j+depth are in flight: unit k's gather goes before the wait of unit
             # k-depth, the first depth+1 units' before the first wait, each in need order.
-            order = _position(graph)
-            ordered = sorted((g for g in gathers if gather_phase(g) == phase), key=lambda g: order[_wait_of(g)])
+            ordered = sorted((g for g in gathers if gather_phase(g) == phase), key=_wait_of)
             for k in range(1, len(ordered)):
                 anchor = _wait_of(ordered[max(k - depth, 0)])
-                order = _position(graph)
-                if order[ordered[k]] < order[anchor]:
+                if ordered[k] < anchor:
                     continue  # already issued early enough
-                chain = _movable_chain(ordered[k], anchor, order)
+                chain = _movable_chain(ordered[k], anchor)
                 for node in chain or ():
                     anchor.prepend(node)
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm

@@ -35,6 +35,7 @@ from ..ir import meta
 from ..ir.ops import is_view_of_input
 from ..ir.phase import BACKWARD, is_tagged_backward, tag
 from .reshard_after_forward import gathered_param_region
+from ..propagation import recompile
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -106,5 +107,5 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         node.meta[meta.SWAP] = region.key
         node.meta[meta.SWAP_GROUP] = region.group_swap
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm

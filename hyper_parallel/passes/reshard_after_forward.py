@@ -37,6 +37,7 @@ import torch
 from ..ir import meta
 from ..fsdp.plan import post_forward_size
 from ..ir.phase import BACKWARD, FORWARD, PARTITIONER_TAG, is_tagged_backward, tag, tag_value
+from ..propagation import recompile
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -169,6 +170,7 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
     region |= _shard_preparation(region)
     smaller = _smaller_groups(fsdp, ctx.mesh)
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    copied: set[torch.fx.Node] = set()  # copies.values(), for the membership test below
 
     def copy_before(node: torch.fx.Node, anchor: torch.fx.Node) -> torch.fx.Node:
         if node not in region:
@@ -180,6 +182,7 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
                 and tuple(node.args[1:]) == (to.shard_size, to.shard_group)
             ):
                 copies[node] = _regather_kept_piece(graph, node, anchor, to)
+                copied.add(copies[node])
                 return copies[node]
             for arg in node.all_input_nodes:
                 copy_before(arg, anchor)
@@ -188,16 +191,17 @@ def reshard_after_forward_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphM
             new.meta[meta.FSDP_PHASE] = BACKWARD
             tag(new, BACKWARD)
             copies[node] = new
+            copied.add(new)
         return copies[node]
 
     for user in list(graph.nodes):
         # The output node counts as a backward use: a gathered parameter it returns is one kept
         # after backward (set_reshard_after_backward(False)), which must not be kept from forward.
-        if not (is_tagged_backward(user) or user.op == "output") or user in copies.values():
+        if not (is_tagged_backward(user) or user.op == "output") or user in copied:
             continue
         for arg in list(user.all_input_nodes):
             if arg in region:
                 user.replace_input_with(arg, copy_before(arg, user))
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm

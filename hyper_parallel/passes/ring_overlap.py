@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import meta
+from ..propagation import recompile
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -47,7 +48,7 @@ def ring_overlap(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         moved = True
     if moved:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
     return gm
 
 

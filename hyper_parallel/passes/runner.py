@@ -17,6 +17,7 @@ import time
 from typing import Callable
 
 from ..errors import internal_error
+from ..propagation import deferred_recompiles
 from .context import PassContext
 
 log = logging.getLogger(__name__)
@@ -30,23 +31,25 @@ class Step:
 
 
 def run_steps(steps: list[Step], target, ctx: PassContext, graph_of=lambda t: t):
-    """Run ``steps`` in order on ``target``; ``graph_of(target)`` is the GraphModule observers see."""
-    for step in steps:
-        if step.name in ctx.disable_passes and not step.required:
-            continue
-        gm = graph_of(target)
-        before = len(gm.graph.nodes)
-        start = time.perf_counter()
-        try:
-            target = step.fn(target, ctx)
-        except AssertionError as exc:  # an invariant broke: name the step and the workaround
-            raise internal_error(step.name, str(exc) or type(exc).__name__,
-                                 pass_name=None if step.required else step.name) from exc
-        ctx.timings[step.name] = ctx.timings.get(step.name, 0.0) + time.perf_counter() - start
-        gm = graph_of(target)
-        log.debug("[%s] %d nodes -> %d", step.name, before, len(gm.graph.nodes))
-        if ctx.on_pass is not None:
-            ctx.on_pass(step.name, gm)
+    """Run ``steps`` in order on ``target``; ``graph_of(target)`` is the GraphModule observers see.
+    The steps' ``recompile`` calls (hyper_parallel/propagation/__init__.py) take effect once, at the end."""
+    with deferred_recompiles():
+        for step in steps:
+            if step.name in ctx.disable_passes and not step.required:
+                continue
+            gm = graph_of(target)
+            before = len(gm.graph.nodes)
+            start = time.perf_counter()
+            try:
+                target = step.fn(target, ctx)
+            except AssertionError as exc:  # an invariant broke: name the step and the workaround
+                raise internal_error(step.name, str(exc) or type(exc).__name__,
+                                     pass_name=None if step.required else step.name) from exc
+            ctx.timings[step.name] = ctx.timings.get(step.name, 0.0) + time.perf_counter() - start
+            gm = graph_of(target)
+            log.debug("[%s] %d nodes -> %d", step.name, before, len(gm.graph.nodes))
+            if ctx.on_pass is not None:
+                ctx.on_pass(step.name, gm)
     return target
 
 

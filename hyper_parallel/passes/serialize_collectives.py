@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ..propagation import recompile
 
 c10d = torch.ops._c10d_functional
 
@@ -87,7 +88,7 @@ def serialize_collectives(gm: torch.fx.GraphModule, groups: frozenset[str]) -> t
             outstanding[name] = waits[0]
     if moved:
         gm.graph.lint()
-        gm.recompile()
+        recompile(gm)
     return gm
 
 

@@ -29,6 +29,7 @@ import torch
 from ..runtime.host_copies import SWAP_IN, SWAP_OUT, SWAP_WAIT
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
+from ..propagation import recompile
 
 aten = torch.ops.aten
 HOST = torch.device("cpu")
@@ -127,5 +128,5 @@ def swap_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             for u in users:
                 u.replace_input_with(m, restored[m])
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return gm

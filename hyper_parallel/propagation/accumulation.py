@@ -25,6 +25,7 @@ import torch
 
 from ..ir.kinds import InputKind, OutputKind
 from ..compile.capture import CapturedGraph
+from . import recompile
 
 GRAD_ACCUM = InputKind.GRAD_ACCUM
 
@@ -43,5 +44,5 @@ def insert_gradient_accumulation(captured: CapturedGraph, fsdp) -> int:
             pending_val = torch.empty_like(val)
         captured.pending_inputs[i] = captured.add_input(GRAD_ACCUM, info.name, pending_val)
         added += 1
-    captured.gm.recompile()
+    recompile(captured.gm)
     return added

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..compile.annotations import BOUNDARY, BOUNDARY_GRAD, parse_boundary_key
+from . import recompile
 
 aten = torch.ops.aten
 
@@ -85,7 +86,7 @@ def merge_boundaries(gm: torch.fx.GraphModule, resolved) -> int:
             removed += 1
             changed = True
     graph.lint()
-    gm.recompile()
+    recompile(gm)
     return removed
 
 

@@ -29,6 +29,7 @@ import torch
 
 from ..errors import internal_error
 from ..ir import meta
+from . import recompile
 
 aten = torch.ops.aten
 
@@ -72,7 +73,7 @@ def make_token_means_global(gm: torch.fx.GraphModule) -> int:
         rewritten += 1
     if rewritten:
         graph.lint()
-        gm.recompile()
+        recompile(gm)
     return rewritten
 
 

@@ -33,6 +33,7 @@ from ..compile.annotations import UNSHARD
 from ..compile.capture import CapturedGraph, OutputInfo
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
+from . import recompile
 
 PREGATHERED = InputKind.PREGATHERED
 GATHERED = OutputKind.GATHERED
@@ -104,7 +105,7 @@ def insert_unshard_nodes(
     if kept:
         _keep_gathered(captured, kept)
     _prepare_gradients(captured, fsdp, resolved)
-    captured.gm.recompile()
+    recompile(captured.gm)
     return inserted
 
 

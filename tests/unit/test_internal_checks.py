@@ -245,10 +245,11 @@ def test_a_non_finite_stage_time_in_auto_split_is_an_internal_error():
 def _stage_program():
     from hyper_parallel.ir.phase import BACKWARD, FORWARD
 
+    programs = {"forward": lambda *a: (), "backward": lambda args: []}
     return SimpleNamespace(
-        graph=SimpleNamespace(inputs=[], outputs=[], recvs=[]), forward_gm=lambda *a: (),
-        backward_gm=lambda args: [], num_forward_outputs=0, primal_infos=[], tangent_infos=[],
-        sends={FORWARD: [], BACKWARD: []},
+        graph=SimpleNamespace(inputs=[], outputs=[], recvs=[]), forward_gm=programs["forward"],
+        backward_gm=programs["backward"], run=programs.__getitem__, num_forward_outputs=0, primal_infos=[],
+        tangent_infos=[], sends={FORWARD: [], BACKWARD: []},
     )
 
 
