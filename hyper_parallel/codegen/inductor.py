@@ -103,8 +103,16 @@ class InductorRegion(torch.nn.Module):
         reused = compiled is not None
         started = time.perf_counter()
         if compiled is None:
-            with _host_lock(cache_key):
-                compiled = compat.inductor_compile(self.region_gm, list(args))
+            try:
+                with _host_lock(cache_key):
+                    compiled = compat.inductor_compile(self.region_gm, list(args))
+            except Exception as exc:  # noqa: BLE001 - any Inductor failure: name the region and the way out
+                raise RuntimeError(
+                    f"codegen='inductor': Inductor could not compile {self.label} ({type(exc).__name__}: "
+                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). Inductor needs a C++ "
+                    "compiler on CPU and Triton on GPU; parallelize(..., codegen='eager') runs the same "
+                    "program op by op. The region's graph:\n" + self.region_gm.code.strip()
+                ) from exc
             _CACHE[cache_key] = compiled
             _STATS.compiled += 1
         else:

@@ -156,3 +156,20 @@ def test_codegen_option_is_checked():
     assert check_codegen("inductor") == "inductor"
     with pytest.raises(ValueError, match=r"codegen='triton'.*\['eager', 'inductor'\]"):
         check_codegen("triton")
+
+
+def test_an_inductor_failure_names_the_region_and_the_way_out(monkeypatch):
+    from hyper_parallel import compat
+
+    def fail(gm, inputs):
+        raise OSError("g++: command not found")
+
+    monkeypatch.setattr(compat, "inductor_compile", fail)
+    g = GraphBuilder()
+    x = g.input("x", 3, 5)  # a shape no other test compiles: not in the region cache
+    y = g(aten.mul.Tensor, x, x)
+    gm = g.module(g(aten.cos.default, y))
+    (region,) = cut_regions(gm.graph)
+    with pytest.raises(RuntimeError, match=r"(?s)Inductor could not compile forward\.region0 \(OSError: g\+\+: "
+                                           r"command not found\).*codegen='eager'.*aten\.cos"):
+        InductorRegion(region_graph_module(region, gm), "forward.region0")(torch.randn(3, 5))
