@@ -43,7 +43,14 @@ def _is_issue(node: torch.fx.Node) -> bool:
 def hold_collective_inputs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Insert a :func:`release_after_wait` after each wait of a collective issued in ``gm`` (in place;
     idempotent). Collectives waited in another program (none today) are left as they are."""
-    graph = gm.graph
+    if hold_in_graph(gm.graph):
+        gm.recompile()
+    return gm
+
+
+def hold_in_graph(graph: torch.fx.Graph) -> bool:
+    """:func:`hold_collective_inputs` on a graph not yet in a GraphModule (partition builds the
+    module after, which generates its code once); whether it changed anything."""
     changed = False
     for node in list(graph.nodes):
         if not _is_issue(node):
@@ -61,5 +68,4 @@ def hold_collective_inputs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         changed = True
     if changed:
         graph.lint()
-        gm.recompile()
-    return gm
+    return changed

@@ -27,7 +27,7 @@ import torch
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, phases_of
-from .collective_inputs import hold_collective_inputs, release_after_wait
+from .collective_inputs import hold_in_graph, release_after_wait
 
 
 def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Node:
@@ -105,9 +105,11 @@ def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
             benv[node].meta = node.meta
     bwd.output(tuple(benv[g] if isinstance(g, torch.fx.Node) else g for g in grads))
     _eliminate_dead_code(bwd)
-    # Each collective's input lives until its wait (runtime/collective_inputs.py).
-    return (hold_collective_inputs(torch.fx.GraphModule(joint, fwd)),
-            hold_collective_inputs(torch.fx.GraphModule(joint, bwd)), len(saved))
+    # Each collective's input lives until its wait (runtime/collective_inputs.py); held in the
+    # graphs before the modules generate their code, so each program's code is generated once.
+    hold_in_graph(fwd)
+    hold_in_graph(bwd)
+    return torch.fx.GraphModule(joint, fwd), torch.fx.GraphModule(joint, bwd), len(saved)
 
 
 class BackwardSplit(NamedTuple):
@@ -195,9 +197,11 @@ def split_backward(bwd: torch.fx.GraphModule, weight_outputs) -> BackwardSplit:
     w_graph.output(tuple(wenv[outputs[i]] if isinstance(outputs[i], torch.fx.Node) else outputs[i]
                          for i in weight_outputs))
     _eliminate_dead_code(w_graph)
+    hold_in_graph(b_graph)
+    hold_in_graph(w_graph)
     return BackwardSplit(
-        input_gm=hold_collective_inputs(torch.fx.GraphModule(bwd, b_graph)),
-        weight_gm=hold_collective_inputs(torch.fx.GraphModule(bwd, w_graph)),
+        input_gm=torch.fx.GraphModule(bwd, b_graph),
+        weight_gm=torch.fx.GraphModule(bwd, w_graph),
         input_outputs=tuple(other), weight_outputs=tuple(weight_outputs), input_args=tuple(read),
         weight_args=tuple(placeholders.index(n) for n in w_inputs),
     )
