@@ -11,6 +11,12 @@ taken as the slowest rank's. The hidden size is small (``--hidden 64``) so the c
 is what is timed. Before the measured depths one throw-away compile (1 layer) absorbs one-time
 costs (imports, dispatcher caches), which would otherwise be charged to the first depth.
 Each depth is compiled ``--repeats`` times (fresh model each time); the median is reported.
+
+``--codegen inductor`` times what Inductor adds: a timed call is then forward + backward (backward's
+regions compile on its first run), the in-process region cache is cleared before each model, and
+the regions Inductor compiled and those it reused (a repeated layer) are reported per depth. Give
+each depth its own run with ``--fresh-inductor-cache`` (a new ``TORCHINDUCTOR_CACHE_DIR``) so no
+depth finds another's kernels on disk.
 Prints one JSON object, then a table: seconds per depth, seconds per layer, and the ratio to linear
 scaling from the smallest depth (``t(L) / (t(L0) * L / L0)``; 1.0 = linear, > 1 superlinear; below 1
 when a fixed per-compile cost dominates the small depth), and the marginal seconds per added layer
@@ -33,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import hyper_parallel as hp  # noqa: E402
 from _harness import launch  # noqa: E402
+from hyper_parallel.codegen.inductor import cache_stats, clear_cache  # noqa: E402
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from hyper_parallel.models.plans import llama_tp_plan  # noqa: E402
 
@@ -46,14 +53,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1, help="compiles per depth (median reported)")
+    p.add_argument("--codegen", choices=["eager", "inductor"], default="eager",
+                   help="parallelize(codegen=...); inductor: time forward + backward (module docstring)")
+    p.add_argument("--fresh-inductor-cache", action="store_true",
+                   help="run with a new, empty TORCHINDUCTOR_CACHE_DIR")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
 
-def _timed_forward(model, ids) -> float:
+def _timed_call(model, ids, backward: bool) -> float:
     dist.barrier()
     t0 = time.perf_counter()
-    model(input_ids=ids, labels=ids)
+    loss = model(input_ids=ids, labels=ids)["loss"]
+    if backward:
+        loss.backward()
     return time.perf_counter() - t0
 
 
@@ -64,9 +77,14 @@ def compile_once(num_layers: int, args: argparse.Namespace, mesh) -> dict:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq_len))
-    pm = hp.parallelize(copy.deepcopy(model), llama_tp_plan(), mesh)
-    first = _timed_forward(pm, ids)
-    second = _timed_forward(pm, ids)
+    inductor = args.codegen == "inductor"
+    if inductor:
+        clear_cache()
+    before = cache_stats()
+    pm = hp.parallelize(copy.deepcopy(model), llama_tp_plan(), mesh, codegen=args.codegen)
+    first = _timed_call(pm, ids, inductor)
+    second = _timed_call(pm, ids, inductor)
+    after = cache_stats()
     t = torch.tensor([first, second], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     per_step = pm.compile_summary()["collectives_per_step"]
@@ -78,6 +96,7 @@ def compile_once(num_layers: int, args: argparse.Namespace, mesh) -> dict:
         "compile_s": t[0].item() - t[1].item(),
         "collectives_per_step": num_collectives,
         "graph_nodes": {"forward": len(fwd.graph.nodes), "backward": len(bwd.graph.nodes)},
+        "inductor_regions": {"compiled": after.compiled - before.compiled, "reused": after.reused - before.reused},
     }
 
 
@@ -111,6 +130,7 @@ def run(args: argparse.Namespace) -> dict | None:
         "world_size": world,
         "mesh": {"tp": world},
         "plan": "llama_tp_plan()",
+        "codegen": args.codegen,
         "config": {"hidden": args.hidden, "intermediate": args.intermediate, "seq_len": args.seq_len, "batch": args.batch},
         "warmup_compile_1_layer_s": warm["compile_s"],
         "repeats": args.repeats,
@@ -119,18 +139,24 @@ def run(args: argparse.Namespace) -> dict | None:
 
 
 def print_table(r: dict) -> None:
-    print(f"\ncompile time, llama_tp_plan on tp={r['world_size']}, hidden {r['config']['hidden']} "
+    print(f"\ncompile time (codegen={r['codegen']}), llama_tp_plan on tp={r['world_size']}, hidden {r['config']['hidden']} "
           f"(throw-away 1-layer compile first: {r['warmup_compile_1_layer_s']:.2f} s)")
-    print(f"{'layers':>6}  {'compile s':>9}  {'s/layer':>7}  {'vs linear':>9}  {'marginal s/layer':>16}  {'collectives':>11}  {'fwd+bwd nodes':>13}")
+    print(f"{'layers':>6}  {'compile s':>9}  {'s/layer':>7}  {'vs linear':>9}  {'marginal s/layer':>16}  {'collectives':>11}  "
+          f"{'fwd+bwd nodes':>13}  {'regions compiled/reused':>23}")
     for layers, e in r["by_layers"].items():
         nodes = e["graph_nodes"]["forward"] + e["graph_nodes"]["backward"]
         marginal = "-" if e["marginal_s_per_layer"] is None else f"{e['marginal_s_per_layer']:.3f}"
+        regions = f"{e['inductor_regions']['compiled']}/{e['inductor_regions']['reused']}"
         print(f"{layers:>6}  {e['compile_s']:>9.2f}  {e['s_per_layer']:>7.3f}  {e['ratio_to_linear']:>9.2f}  {marginal:>16}  "
-              f"{e['collectives_per_step']:>11}  {nodes:>13}")
+              f"{e['collectives_per_step']:>11}  {nodes:>13}  {regions:>23}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.fresh_inductor_cache:  # read by the workers' Inductor (spawned after this)
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor_cache_")
     launch(run, print_table, args, args.tp)
 
 

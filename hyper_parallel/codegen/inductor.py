@@ -55,6 +55,12 @@ def cache_stats() -> CacheStats:
     return dataclasses.replace(_STATS)
 
 
+def clear_cache() -> None:
+    """Forget this process's compiled regions (benchmarks timing a cold compile per model; the
+    on-disk cache is Inductor's, under ``TORCHINDUCTOR_CACHE_DIR``)."""
+    _CACHE.clear()
+
+
 def _arg_key(args) -> tuple:
     return tuple(
         (tuple(a.shape), a.stride(), a.dtype, a.device, a.storage_offset()) if isinstance(a, torch.Tensor) else repr(a)
