@@ -11,16 +11,14 @@ passes wrote); ``<phase>.inductor.py`` shows the generated program around the re
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
 
 from .. import compat
+from ..progress import Progress
 from .inductor import InductorRegion, cache_stats
 from .regions import cut_regions, outline, region_graph_module
-
-log = logging.getLogger("hyper_parallel.progress")
 
 CODEGENS = ("eager", "inductor")
 # A region with fewer ops that do work than this stays as eager ops: one mm or one view is already
@@ -37,23 +35,14 @@ def check_codegen(value) -> str:
 
 class GeneratedProgram:
     """A program with its compute regions as Inductor kernels; called as the program it replaces
-    (the same arguments and calling convention). After its first call (when its regions compile)
-    rank 0 logs one progress line: regions compiled, reused from the cache, seconds."""
+    (the same arguments and calling convention; ``gm`` is its GraphModule). After its first call
+    (when its regions compile) rank 0 logs one progress line: regions compiled, reused, seconds."""
 
-    def __init__(self, gm: torch.fx.GraphModule, label: str, regions: int, on_first_call=None):
+    def __init__(self, gm: torch.fx.GraphModule, label: str, regions: int):
         self.gm = gm
         self.label = label
         self.regions = regions
         self._first = True
-        self._on_first_call = on_first_call
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        return self.gm.graph
-
-    @property
-    def code(self) -> str:
-        return self.gm.code
 
     def __call__(self, *args):
         if not self._first:
@@ -62,22 +51,11 @@ class GeneratedProgram:
         result = self.gm(*args)
         self._first = False
         after = cache_stats()
-        if self._on_first_call is not None:
-            self._on_first_call(self, after.compiled - before.compiled, after.reused - before.reused,
-                                time.perf_counter() - started)
+        Progress(f"inductor {self.label}").record(
+            "first call", time.perf_counter() - started,
+            f"{self.regions} regions, {after.compiled - before.compiled} compiled, "
+            f"{after.reused - before.reused} reused from the cache")
         return result
-
-
-def _log_first_call(program: GeneratedProgram, compiled: int, reused: int, seconds: float) -> None:
-    if _rank() == 0:
-        log.info("inductor: %s: %d regions, %d compiled, %d reused from the cache, first call %.2f s",
-                 program.label, program.regions, compiled, reused, seconds)
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def generate(gm: torch.fx.GraphModule, label: str, dumper=None) -> GeneratedProgram:
@@ -105,4 +83,4 @@ def generate(gm: torch.fx.GraphModule, label: str, dumper=None) -> GeneratedProg
     if dumper is not None:
         dumper.text(f"{label}.inductor.py", generated.print_readable(print_output=False, include_stride=False,
                                                                      include_device=False))
-    return GeneratedProgram(generated, label, outlined, _log_first_call)
+    return GeneratedProgram(generated, label, outlined)

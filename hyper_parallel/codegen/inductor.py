@@ -43,7 +43,6 @@ from .. import compat
 class CacheStats:
     compiled: int = 0  # regions Inductor compiled in this process
     reused: int = 0  # regions served from the in-process cache (a repeated block)
-    seconds: float = 0.0  # spent in Inductor
 
 
 _CACHE: dict[tuple, object] = {}
@@ -124,7 +123,6 @@ class InductorRegion(torch.nn.Module):
         else:
             _STATS.reused += 1
         seconds = time.perf_counter() - started
-        _STATS.seconds += seconds
         self._compiled[key] = compiled
         if self.on_compile is not None:
             self.on_compile(self.label, self.region_gm, compiled, seconds, reused)

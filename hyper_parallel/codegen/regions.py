@@ -22,12 +22,14 @@ Nothing here knows about Inductor (codegen/inductor.py does).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 
 import torch
 
 from .. import compat
+from ..ir.ops import aliases_input
 
 
 @dataclasses.dataclass
@@ -41,7 +43,7 @@ class Region:
     @property
     def work(self) -> int:
         """Ops that do work (not views, not ``getitem``): what makes a region worth compiling."""
-        return sum(1 for n in self.nodes if not _is_view(n) and n.target is not operator.getitem)
+        return sum(1 for n in self.nodes if not aliases_input(n.target) and n.target is not operator.getitem)
 
 
 def _tensor_vals(val) -> bool:
@@ -50,14 +52,6 @@ def _tensor_vals(val) -> bool:
     if isinstance(val, (tuple, list)) and val:
         return all(v is None or isinstance(v, torch.Tensor) for v in val)
     return False
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    info = schema.returns[0].alias_info
-    return info is not None and not info.is_write
 
 
 def _devices(node: torch.fx.Node) -> set:
@@ -83,10 +77,7 @@ def is_compute(node: torch.fx.Node) -> bool:
         return isinstance(source, torch.fx.Node) and is_compute(source)
     if not isinstance(target, compat.OpOverload) or target.namespace not in ("aten", "prims"):
         return False
-    schema = target._schema
-    if schema.is_mutable or any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags and not _without_dropout(node):
+    if compat.is_mutating_op(target) or (compat.is_random_op(target) and not _without_dropout(node)):
         return False
     if not _tensor_vals(node.meta.get("val")):
         return False
@@ -157,8 +148,6 @@ def outline(gm: torch.fx.GraphModule, regions: list[Region], make_module) -> tor
     ``make_module(index, region)`` returns a module replaced by one ``call_module`` node of it
     (named ``region<index>``) and ``getitem`` of its outputs; regions it returns None for stay as
     they are. The copy's other nodes are ``gm``'s, in the same order."""
-    import copy
-
     graph = copy.deepcopy(gm.graph)  # the calling convention (boxed) and node meta come with it
     by_name = {n.name: n for n in graph.nodes}
     root = torch.nn.Module()
