@@ -110,12 +110,23 @@ def test_fsdp_bf16_mixed_precision_on_transformers_llama(dist2, tmp_path):
         assert all(count > 0 for count in r["regions"]), r["regions"]
 
 
-def test_tensor_and_sequence_parallel_parity(dist2):
-    results = dist2.run(run_parity, "llama", "sp", (2,), ("tp",), ignore_fraction=0.3,
+def _compiled_region_dumps(root) -> list[str]:
+    """Region dumps are written when Inductor compiles a region, i.e. when the program ran it."""
+    return glob.glob(os.path.join(str(root), "**", "inductor.*region*.py"), recursive=True)
+
+
+def test_tensor_and_sequence_parallel_parity(dist2, tmp_path):
+    results = dist2.run(run_parity, "llama", "sp", (2,), ("tp",), ignore_fraction=0.3, dump_dir=str(tmp_path),
                         model_overrides={"num_hidden_layers": 2}, parallelize_options=INDUCTOR)
     assert results[0]["summary"]["fallbacks"] == []
+    assert _compiled_region_dumps(tmp_path)
 
 
-def test_pipeline_two_stages_parity(dist2):
+def test_pipeline_two_stages_parity(dist2, tmp_path):
     plan = {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B", "num_microbatches": 2}}
-    dist2.run(run_pipeline_parity, plan, (2,), ("pp",), num_layers=2, parallelize_options=INDUCTOR)
+    dist2.run(run_pipeline_parity, plan, (2,), ("pp",), num_layers=2, dump_dir=str(tmp_path),
+              parallelize_options=INDUCTOR)
+    # Each stage's forward and backward ran as Inductor regions (not the eager GraphModules).
+    dumped = {os.path.basename(f).split(".region")[0] for f in _compiled_region_dumps(tmp_path)}
+    assert {"inductor.stage0.forward", "inductor.stage0.backward", "inductor.stage1.forward",
+            "inductor.stage1.backward"} <= dumped, dumped
