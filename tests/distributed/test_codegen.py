@@ -19,7 +19,7 @@ import torch.distributed as dist
 import hyper_parallel as hp
 from hyper_parallel.codegen.inductor import InductorRegion
 from hyper_parallel.testing.parity import (
-    assert_matches_bf16_reference, assert_same_step, bf16_reference_step, build_model, build_plan,
+    assert_matches_bf16_reference, assert_same_step, bf16_reference_step, build_model,
     global_batch, local_batch, run_parity, run_pipeline_parity,
 )
 
