@@ -105,15 +105,24 @@ def step(model, opt, batch) -> torch.Tensor:
     return loss.detach()
 
 
+def device_sync() -> None:
+    """Wait for the GPU's queued kernels (a no-op on CPU), so a step's time is its kernels' too."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def timed_step(model, opt, batch) -> float:
     dist.barrier()
+    device_sync()
     t0 = time.perf_counter()
     step(model, opt, batch)
+    device_sync()
     return time.perf_counter() - t0
 
 
 def slowest_rank(times: list[float]) -> list[float]:
-    t = torch.tensor(times, dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 

@@ -28,8 +28,12 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
 from torch.fx.experimental.symbolic_shapes import (  # noqa: F401
     GuardOnDataDependentSymNode,
     ShapeEnv,
-    optimization_hint,
 )
+
+try:  # torch 2.13
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+except ImportError:  # torch 2.11/2.12 (the lent GPU machines' image) had it as size_hint
+    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # noqa: F401
 
 # Raised when code traced on data-dependent sizes branches on them or makes a value-sized output.
