@@ -21,13 +21,16 @@ from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, MLP, llama_tp_p
 
 
 def build_model(name: str, seed: int = 0, **overrides):
-    """"mlp", "llama" (our example, 4 layers unless overridden), "moe" (our example mixture of
-    experts), "hf_llama", "hf_gpt2" or "hf:<Architecture>" (transformers, tiny: models/hf_zoo.py)."""
+    """"mlp", "llama" (our example, 2 layers unless overridden), "moe" (our example mixture of
+    experts), "hf_llama", "hf_gpt2" or "hf:<Architecture>" (transformers, tiny: models/hf_zoo.py).
+
+    Two layers by default: a repeated layer (and a layer after another) is all most plans need to
+    show, and compile time grows with depth; tests that schedule across units ask for more."""
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP(**overrides)
     if name == "llama":
-        return LlamaForCausalLM(LlamaConfig(**overrides))
+        return LlamaForCausalLM(LlamaConfig(**{"num_hidden_layers": 2, **overrides}))
     if name == "moe":
         from hyper_parallel.models.moe import MoEConfig, MoEForCausalLM
 

@@ -11,9 +11,9 @@ import torch.distributed as dist
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import build_model, global_batch, run_parity
 
-LAYERS = 4
+LAYERS = 2  # build_model("llama")'s default depth
 UNITS = LAYERS + 1  # model.layers.* and the root (embedding, final norm, lm_head)
-PARAM_BYTES = 180_800 * 4  # the example Llama's parameters, fp32
+PARAM_BYTES = 106_816 * 4  # the example Llama's parameters at 2 layers, fp32
 EMBEDDING_BYTES = 256 * 64 * 4  # not needed by backward: never re-gathered there
 
 
@@ -365,7 +365,7 @@ def test_uneven_shards_are_padded(dist4):
 
 def explicit_prefetch_and_reduce_op():
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    reference = build_model("llama")
+    reference = build_model("llama", num_hidden_layers=3)  # layer 0 prefetches layers 1 and 2
     model = copy.deepcopy(reference)
     layers = model.model.layers
     for layer in layers:

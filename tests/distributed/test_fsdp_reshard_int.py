@@ -12,9 +12,9 @@ import torch.distributed as dist
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
-LAYERS = 4
+LAYERS = 2  # build_model("llama")'s default depth
 UNITS = LAYERS + 1  # model.layers.* and the root (embedding, final norm, lm_head)
-PARAM_BYTES = 180_800 * 4  # the example Llama's parameters, fp32
+PARAM_BYTES = 106_816 * 4  # the example Llama's parameters at 2 layers, fp32
 EMBEDDING_BYTES = 256 * 64 * 4  # not needed by backward: never re-gathered there
 UNIT_PLAN = ("model.layers.*", "")
 

@@ -128,7 +128,7 @@ def _auto_split_report():
     from hyper_parallel.testing.parity import build_model, global_batch
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    model = build_model("llama", vocab_size=8192, hidden_size=64, intermediate_size=256)
+    model = build_model("llama", num_hidden_layers=4, vocab_size=8192, hidden_size=64, intermediate_size=256)
     pmodel = hp.parallelize(model, {"pipeline": _pipeline("auto", "GPipe", 2)}, mesh)
     pmodel.step(global_batch("llama", 8, 16))
     return pmodel.compile_summary()["auto_split"]
@@ -138,7 +138,8 @@ def _parallelize_error(plan, mesh_shape=(2,), names=("pp",), batch=8):
     from hyper_parallel.testing.parity import build_model, global_batch
 
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    return error_message(lambda: hp.parallelize(build_model("llama"), plan, mesh).step(global_batch("llama", batch, 16)))
+    model = build_model("llama", num_hidden_layers=4)
+    return error_message(lambda: hp.parallelize(model, plan, mesh).step(global_batch("llama", batch, 16)))
 
 
 @pytest.mark.parametrize("plan, batch, expected", [
@@ -202,7 +203,7 @@ def _flag_error():
 
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     plan = {"pipeline": _pipeline(["model.layers.2"], "1F1B", 2), "fully_shard": {"units": ["model.layers.*", ""]}}
-    pmodel = hp.parallelize(build_model("llama"), plan, mesh)
+    pmodel = hp.parallelize(build_model("llama", num_hidden_layers=4), plan, mesh)
     pmodel.set_requires_gradient_sync(False)
     return error_message(pmodel.step, global_batch("llama", 4, 16))
 

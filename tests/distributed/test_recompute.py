@@ -6,7 +6,7 @@ import pytest
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import run_parity
 
-LAYERS = 4
+LAYERS = 2  # build_model("llama")'s default depth
 LAYER_MODULES = [f"model.layers.{i}" for i in range(LAYERS)]
 
 
@@ -39,10 +39,21 @@ PLANS = {
 }
 
 
+_SUMMARIES: dict = {}
+
+
+def _dp_summary(pool, name: str) -> dict:
+    """The compile summary of ``PLANS[name]`` on 2 data-parallel ranks, after run_parity has
+    checked the loss and every gradient against one device (on the workers). Computed once per
+    session: several tests read the same plan's summary."""
+    if name not in _SUMMARIES:
+        _SUMMARIES[name] = pool.run(run_parity, "llama", PLANS[name], (2,), ("dp",))[0]["summary"]
+    return _SUMMARIES[name]
+
+
 @pytest.mark.parametrize("policy", ["full", "selective", "policy"])
 def test_recompute_parity_and_saved_set(dist2, policy):
-    none = dist2.run(run_parity, "llama", PLANS["none"], (2,), ("dp",))[0]["summary"]
-    summary = dist2.run(run_parity, "llama", PLANS[policy], (2,), ("dp",))[0]["summary"]
+    none, summary = _dp_summary(dist2, "none"), _dp_summary(dist2, policy)
     saved, baseline = _layer_activations(summary), _layer_activations(none)
     total = lambda table: sum(v["bytes"] for v in table.values())  # noqa: E731
     assert total(saved) < total(baseline)
@@ -73,9 +84,7 @@ def test_recompute_with_fsdp_and_tensor_parallel(dist4):
 def test_policy_callable_and_swap(dist2):
     """A torch-style per-op policy keeping only matmuls, and swap regions (per tensor and grouped):
     parity, and the swapped values cross to backward as host copies."""
-    none = dist2.run(run_parity, "llama", PLANS["none"], (2,), ("dp",))[0]["summary"]
-    policy = dist2.run(run_parity, "llama", PLANS["policy"], (2,), ("dp",))[0]["summary"]
-    selective = dist2.run(run_parity, "llama", PLANS["selective"], (2,), ("dp",))[0]["summary"]
+    none, policy, selective = (_dp_summary(dist2, name) for name in ("none", "policy", "selective"))
     # Keeping only matmuls keeps less than selective (which also keeps attention outputs).
     total = lambda summary: sum(v["bytes"] for v in _layer_activations(summary).values())  # noqa: E731
     assert 0 < total(policy) < total(selective) < total(none)

@@ -22,7 +22,7 @@ def _split(split_point: str, tie: bool = False):
     mesh = hp.init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))
     plan = {"pipeline": {"split_points": [split_point], "schedule": "Interleaved1F1B", "stages_per_rank": 2,
                          "num_microbatches": 2}}
-    model = build_model("llama", tie_word_embeddings=tie)
+    model = build_model("llama", num_hidden_layers=4, tie_word_embeddings=tie)
     reference_loss = model(**global_batch("llama", 4, 16))["loss"].item()
     pmodel = hp.parallelize(model, plan, mesh)
     try:
