@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.runtime.host_copies import pending_copies
@@ -22,7 +21,7 @@ from hyper_parallel.testing.parity import build_model, global_batch
 pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest)
 
 DEVICE = "cuda"
-MODEL = {"hidden_size": 256, "intermediate_size": 512}
+MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
 PLANS = {
     "none": {},
     "selective": {"recompute": {"model.layers.*": "selective"}},
@@ -31,15 +30,6 @@ PLANS = {
     "swap_grouped": {"swap": {"model.layers.*": {"group_swap": True}}},
 }
 TOLERANCE = 0.10
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
-    yield hp.init_device_mesh(DEVICE, (1,), mesh_dim_names=("dp",))
-    dist.destroy_process_group()
 
 
 def _batch(step: int, batch: int = 8, seq_len: int = 128) -> dict:

@@ -21,7 +21,6 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.codegen.inductor import InductorRegion
@@ -33,15 +32,6 @@ pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest)
 
 DEVICE = "cuda"
 MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2}
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
-    yield hp.init_device_mesh(DEVICE, (1,), mesh_dim_names=("dp",))
-    dist.destroy_process_group()
 
 
 def _batch(model_name: str, step: int) -> dict:
