@@ -113,18 +113,13 @@ def test_estimator_matches_max_memory_allocated(mesh, record_property):
     assert fb["swap"] < fb["none"], fb
 
 
-def test_swap_copies_run_on_a_side_stream(mesh, tmp_path):
+def test_swap_copies_run_on_a_side_stream(mesh, tmp_path, profiled_step_events):
     """The profiler sees every device<->host copy of the swap plan on a stream other than the one
     the compute kernels run on, and backward leaves no copy un-waited."""
     pmodel = hp.parallelize(build_model("llama", **MODEL).to(DEVICE), PLANS["swap"], mesh)
     batch = _batch(0)
     pmodel(**batch)["loss"].backward()  # compile outside the profile
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        pmodel(**batch)["loss"].backward()
-        torch.cuda.synchronize()
-    trace_path = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(trace_path))
-    events = json.loads(trace_path.read_text())["traceEvents"]
+    events = profiled_step_events(pmodel, batch, tmp_path / "trace.json")
     kernels: dict = {}
     for e in events:
         if e.get("cat") == "kernel" and not e["name"].startswith("nccl"):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import copy
 import glob
-import json
-import os
 
 import pytest
 import torch
@@ -94,19 +92,13 @@ def test_fsdp_bf16_mixed_precision_tracks_eager(mesh, tmp_path):
             o.zero_grad()
 
 
-def test_generated_kernels_run_in_the_step(mesh, tmp_path):
+def test_generated_kernels_run_in_the_step(mesh, tmp_path, profiled_step_events):
     """A profiled step runs Triton kernels (Inductor's), not only aten's."""
     master = build_model("llama", **MODEL).to(DEVICE)
     model = _fsdp(master, mesh, False, "")
     batch = _batch("llama", 0)
     model(**batch)["loss"].backward()  # compiles outside the profile
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        model(**batch)["loss"].backward()
-        torch.cuda.synchronize()
-    trace = tmp_path / "trace.json"
-    prof.export_chrome_trace(str(trace))
-    names = [e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    events = profiled_step_events(model, batch, tmp_path / "trace.json")
+    names = [e["name"] for e in events if e.get("cat") == "kernel"]
     triton = [n for n in names if n.startswith("triton_")]
     assert triton, f"no Triton kernel ran; kernels: {sorted(set(names))[:20]}"
-    if os.environ.get("HP_GPU_TRACE_OUT"):  # the device script keeps the trace for the notes
-        prof.export_chrome_trace(os.environ["HP_GPU_TRACE_OUT"])
