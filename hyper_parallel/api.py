@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from . import compat, options
 from .codegen import check_codegen
+from .compile.repeated_blocks import check_option as check_repeated_blocks
 from .compile.driver import current_rank
 from .compile.options import CompileOptions
 from .fsdp.fully_shard import link_units_to_root
@@ -65,6 +66,7 @@ def parallelize(
     recompile_limit: int = 8,
     fail_on_recompile_limit: bool = False,
     codegen: str = "eager",
+    repeated_blocks: str | None = None,
 ) -> nn.Module:
     """Make ``model`` a distributed training program for ``plan`` on ``mesh`` (see docs/architecture.md §1).
 
@@ -94,6 +96,10 @@ def parallelize(
     ``codegen``: how each rank's programs run: ``"eager"`` (default), op by op, or ``"inductor"``:
     the compute between collectives as Inductor-generated kernels (compiled on the first step),
     collectives and the passes' schedule unchanged (docs/codegen.md).
+    ``repeated_blocks``: ``"auto"`` or the FQN of a ModuleList of identical blocks
+    (``"model.layers"``): capture traces two of its blocks and writes the others as their copies,
+    which makes a deep model's compile several times faster; the graph is the one a trace of every
+    block gives (docs/codegen.md#compile-time). None (default): every block is traced.
 
     Before distributing anything the ranks check that they resolved the same plan and options
     (a ValueError on every rank naming the difference, not a hang); every call likewise checks
@@ -110,6 +116,7 @@ def parallelize(
         raise TypeError(f"fail_on_recompile_limit is True or False, got {fail_on_recompile_limit!r}")
     check_disabled_passes(disable_passes)
     codegen = check_codegen(codegen)
+    repeated_blocks = check_repeated_blocks(repeated_blocks, model)
     enable_default_logging()
     if mesh is None:
         raise ValueError("parallelize needs a mesh: hp.init_device_mesh('cpu', (2,), mesh_dim_names=('dp',))")
@@ -128,7 +135,7 @@ def parallelize(
                               reductions_in_flight=reductions_in_flight,
                               bucket_cap_mb=bucket_cap_mb, disable_passes=sorted(disable_passes),
                               check_inputs=check_inputs, timeout=timeout, loss_fn=loss_fn is not None,
-                              codegen=codegen)
+                              codegen=codegen, repeated_blocks=repeated_blocks)
     agree(resolution.full_mesh, f"parallelize({type(model).__name__})",
           digest_of(settings), lambda: settings, timeout=timeout)
     dump_source = "dump_dir" if dump_dir else "HYPER_PARALLEL_DUMP_DIR"
@@ -143,7 +150,7 @@ def parallelize(
         reductions_in_flight=reductions_in_flight,
         gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), memory_budget_bytes=memory_budget_bytes,
         check_inputs=check_inputs, timeout=timeout, recompile_limit=recompile_limit,
-        fail_on_recompile_limit=fail_on_recompile_limit, codegen=codegen,
+        fail_on_recompile_limit=fail_on_recompile_limit, codegen=codegen, repeated_blocks=repeated_blocks,
     )
     model._hp = ParallelState(resolved, mesh, original_cls, list(model.parameters()), compile_options,
                               activation=activation, plan_swap=resolution.plan.swap)

@@ -295,6 +295,11 @@ def is_capturing() -> bool:
     return _CAPTURING[0]
 
 
+def forget_annotated_regions() -> None:
+    """Drop the regions recorded so far in this capture (a trace that was abandoned)."""
+    _ANNOTATED.clear()
+
+
 def annotated_regions() -> dict[str, Region]:
     """The regions the last capture's hp.checkpoint / hp.swap calls marked."""
     return dict(_ANNOTATED)

@@ -29,7 +29,8 @@ from ..compat import pytree
 from ..cp.check import check_attention_stays_sharded
 from .. import compat
 from ..codegen import generate
-from .capture import CapturedGraph, capture, flat_paths, module_fqn_of
+from .capture import CapturedGraph, flat_paths, module_fqn_of
+from .repeated_blocks import capture_blocks_once
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .lower import lower
 from .unplanned import find_unplanned, warn_unplanned
@@ -38,7 +39,8 @@ from ..passes import PassContext, run_passes, run_rewrites
 from ..plan import ResolvedPlan
 from ..progress import Progress
 from ..propagation.engine import PropagationReport, propagate
-from ..recompute import annotated_regions, auto_candidates, capturing, resolve_activation_plan
+from ..recompute import (annotated_regions, auto_candidates, capturing, forget_annotated_regions,
+                         resolve_activation_plan)
 from ..runtime.input_check import index_inputs
 from ..runtime.profiled import Ranges
 from ..runtime.program import CompiledProgram, flatten_placeholders
@@ -186,10 +188,14 @@ def capture_and_lower(
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
     module.__class__, parallel_cls = state.original_cls, module.__class__
     try:
+        started = time.perf_counter()
         with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
-                (wrap_forward() if wrap_forward else contextlib.nullcontext()), progress.phase("capture"):
-            captured = capture(module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts)
+                (wrap_forward() if wrap_forward else contextlib.nullcontext()):
+            captured, traced = capture_blocks_once(
+                module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts,
+                state.options.repeated_blocks, forget_annotated_regions)
             annotated = annotated_regions()
+        progress.record("capture", time.perf_counter() - started, traced)
     finally:
         module.__class__ = parallel_cls
     _name_tied_parameters(captured, module)

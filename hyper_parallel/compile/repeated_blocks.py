@@ -1,0 +1,591 @@
+"""Repeated blocks: trace two blocks of a list of identical blocks, write the others as copies.
+
+Tracing is most of a compile and grows with depth: ``torch.export`` and aot_autograd's joint trace
+run through every transformer block although each gives the same graph up to renaming. With
+``parallelize(..., repeated_blocks="auto" | "<ModuleList FQN>")`` capture traces the model with the
+list cut to its first two blocks, then writes blocks 2 .. N-1 into the joint graph as copies of
+block 1 (:func:`instantiate_blocks`). The result is the joint graph a trace of all N blocks gives:
+the same nodes, names, order, module stacks, source lines and autograd sequence numbers
+(``tests/unit/test_repeated_blocks.py`` compares the two node by node, and the compiled dumps
+byte for byte). Propagation, lowering and the passes then run on it as on any capture.
+
+The copies are exact when:
+
+* the blocks are one class with the same parameters and buffers (names, shapes, dtypes), the same
+  submodule classes and the same plain attributes, where an attribute may differ only by holding
+  the block's own index (transformers' ``layer_idx``); no block holds hooks, shares a parameter
+  with another, or is planned differently from block 1 (:func:`find_repeated_blocks`);
+* in the two-block trace, blocks 0 and 1 correspond node for node, forward and backward: the same
+  ops, constants (up to the block index), shapes, module stacks and source lines, the same shared
+  inputs (rotary tables, masks), differing only in their own parameters and in where their chained
+  values come from: the hidden state from the block before, its gradient from the block after
+  (:func:`_correspondence`);
+* nothing outside the blocks runs between two of them, or reads a block other than the last
+  (forward) or the first (backward).
+
+When any of this fails the compile traces every block, as without the option, and the INFO log
+says why. Not checked, and the reason the option is not on by default: code outside the blocks
+that computes with their number (``len(self.layers)`` in a formula).
+
+Reads: the model, the two-block :class:`~.capture.CapturedGraph`. Writes: a new CapturedGraph of
+all blocks (the two-block one is not changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from ..compat import pytree
+from ..ir.kinds import InputKind, OutputKind
+from .capture import CapturedGraph, capture, module_fqn_of
+
+log = logging.getLogger(__name__)
+
+TRACED = 2  # blocks traced: block 0, and block 1 as the template of the others
+
+_SIMPLE = (int, float, str, bool, type(None))
+
+
+@dataclasses.dataclass(frozen=True)
+class RepeatedBlocks:
+    """The ModuleList whose blocks are traced two and copied: its FQN and its length."""
+
+    prefix: str
+    count: int
+
+
+class BlocksDiffer(Exception):
+    """Why the traced blocks cannot stand for the others; the compile then traces them all."""
+
+
+def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries, experts, option,
+                        forget_annotations: Callable[[], None]) -> tuple[CapturedGraph, str]:
+    """:func:`~.capture.capture`, tracing two blocks of the repeated list and copying the rest when
+    ``option`` (``parallelize``'s ``repeated_blocks``) asks and the blocks qualify; else, or when
+    the two traced blocks do not correspond, every block (logged at INFO with the reason). The
+    second value says what was traced, for the progress line. ``forget_annotations`` drops the
+    hp.checkpoint / hp.swap regions the abandoned two-block trace recorded."""
+    if option is None:
+        return capture(model, args, kwargs, boundaries, experts), ""
+    blocks, why = find_repeated_blocks(model, option, boundaries)
+    if blocks is not None and experts:
+        blocks, why = None, "expert-parallel regions are traced block by block"
+    if blocks is not None:
+        traced_boundaries = {fqn: cons for fqn, cons in (boundaries or {}).items()
+                             if (_block_index(fqn, blocks.prefix) or 0) < TRACED}
+        with first_blocks_only(model, blocks):
+            two = capture(model, args, kwargs, traced_boundaries, experts)
+        try:
+            return instantiate_blocks(two, blocks), f"{TRACED} of {blocks.count} blocks of {blocks.prefix} traced"
+        except BlocksDiffer as exc:
+            why = f"{blocks.prefix}: {exc}"
+            forget_annotations()
+    log.info("repeated_blocks=%r: tracing every block: %s", option, why)
+    return capture(model, args, kwargs, boundaries, experts), ""
+
+
+def check_option(value, model: nn.Module):
+    """``repeated_blocks`` as ``parallelize`` accepts it: None, ``"auto"`` or a ModuleList's FQN."""
+    if value is None or value == "auto":
+        return value
+    lists = [fqn for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not isinstance(value, str):
+        raise TypeError(f"repeated_blocks is None, 'auto' or the FQN of a ModuleList, got {value!r}")
+    if value not in lists:
+        raise ValueError(
+            f"repeated_blocks={value!r}: {type(model).__name__} has no ModuleList of that name; "
+            f"its ModuleLists are {lists or 'none'}. Pass one of them, 'auto', or None")
+    return value
+
+
+def find_repeated_blocks(model: nn.Module, option, boundaries) -> tuple[RepeatedBlocks | None, str]:
+    """The list to trace two blocks of, or None and why not. ``option``: ``"auto"`` (the
+    ModuleList of identical blocks holding the most parameters) or a ModuleList's FQN;
+    ``boundaries``: the plan's module boundaries (capture's annotations), compared per block."""
+    if option is None:
+        return None, "not asked for"
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if option != "auto":
+        lists = [(fqn, m) for fqn, m in lists if fqn == option]
+    reasons = []
+    found = []
+    for fqn, blocks in lists:
+        why = _why_not_repeated(fqn, list(blocks), boundaries)
+        if why:
+            reasons.append(f"{fqn}: {why}")
+        else:
+            found.append((sum(p.numel() for p in blocks.parameters()), fqn, len(blocks)))
+    if not found:
+        return None, "; ".join(reasons) or "the model has no ModuleList"
+    _, fqn, count = max(found)
+    return RepeatedBlocks(fqn, count), ""
+
+
+@contextlib.contextmanager
+def first_blocks_only(model: nn.Module, blocks: RepeatedBlocks):
+    """The model with its list cut to the first :data:`TRACED` blocks while the block runs."""
+    parent_fqn, _, name = blocks.prefix.rpartition(".")
+    parent = model.get_submodule(parent_fqn)
+    full = getattr(parent, name)
+    parent._modules[name] = nn.ModuleList(list(full)[:TRACED])
+    try:
+        yield
+    finally:
+        parent._modules[name] = full
+
+
+def _why_not_repeated(prefix: str, blocks: list[nn.Module], boundaries) -> str:
+    if len(blocks) <= TRACED:
+        return f"{len(blocks)} blocks: copying pays from {TRACED + 1}"
+    if len({id(b) for b in blocks}) < len(blocks):
+        return "one module appears twice in the list (shared weights)"
+    template = _structure(blocks[1])
+    for i, block in enumerate(blocks):
+        if type(block) is not type(blocks[1]):
+            return f"block {i} is a {type(block).__name__}, block 1 a {type(blocks[1]).__name__}"
+        if _structure(block) != template:
+            return f"block {i}'s submodules, parameters or buffers differ from block 1's"
+        hooked = [name for name, m in block.named_modules()
+                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
+        if hooked:
+            return f"block {i} has hooks on {hooked[0] or 'itself'!r}"
+    attributes = [_attributes(block) for block in blocks]
+    for key in attributes[1]:
+        values = [a.get(key) for a in attributes]
+        if any(v != values[1] for v in values) and values != list(range(len(blocks))):
+            where = ".".join(filter(None, key))
+            return f"attribute {where!r} differs between blocks ({values[0]!r}, {values[1]!r}, ...)"
+    params = {id(p) for b in blocks for p in b.parameters()}
+    if len(params) < sum(1 for b in blocks for _ in b.parameters()):
+        return "blocks share parameters"
+    planned = _planned_boundaries(prefix, 1, boundaries)
+    for i in range(len(blocks)):
+        if _planned_boundaries(prefix, i, boundaries, rename=renamer(prefix, i, 1)) != planned:
+            return f"the plan annotates block {i}'s inputs or outputs unlike block 1's"
+    return ""
+
+
+def _structure(block: nn.Module) -> tuple:
+    """Submodule classes, parameter and buffer names/shapes/dtypes: equal for blocks that trace alike."""
+    modules = tuple((name, type(m)) for name, m in block.named_modules())
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
+    return modules, params, buffers
+
+
+def _attributes(block: nn.Module) -> dict:
+    """(submodule, attribute) -> value of every plain attribute: equal across blocks, or each
+    block's own index (transformers' ``layer_idx``)."""
+    attrs = {}
+    for name, m in block.named_modules():
+        for key, value in vars(m).items():
+            if key.startswith("_") or key == "training":
+                continue
+            if isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)):
+                attrs[(name, key)] = value
+            elif isinstance(value, (torch.dtype, torch.device)):
+                attrs[(name, key)] = str(value)
+    return attrs
+
+
+def _planned_boundaries(prefix: str, index: int, boundaries, rename: Callable[[str], str] | None = None) -> dict:
+    own = f"{prefix}.{index}"
+    return {
+        (rename(fqn) if rename else fqn): (rename(repr(cons)) if rename else repr(cons))
+        for fqn, cons in (boundaries or {}).items()
+        if fqn == own or fqn.startswith(own + ".")
+    }
+
+
+def renamer(prefix: str, src: int, dst: int) -> Callable[[Any], Any]:
+    """Rewrites block ``src``'s names to block ``dst``'s in strings (module paths, stack keys,
+    parameter FQNs, boundary keys); other values pass through."""
+    if src == dst:
+        return lambda value: value
+    pattern = re.compile(r"(?<![A-Za-z0-9.])(" + re.escape(prefix) + r")(\.|\[)" + str(src) + r"(?![0-9])")
+
+    def rename(value):
+        if isinstance(value, str):
+            return pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{dst}", value)
+        return value
+
+    return rename
+
+
+def _rename_meta(meta: dict, rename) -> dict:
+    """A copy of a node's meta for another block: module stacks, annotations and descriptors renamed."""
+    out = dict(meta)
+    for key in ("nn_module_stack", "fwd_nn_module_stack"):
+        stack = meta.get(key)
+        if stack:
+            out[key] = {rename(k): (rename(path), cls) for k, (path, cls) in stack.items()}
+    if isinstance(meta.get("custom"), dict):
+        out["custom"] = {k: rename(v) for k, v in meta["custom"].items()}
+    if "desc" in meta:
+        out["desc"] = _rename_desc(meta["desc"], rename)
+    out.pop("from_node", None)  # provenance of the traced block; a copy has none of its own
+    return out
+
+
+def _rename_desc(desc, rename):
+    """aot_autograd descriptors name parameters by FQN (``ParamAOTInput(target=...)``)."""
+    if isinstance(desc, list):
+        return [_rename_desc(d, rename) for d in desc]
+    if dataclasses.is_dataclass(desc) and not isinstance(desc, type):
+        changes = {}
+        for f in dataclasses.fields(desc):
+            value = getattr(desc, f.name)
+            new = rename(value) if isinstance(value, str) else _rename_desc(value, rename)
+            if new is not value and new != value:
+                changes[f.name] = new
+        return dataclasses.replace(desc, **changes) if changes else desc
+    return desc
+
+
+# --- the two-block trace ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Blocks:
+    """Where blocks 0 and 1 sit in the two-block joint graph."""
+
+    nodes: dict[int, list[fx.Node]]  # block -> its compute nodes, in graph order
+    of: dict[fx.Node, int]  # compute node -> its block
+    params: dict[int, list[int]]  # block -> indices of its parameter/buffer placeholders
+
+
+def _block_index(fqn: str, prefix: str) -> int | None:
+    if fqn == prefix or not fqn.startswith(prefix + "."):
+        return None
+    head = fqn[len(prefix) + 1:].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _locate(captured: CapturedGraph, prefix: str) -> _Blocks:
+    """Each compute node's block: its module's, else (gradient accumulations carry no module) the
+    earliest block its inputs come from."""
+    of: dict[fx.Node, int] = {}
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        index = _block_index(module_fqn_of(node), prefix)
+        if index is None and not (node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")):
+            # A gradient accumulated at a block's input adds the gradient coming from the block
+            # after it: it belongs to the earlier block, whose backward runs next.
+            sources = {of[a] for a in node.all_input_nodes if a in of}
+            index = min(sources) if sources else None
+        if index is not None:
+            of[node] = index
+    nodes: dict[int, list[fx.Node]] = {0: [], 1: []}
+    for node, index in of.items():
+        if index not in nodes:
+            raise BlocksDiffer(f"node {node.name!r} belongs to block {index}, but {TRACED} were traced")
+        nodes[index].append(node)
+    params: dict[int, list[int]] = {0: [], 1: []}
+    for i, info in enumerate(captured.inputs):
+        if info.kind in (InputKind.PARAM, InputKind.BUFFER):
+            index = _block_index(info.name.rsplit(".", 1)[0], prefix)
+            if index is not None:
+                params[index].append(i)
+    return _Blocks(nodes, of, params)
+
+
+def _runs(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[tuple[int, int]]:
+    """[first, last] graph positions of each contiguous run of ``nodes``."""
+    positions = sorted(order[n] for n in nodes)
+    runs = []
+    for p in positions:
+        if runs and p == runs[-1][1] + 1:
+            runs[-1][1] = p
+        else:
+            runs.append([p, p])
+    return [tuple(r) for r in runs]
+
+
+def _check_layout(captured: CapturedGraph, blocks: _Blocks) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Block 0 then block 1 forward, nothing between them; block 1 then block 0 backward, likewise.
+    Returns block 1's (forward run, backward run)."""
+    all_nodes = list(captured.gm.graph.nodes)
+    order = {n: i for i, n in enumerate(all_nodes)}
+    runs0, runs1 = _runs(blocks.nodes[0], order), _runs(blocks.nodes[1], order)
+    if not runs1 or len(runs0) != len(runs1) or len(runs1) > 2:
+        raise BlocksDiffer(f"blocks 0 and 1 are split into {len(runs0)} and {len(runs1)} runs of nodes "
+                           "(other code runs inside them)")
+    if runs0[0][1] + 1 != runs1[0][0]:
+        raise BlocksDiffer("code outside the blocks runs between block 0 and block 1 in forward")
+    if len(runs1) == 2 and runs1[1][1] + 1 != runs0[1][0]:
+        raise BlocksDiffer("code outside the blocks runs between block 1 and block 0 in backward")
+    for a, b in zip(runs0, runs1):
+        if a[1] - a[0] != b[1] - b[0]:
+            raise BlocksDiffer("blocks 0 and 1 have different numbers of nodes")
+    forward = all_nodes[runs1[0][0]:runs1[0][1] + 1]
+    backward = all_nodes[runs1[1][0]:runs1[1][1] + 1] if len(runs1) == 2 else []
+    return forward, backward
+
+
+@dataclasses.dataclass
+class _Correspondence:
+    """Block 0's nodes to block 1's, and the values each takes from outside itself."""
+
+    node: dict[fx.Node, fx.Node]  # block 0 node -> block 1 node
+    # Block 1's input from outside -> ("forward", its block-0 counterpart's node in block 0's
+    # input position) or ("backward", the block-1 node block 0 reads there).
+    chained: dict[fx.Node, tuple[str, fx.Node]]
+
+
+def _correspondence(captured: CapturedGraph, blocks: _Blocks, prefix: str) -> _Correspondence:
+    """Match blocks 0 and 1 node for node (see the module docstring for what must agree)."""
+    rename = renamer(prefix, 0, 1)
+    placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
+    param_of = {placeholders[i]: captured.inputs[i].name for b in (0, 1) for i in blocks.params[b]}
+    param_node = {name: node for node, name in param_of.items()}
+    in0, in1 = set(blocks.nodes[0]), set(blocks.nodes[1])
+    node: dict[fx.Node, fx.Node] = {}
+    chained: dict[fx.Node, tuple[str, fx.Node]] = {}
+
+    def match(x0, x1, where: str) -> None:
+        if isinstance(x0, fx.Node) != isinstance(x1, fx.Node):
+            raise BlocksDiffer(f"{where}: a value in one block is a constant in the other")
+        if not isinstance(x0, fx.Node):
+            if rename(x0) != x1 and not (x0 != x0 and x1 != x1):  # NaN constants are equal here
+                raise BlocksDiffer(f"{where}: constant {x0!r} in block 0, {x1!r} in block 1")
+            return
+        if x0 in in0:
+            if node.get(x0) is not x1:
+                raise BlocksDiffer(f"{where}: inputs from inside the blocks do not correspond")
+        elif x0 in param_of:
+            if param_node.get(rename(param_of[x0])) is not x1:
+                raise BlocksDiffer(f"{where}: block 0 reads {param_of[x0]!r}, block 1 not its counterpart")
+        elif x0 is not x1:
+            if x1 in in0 and x0 not in in1:
+                link = ("forward", x1)
+            elif x0 in in1 and x1 not in in0:
+                link = ("backward", x0)
+            else:
+                raise BlocksDiffer(f"{where}: the blocks read different values from outside "
+                                   f"({x0.name!r} and {x1.name!r}): one value per block (not copyable)")
+            if chained.setdefault(x1, link) != link:
+                raise BlocksDiffer(f"{where}: {x1.name!r} is chained two ways")
+
+    for a, b in zip(blocks.nodes[0], blocks.nodes[1]):
+        where = f"nodes {a.name!r} / {b.name!r}"
+        if a.op != b.op or a.target != b.target:
+            raise BlocksDiffer(f"{where}: {a.target} in block 0, {b.target} in block 1")
+        flat0, spec0 = pytree.tree_flatten((a.args, a.kwargs))
+        flat1, spec1 = pytree.tree_flatten((b.args, b.kwargs))
+        if spec0 != spec1:
+            raise BlocksDiffer(f"{where}: different argument structure")
+        for x0, x1 in zip(flat0, flat1):
+            match(x0, x1, where)
+        _match_meta(a, b, rename, where)
+        node[a] = b
+    return _Correspondence(node, chained)
+
+
+def _match_meta(a: fx.Node, b: fx.Node, rename, where: str) -> None:
+    for key in ("nn_module_stack", "fwd_nn_module_stack"):
+        if _rename_meta({key: a.meta.get(key)}, rename).get(key) != b.meta.get(key):
+            raise BlocksDiffer(f"{where}: module stacks differ")
+    if a.meta.get("stack_trace") != b.meta.get("stack_trace"):
+        raise BlocksDiffer(f"{where}: traced from different source lines")
+    if _rename_meta({"custom": a.meta.get("custom")}, rename).get("custom") != b.meta.get("custom"):
+        raise BlocksDiffer(f"{where}: different annotations (hp.checkpoint / hp.swap regions)")
+    va, vb = a.meta.get("val"), b.meta.get("val")
+    shapes = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
+              for t in pytree.tree_leaves((va, vb))]
+    half = len(shapes) // 2
+    if len(shapes) % 2 or shapes[:half] != shapes[half:]:
+        raise BlocksDiffer(f"{where}: different shapes or dtypes")
+
+
+# --- writing all blocks --------------------------------------------------------------------------
+
+
+def _contiguous_runs(indices: list[int]) -> dict[int, list[int]]:
+    """First index of each run of consecutive ``indices`` -> the run."""
+    runs: dict[int, list[int]] = {}
+    first = None
+    for i in sorted(indices):
+        if first is None or i != runs[first][-1] + 1:
+            first = i
+            runs[first] = []
+        runs[first].append(i)
+    return runs
+
+
+class _SequenceNumbers:
+    """autograd's ``seq_nr`` as a trace of all blocks numbers it (the pipeline split pairs backward
+    nodes with their forward op by it): block 1's numbers shifted by a block's span per copy, later
+    ones by the span of all added blocks."""
+
+    def __init__(self, forward1: list[fx.Node], count: int):
+        numbers = [n.meta["seq_nr"] for n in forward1 if "seq_nr" in n.meta]
+        self.lo, self.hi = (min(numbers), max(numbers)) if numbers else (0, -1)
+        self.span = self.hi - self.lo + 1
+        self.count = count
+
+    def renumber(self, number: int, copy: int | None) -> int:
+        if copy is not None and self.lo <= number <= self.hi:
+            return number + (copy - 1) * self.span
+        if number > self.hi:
+            return number + (self.count - 2) * self.span
+        return number
+
+
+def _check_outside_readers(captured: CapturedGraph, template: set, located: _Blocks,
+                           forward1: list[fx.Node], backward1: list[fx.Node]) -> None:
+    """Outside code may read block 1 only between its forward and its backward (the last block's
+    values after the copies) or from block 0's backward (the first copy's gradients)."""
+    order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
+    start = order[forward1[-1]]
+    end = order[backward1[0]] if backward1 else len(order)
+    for node in template:
+        for user in node.users:
+            if user in template or user.op == "output":
+                continue
+            if located.of.get(user) == 0 or start < order[user] < end:
+                continue
+            raise BlocksDiffer(f"{user.name!r} outside the blocks reads block 1's {node.name!r} after its "
+                               "backward ran")
+
+
+def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> CapturedGraph:
+    """The joint graph of all ``blocks.count`` blocks from the two-block ``captured`` (traced with
+    the list cut to blocks 0 and 1). Raises :class:`BlocksDiffer` when the copies would not be
+    exact."""
+    prefix, count = blocks.prefix, blocks.count
+    if captured.pending_inputs or captured.expert_regions:
+        raise BlocksDiffer("expert-parallel regions and pending gradients are traced block by block")
+    located = _locate(captured, prefix)
+    forward1, backward1 = _check_layout(captured, located)
+    corr = _correspondence(captured, located, prefix)
+    template = set(located.nodes[1])
+    _check_outside_readers(captured, template, located, forward1, backward1)
+    seq = _SequenceNumbers(forward1, count)
+    same = lambda value: value  # noqa: E731 - outside code keeps its names
+
+    graph = fx.Graph()
+    graph._codegen = captured.gm.graph._codegen
+    env: dict[fx.Node, fx.Node] = {}
+    copies: dict[int, dict[fx.Node, fx.Node]] = {j: {} for j in range(1, count)}
+    inputs = []
+    old_placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
+    counters = {"primals": 0, "tangents": 0}
+
+    def placeholder(old: fx.Node, info, rename) -> fx.Node:
+        kind = "tangents" if info.kind == InputKind.TANGENT else "primals"
+        counters[kind] += 1
+        new = graph.placeholder(f"{kind}_{counters[kind]}")
+        new.meta = _rename_meta(old.meta, rename)
+        inputs.append(dataclasses.replace(info, name=rename(info.name)))
+        return new
+
+    runs = _contiguous_runs(located.params[1])
+    in_runs = set(located.params[1])
+    for i, (old, info) in enumerate(zip(old_placeholders, captured.inputs)):
+        if i in runs:  # every block's parameters (buffers) where block 1's were
+            for j in range(1, count):
+                for k in runs[i]:
+                    copies[j][old_placeholders[k]] = placeholder(old_placeholders[k], captured.inputs[k],
+                                                                 renamer(prefix, 1, j))
+        elif i not in in_runs:
+            env[old] = placeholder(old, info, same)
+
+    def read(x: fx.Node, j: int | None, from_block0: bool) -> fx.Node:
+        """The new node standing for old ``x`` where copy ``j`` (None: code outside the copies)
+        reads it."""
+        if j is not None:
+            if x in copies[j]:
+                return copies[j][x]
+            if x in corr.chained:
+                direction, other = corr.chained[x]
+                if direction == "forward":  # the block before's value (block 0's for copy 1)
+                    return env[x] if j == 1 else copies[j - 1][corr.node[other]]
+                return env[x] if j == count - 1 else copies[j + 1][other]  # the block after's gradient
+        elif x in template:  # block 0's backward reads the first copy, other code the last
+            return copies[1 if from_block0 else count - 1][x]
+        return env[x]
+
+    def emit(old: fx.Node, j: int | None) -> fx.Node:
+        rename = renamer(prefix, 1, j) if j is not None else same
+        from_block0 = located.of.get(old) == 0
+        args, kwargs = pytree.tree_map(
+            lambda x: read(x, j, from_block0) if isinstance(x, fx.Node) else rename(x), (old.args, old.kwargs))
+        new = graph.create_node(old.op, old.target, args, kwargs, name=_name_candidate(old))
+        new.meta = _rename_meta(old.meta, rename)
+        if "seq_nr" in old.meta:
+            new.meta["seq_nr"] = seq.renumber(old.meta["seq_nr"], j)
+        return new
+
+    forward_set, backward_set = set(forward1), set(backward1)
+    outputs = None
+    for old in captured.gm.graph.nodes:
+        if old.op == "placeholder":
+            continue
+        if old.op == "output":
+            outputs = _emit_output(graph, old, captured, copies, read, prefix, count, seq)
+        elif old in forward_set or old in backward_set:
+            if old is forward1[0]:
+                for j in range(1, count):
+                    for t in forward1:
+                        copies[j][t] = emit(t, j)
+            elif backward1 and old is backward1[0]:
+                for j in range(count - 1, 0, -1):
+                    for t in backward1:
+                        copies[j][t] = emit(t, j)
+        else:
+            env[old] = emit(old, None)
+
+    gm = fx.GraphModule(captured.gm, graph, class_name=type(captured.gm).__name__)
+    return dataclasses.replace(captured, gm=gm, inputs=inputs, outputs=outputs)
+
+
+def _emit_output(graph: fx.Graph, old: fx.Node, captured: CapturedGraph, copies, read, prefix: str, count: int,
+                 seq: _SequenceNumbers) -> list:
+    """The output node with every block's gradient (and buffer update) slot where block 1's
+    were; returns the matching OutputInfo list."""
+    slots = list(old.args[0])
+    descs = old.meta.get("desc")
+    own = [i for i, info in enumerate(captured.outputs)
+           if info.kind in (OutputKind.GRAD, OutputKind.BUFFER_UPDATE)
+           and _block_index(info.name.rsplit(".", 1)[0], prefix) == 1]
+    runs = _contiguous_runs(own)
+    in_runs = set(own)
+    new_slots, new_descs, outputs = [], [], []
+    for i, slot in enumerate(slots):
+        if i in runs:
+            for j in range(1, count):
+                rename = renamer(prefix, 1, j)
+                for k in runs[i]:
+                    value = slots[k]
+                    new_slots.append(None if value is None else copies[j][value])
+                    outputs.append(dataclasses.replace(captured.outputs[k], name=rename(captured.outputs[k].name)))
+                    if descs is not None:
+                        new_descs.append(_rename_desc(descs[k], rename))
+        elif i not in in_runs:
+            new_slots.append(None if slot is None else read(slot, None, False))
+            outputs.append(captured.outputs[i])
+            if descs is not None:
+                new_descs.append(descs[i])
+    node = graph.output(type(old.args[0])(new_slots))
+    node.meta = dict(old.meta)
+    if "seq_nr" in old.meta:
+        node.meta["seq_nr"] = seq.renumber(old.meta["seq_nr"], None)
+    if descs is not None:
+        node.meta["desc"] = new_descs
+    return outputs
+
+
+def _name_candidate(node: fx.Node) -> str | None:
+    """The name tracing gives a node: its op's name (``mm``), numbered by the new graph."""
+    if hasattr(node.target, "overloadpacket"):
+        return node.target.overloadpacket.__name__
+    return None  # fx's choice from the target (getitem ...)
