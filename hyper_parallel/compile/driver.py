@@ -150,6 +150,7 @@ class Lowered:
     input_placements: dict
     annotated: dict  # hp.checkpoint / hp.swap calls seen while capturing
     rewrite_seconds: dict  # seconds per pre-propagation rewrite
+    repeated_blocks: str = ""  # "2 of 32 blocks of model.layers traced" when capture copied blocks
 
 
 def capture_and_lower(
@@ -211,7 +212,7 @@ def capture_and_lower(
     with progress.phase("lowering"):
         local = lower(captured, mesh, resolved.context)
     dumper.graph("lowered", local)
-    return Lowered(captured, resolved, report, local, input_placements, annotated, timings)
+    return Lowered(captured, resolved, report, local, input_placements, annotated, timings, traced)
 
 
 def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
@@ -337,6 +338,7 @@ def finish(
     dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)
     # Seconds differ between runs: only in the in-memory summary (and the log), never in a dump.
     summary["pass_seconds"] = pass_seconds
+    summary["repeated_blocks"] = lowered.repeated_blocks  # capture's choice: the graph is the same either way
     if current_rank() == 0:
         log.debug("[compile] %s", summary["collectives_per_step"])
         log.debug("[compile] seconds per rewrite and pass: %s", {k: round(v, 4) for k, v in pass_seconds.items()})

@@ -13,8 +13,9 @@ The copies are exact when:
 
 * the blocks are one class with the same parameters and buffers (names, shapes, dtypes), the same
   submodule classes and the same plain attributes, where an attribute may differ only by holding
-  the block's own index (transformers' ``layer_idx``); no block holds hooks, shares a parameter
-  with another, or is planned differently from block 1 (:func:`find_repeated_blocks`);
+  the block's own index (transformers' ``layer_idx``); their hooks are the same code over equal
+  values (FSDP's mixed-precision casts); no block shares a parameter with another or is planned
+  differently from block 1 (:func:`find_repeated_blocks`);
 * in the two-block trace, blocks 0 and 1 correspond node for node, forward and backward: the same
   ops, constants (up to the block index), shapes, module stacks and source lines, the same shared
   inputs (rotary tables, masks), differing only in their own parameters and in where their chained
@@ -34,6 +35,7 @@ all blocks (the two-block one is not changed).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import re
@@ -120,11 +122,12 @@ def find_repeated_blocks(model: nn.Module, option, boundaries) -> tuple[Repeated
     for fqn, blocks in lists:
         why = _why_not_repeated(fqn, list(blocks), boundaries)
         if why:
-            reasons.append(f"{fqn}: {why}")
+            reasons.append((sum(p.numel() for p in blocks.parameters()), f"{fqn}: {why}"))
         else:
             found.append((sum(p.numel() for p in blocks.parameters()), fqn, len(blocks)))
-    if not found:
-        return None, "; ".join(reasons) or "the model has no ModuleList"
+    if not found:  # the reasons of the largest lists: those a user means
+        reasons.sort(key=lambda r: -r[0])
+        return None, "; ".join(text for _, text in reasons[:2]) or "the model has no ModuleList"
     _, fqn, count = max(found)
     return RepeatedBlocks(fqn, count), ""
 
@@ -153,10 +156,10 @@ def _why_not_repeated(prefix: str, blocks: list[nn.Module], boundaries) -> str:
             return f"block {i} is a {type(block).__name__}, block 1 a {type(blocks[1]).__name__}"
         if _structure(block) != template:
             return f"block {i}'s submodules, parameters or buffers differ from block 1's"
-        hooked = [name for name, m in block.named_modules()
-                  if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks]
-        if hooked:
-            return f"block {i} has hooks on {hooked[0] or 'itself'!r}"
+        hooks, template_hooks = _hooks(block), _hooks(blocks[1])
+        if hooks != template_hooks:
+            name = next(n for n in {**hooks, **template_hooks} if hooks.get(n) != template_hooks.get(n))
+            return f"block {i}'s hooks on {name or 'itself'!r} differ from block 1's"
     attributes = [_attributes(block) for block in blocks]
     for key in attributes[1]:
         values = [a.get(key) for a in attributes]
@@ -179,6 +182,25 @@ def _structure(block: nn.Module) -> tuple:
     params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
     return modules, params, buffers
+
+
+def _hooks(block: nn.Module) -> dict:
+    """Submodule -> what its hooks do: the same hook code closing over equal values in every block
+    (FSDP's mixed-precision casts) traces alike; anything else counts as different."""
+    out = {}
+    for name, m in block.named_modules():
+        hooks = [*m._forward_pre_hooks.values(), *m._forward_hooks.values(), *m._backward_pre_hooks.values(),
+                 *m._backward_hooks.values()]
+        if hooks:
+            out[name] = tuple(_function_signature(h) for h in hooks)
+    return out
+
+
+def _function_signature(fn, depth: int = 0):
+    if depth > 3 or not hasattr(fn, "__code__"):
+        return fn if isinstance(fn, (*_SIMPLE, torch.dtype)) else ("object", id(fn))
+    cells = tuple(_function_signature(c.cell_contents, depth + 1) for c in (fn.__closure__ or ()))
+    return fn.__code__, cells
 
 
 def _attributes(block: nn.Module) -> dict:
@@ -473,7 +495,6 @@ def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> Captu
     same = lambda value: value  # noqa: E731 - outside code keeps its names
 
     graph = fx.Graph()
-    graph._codegen = captured.gm.graph._codegen
     env: dict[fx.Node, fx.Node] = {}
     copies: dict[int, dict[fx.Node, fx.Node]] = {j: {} for j in range(1, count)}
     inputs = []
@@ -544,6 +565,7 @@ def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> Captu
         else:
             env[old] = emit(old, None)
 
+    graph._codegen = _resized_codegen(captured, inputs, outputs)
     gm = fx.GraphModule(captured.gm, graph, class_name=type(captured.gm).__name__)
     return dataclasses.replace(captured, gm=gm, inputs=inputs, outputs=outputs)
 
@@ -582,6 +604,27 @@ def _emit_output(graph: fx.Graph, old: fx.Node, captured: CapturedGraph, copies,
     if descs is not None:
         node.meta["desc"] = new_descs
     return outputs
+
+
+def _resized_codegen(captured: CapturedGraph, inputs: list, outputs: list):
+    """The joint graph's calling convention, ``(primals, tangents) -> (forward outputs, gradients)``
+    as pytrees, with as many primals and gradient slots as the blocks now have."""
+    codegen = copy.copy(captured.gm.graph._codegen)
+    info = getattr(codegen, "pytree_info", None)
+    if info is None:
+        return codegen
+    structure = lambda spec: pytree.tree_unflatten([None] * spec.num_leaves, spec)  # noqa: E731
+    primals, tangents = structure(info.in_spec)
+    num_tangents = sum(i.kind == InputKind.TANGENT for i in inputs)
+    in_spec = pytree.tree_structure((type(primals)([None] * (len(inputs) - num_tangents)),
+                                     type(tangents)([None] * num_tangents)))
+    forward, grads = structure(info.out_spec)
+    num_forward = len(forward) + sum(o.kind == OutputKind.BUFFER_UPDATE for o in outputs) - \
+        sum(o.kind == OutputKind.BUFFER_UPDATE for o in captured.outputs)
+    out_spec = pytree.tree_structure((type(forward)([None] * num_forward),
+                                      type(grads)([None] * (len(outputs) - num_forward))))
+    codegen.pytree_info = info._replace(in_spec=in_spec, out_spec=out_spec)
+    return codegen
 
 
 def _name_candidate(node: fx.Node) -> str | None:

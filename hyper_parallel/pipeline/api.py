@@ -445,6 +445,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     dumper.text("schedule.txt", format_schedule(schedule) + "\n")
     dumper.json("pipeline.json", summary)
     summary["pass_seconds"] = pass_seconds  # after the dump: seconds differ between runs
+    summary["repeated_blocks"] = lowered.repeated_blocks  # capture's choice: the graph is the same either way
     _release_other_stages(module, state, programs)
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule_name)
