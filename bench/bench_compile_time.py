@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="parallelize(codegen=...); inductor: time forward + backward (module docstring)")
     p.add_argument("--fresh-inductor-cache", action="store_true",
                    help="run with a new, empty TORCHINDUCTOR_CACHE_DIR")
+    p.add_argument("--repeated-blocks", choices=["off", "auto", "both"], default="off",
+                   help="parallelize(repeated_blocks=...): off (None), auto, or both side by side per depth")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
@@ -70,7 +72,7 @@ def _timed_call(model, ids, backward: bool) -> float:
     return time.perf_counter() - t0
 
 
-def compile_once(num_layers: int, args: argparse.Namespace, mesh) -> dict:
+def compile_once(num_layers: int, args: argparse.Namespace, mesh, repeated_blocks: str | None = None) -> dict:
     config = LlamaConfig(
         hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=num_layers
     )
@@ -81,7 +83,8 @@ def compile_once(num_layers: int, args: argparse.Namespace, mesh) -> dict:
     if inductor:
         clear_cache()
     before = cache_stats()
-    pm = hp.parallelize(copy.deepcopy(model), llama_tp_plan(), mesh, codegen=args.codegen)
+    pm = hp.parallelize(copy.deepcopy(model), llama_tp_plan(), mesh, codegen=args.codegen,
+                        repeated_blocks=repeated_blocks)
     first = _timed_call(pm, ids, inductor)
     second = _timed_call(pm, ids, inductor)
     after = cache_stats()
@@ -105,16 +108,35 @@ def run(args: argparse.Namespace) -> dict | None:
     torch.set_num_threads(1)
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     warm = compile_once(1, args, mesh)  # one-time costs, not reported per depth
-    results = {}
+    modes = {"off": [None], "auto": ["auto"], "both": [None, "auto"]}[args.repeated_blocks]
+    by_mode: dict = {str(m): {} for m in modes}
     for num_layers in args.layers:
-        runs = [compile_once(num_layers, args, mesh) for _ in range(args.repeats)]
-        compile_times = [r["compile_s"] for r in runs]
-        results[num_layers] = dict(runs[-1], compile_s=statistics.median(compile_times), compile_s_all=compile_times)
-        if rank == 0:
-            print(f"[{num_layers} layers] compile {results[num_layers]['compile_s']:.2f} s", file=sys.stderr, flush=True)
+        for mode in modes:  # side by side per depth: the same machine state for both
+            runs = [compile_once(num_layers, args, mesh, mode) for _ in range(args.repeats)]
+            compile_times = [r["compile_s"] for r in runs]
+            by_mode[str(mode)][num_layers] = dict(runs[-1], compile_s=statistics.median(compile_times),
+                                                  compile_s_all=compile_times)
+            if rank == 0:
+                print(f"[{num_layers} layers, repeated_blocks={mode}] compile "
+                      f"{by_mode[str(mode)][num_layers]['compile_s']:.2f} s", file=sys.stderr, flush=True)
     if rank != 0:
         return None
-    base_layers = min(args.layers)
+    return {
+        "bench": "compile_time",
+        "world_size": world,
+        "mesh": {"tp": world},
+        "plan": "llama_tp_plan()",
+        "codegen": args.codegen,
+        "config": {"hidden": args.hidden, "intermediate": args.intermediate, "seq_len": args.seq_len, "batch": args.batch},
+        "warmup_compile_1_layer_s": warm["compile_s"],
+        "repeats": args.repeats,
+        "by_repeated_blocks": {mode: _per_layer(results) for mode, results in by_mode.items()},
+    }
+
+
+def _per_layer(results: dict) -> dict:
+    """Seconds per layer, ratio to linear scaling and marginal seconds per layer for each depth."""
+    base_layers = min(results)
     base = results[base_layers]["compile_s"]
     prev = None
     for num_layers, r in sorted(results.items()):
@@ -125,25 +147,25 @@ def run(args: argparse.Namespace) -> dict | None:
             None if prev is None else (r["compile_s"] - results[prev]["compile_s"]) / (num_layers - prev)
         )
         prev = num_layers
-    return {
-        "bench": "compile_time",
-        "world_size": world,
-        "mesh": {"tp": world},
-        "plan": "llama_tp_plan()",
-        "codegen": args.codegen,
-        "config": {"hidden": args.hidden, "intermediate": args.intermediate, "seq_len": args.seq_len, "batch": args.batch},
-        "warmup_compile_1_layer_s": warm["compile_s"],
-        "repeats": args.repeats,
-        "by_layers": {str(k): v for k, v in sorted(results.items())},
-    }
+    return {str(k): v for k, v in sorted(results.items())}
 
 
 def print_table(r: dict) -> None:
-    print(f"\ncompile time (codegen={r['codegen']}), llama_tp_plan on tp={r['world_size']}, hidden {r['config']['hidden']} "
-          f"(throw-away 1-layer compile first: {r['warmup_compile_1_layer_s']:.2f} s)")
+    for mode, by_layers in r["by_repeated_blocks"].items():
+        print(f"\ncompile time (codegen={r['codegen']}, repeated_blocks={mode}), llama_tp_plan on tp={r['world_size']}, "
+              f"hidden {r['config']['hidden']} (throw-away 1-layer compile first: {r['warmup_compile_1_layer_s']:.2f} s)")
+        _print_depths(by_layers)
+    modes = list(r["by_repeated_blocks"])
+    if len(modes) == 2:
+        off, auto = (r["by_repeated_blocks"][m] for m in modes)
+        print("\nrepeated_blocks='auto' vs None, compile seconds: " + ", ".join(
+            f"{layers} layers {auto[layers]['compile_s'] / off[layers]['compile_s']:.2f}x" for layers in off))
+
+
+def _print_depths(by_layers: dict) -> None:
     print(f"{'layers':>6}  {'compile s':>9}  {'s/layer':>7}  {'vs linear':>9}  {'marginal s/layer':>16}  {'collectives':>11}  "
           f"{'fwd+bwd nodes':>13}  {'regions compiled/reused':>23}")
-    for layers, e in r["by_layers"].items():
+    for layers, e in by_layers.items():
         nodes = e["graph_nodes"]["forward"] + e["graph_nodes"]["backward"]
         marginal = "-" if e["marginal_s_per_layer"] is None else f"{e['marginal_s_per_layer']:.3f}"
         regions = f"{e['inductor_regions']['compiled']}/{e['inductor_regions']['reused']}"
