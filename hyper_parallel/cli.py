@@ -89,6 +89,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dump-dir", default=None, metavar="DIR",
                     help="also write the compile's dumps (graphs per pass, layouts, summary, the step trace "
                     "on --hardware) for `hyper-parallel report DIR`")
+    ex.add_argument("--repeated-blocks", default=None, choices=("auto",),
+                    help="trace two layers and copy the others (parallelize(repeated_blocks='auto')): "
+                    "the same report, several times faster for deep models")
     rep = sub.add_parser(
         "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
         description="Read DUMP_DIR (written by parallelize(..., dump_dir=DUMP_DIR) or HYPER_PARALLEL_DUMP_DIR) "
@@ -112,6 +115,7 @@ def _explain(args) -> int:
         plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
         local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
         num_layers=args.layers, cp_mode=args.cp_mode, trace_path=args.trace, dump_dir=args.dump_dir,
+        repeated_blocks=args.repeated_blocks,
     )
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))

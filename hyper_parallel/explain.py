@@ -187,6 +187,7 @@ def explain(
     cp_mode: str = "ring",
     trace_path: str | None = None,
     dump_dir: str | None = None,
+    repeated_blocks: str | None = None,
 ) -> dict:
     """Compile ``plan`` for ``model`` on a simulated ``world_size``-rank mesh and return the
     report of rank ``rank`` (a JSON-friendly dict; :func:`format_report` prints it).
@@ -203,7 +204,9 @@ def explain(
     ``local_batch`` sequences); ``trace_path``: also write the
     simulated step as a Chrome trace JSON there (open it in Perfetto); ``dump_dir``: write the
     compile's dumps there as ``parallelize(dump_dir=)`` does, with the step trace of ``hardware``
-    (``hyper-parallel report DUMP_DIR`` turns them into a page)."""
+    (``hyper-parallel report DUMP_DIR`` turns them into a page); ``repeated_blocks``: as
+    ``parallelize``'s (``"auto"``: trace two layers and copy the others, the same report sooner).
+    """
     started = time.perf_counter()
     if hardware.lower() not in HARDWARE:
         raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)}")
@@ -259,7 +262,7 @@ def explain(
             ids = torch.zeros(local_batch, seq_len // cp, dtype=torch.long)
         compile_start = time.perf_counter()
         pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids},
-                                     dump_dir=dump_dir)
+                                     dump_dir=dump_dir, repeated_blocks=repeated_blocks)
         compile_s = time.perf_counter() - compile_start
         summary = pmodel.compile_summary()
         labels = _flattened_axis_labels(mesh, dims.flattened_axes())

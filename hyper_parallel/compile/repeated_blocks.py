@@ -538,8 +538,8 @@ def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> Captu
     def emit(old: fx.Node, j: int | None) -> fx.Node:
         rename = renamer(prefix, 1, j) if j is not None else same
         from_block0 = located.of.get(old) == 0
-        args, kwargs = pytree.tree_map(
-            lambda x: read(x, j, from_block0) if isinstance(x, fx.Node) else rename(x), (old.args, old.kwargs))
+        args, kwargs = fx.node.map_aggregate(
+            (old.args, old.kwargs), lambda x: read(x, j, from_block0) if isinstance(x, fx.Node) else rename(x))
         new = graph.create_node(old.op, old.target, args, kwargs, name=_name_candidate(old))
         new.meta = _rename_meta(old.meta, rename)
         if "seq_nr" in old.meta:

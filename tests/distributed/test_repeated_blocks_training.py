@@ -39,3 +39,36 @@ def test_copied_blocks_train_like_one_device(dist2):
     results = dist2.run(copied_blocks_parity)
     assert results[0]["traced"] == "2 of 3 blocks of model.layers traced"
     assert results[0]["counts"] != results[1]["counts"]  # the ranks count different tokens
+
+
+def pipelined_dumps(dump_root: str) -> dict:
+    """A 2-stage 1F1B pipeline of the 4-layer example Llama, at parity with one device, compiled
+    with and without copied blocks: the stage split reads the autograd order of the copies."""
+    import os
+
+    from hyper_parallel.testing.parity import run_pipeline_parity
+
+    plan = {"pipeline": hp.PipelinePlan(split_points=["model.layers.2"], schedule="1F1B", num_microbatches=2)}
+    traced = {}
+    for option in (None, "auto"):
+        out = run_pipeline_parity(plan, (2,), ("pp",), steps=1, dump_dir=os.path.join(dump_root, str(option)),
+                                  parallelize_options={"repeated_blocks": option})
+        traced[str(option)] = out["summary"]["repeated_blocks"]
+    files = {}  # the front half under rank<r>/, each stage's programs under stage<s>/[no_sync/]rank<r>/
+    for option in ("None", "auto"):
+        root = os.path.join(dump_root, option)
+        files[option] = {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+                         for d, _, names in os.walk(root) for f in names
+                         if os.path.basename(d) == f"rank{dist.get_rank()}"}
+    measured = ("pipeline_trace.json",)  # the step's measured timings
+    differing = sorted(n for n in files["None"] if files["None"][n] != files["auto"].get(n) and not n.endswith(measured))
+    return {"traced": traced, "files": sorted(files["None"]), "differing": differing}
+
+
+def test_copied_blocks_pipeline_like_traced_blocks(dist2, tmp_path):
+    results = dist2.run(pipelined_dumps, str(tmp_path))
+    for r in results:
+        assert r["traced"] == {"None": "", "auto": "2 of 4 blocks of model.layers traced"}
+        assert "rank0/schedule.txt" in r["files"] or "rank1/schedule.txt" in r["files"], r["files"]
+        assert sum(f.startswith("stage") and f.endswith("_backward.py") for f in r["files"]) >= 1, r["files"]
+        assert r["differing"] == [], r["differing"]
