@@ -111,14 +111,17 @@ def run(args: argparse.Namespace) -> dict | None:
     modes = {"off": [None], "auto": ["auto"], "both": [None, "auto"]}[args.repeated_blocks]
     by_mode: dict = {str(m): {} for m in modes}
     for num_layers in args.layers:
-        for mode in modes:  # side by side per depth: the same machine state for both
-            runs = [compile_once(num_layers, args, mesh, mode) for _ in range(args.repeats)]
-            compile_times = [r["compile_s"] for r in runs]
-            by_mode[str(mode)][num_layers] = dict(runs[-1], compile_s=statistics.median(compile_times),
-                                                  compile_s_all=compile_times)
+        runs: dict = {str(m): [] for m in modes}
+        for repeat in range(args.repeats):  # modes side by side, their order alternating per repeat
+            for mode in (modes if repeat % 2 == 0 else modes[::-1]):
+                runs[str(mode)].append(compile_once(num_layers, args, mesh, mode))
+        for mode, done in runs.items():
+            compile_times = [r["compile_s"] for r in done]
+            by_mode[mode][num_layers] = dict(done[-1], compile_s=statistics.median(compile_times),
+                                             compile_s_all=compile_times)
             if rank == 0:
                 print(f"[{num_layers} layers, repeated_blocks={mode}] compile "
-                      f"{by_mode[str(mode)][num_layers]['compile_s']:.2f} s", file=sys.stderr, flush=True)
+                      f"{by_mode[mode][num_layers]['compile_s']:.2f} s", file=sys.stderr, flush=True)
     if rank != 0:
         return None
     return {
