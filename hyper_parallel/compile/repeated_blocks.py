@@ -5,9 +5,9 @@ run through every transformer block although each gives the same graph up to ren
 ``parallelize(..., repeated_blocks="auto" | "<ModuleList FQN>")`` capture traces the model with the
 list cut to its first two blocks, then writes blocks 2 .. N-1 into the joint graph as copies of
 block 1 (:func:`instantiate_blocks`). The result is the joint graph a trace of all N blocks gives:
-the same nodes, names, order, module stacks, source lines and autograd sequence numbers
-(``tests/unit/test_repeated_blocks.py`` compares the two node by node, and the compiled dumps
-byte for byte). Propagation, lowering and the passes then run on it as on any capture.
+the same nodes in the same order, module stacks, source lines and autograd sequence order, named
+as a fresh trace numbers them (``tests/unit/test_repeated_blocks.py`` compares the two node by
+node, and the compiled dumps byte for byte). Propagation, lowering and the passes then run on it as on any capture.
 
 The copies are exact when:
 
@@ -161,7 +161,7 @@ def _why_not_repeated(prefix: str, blocks: list[nn.Module], boundaries) -> str:
             name = next(n for n in {**hooks, **template_hooks} if hooks.get(n) != template_hooks.get(n))
             return f"block {i}'s hooks on {name or 'itself'!r} differ from block 1's"
     attributes = [_attributes(block) for block in blocks]
-    for key in attributes[1]:
+    for key in sorted({k for a in attributes for k in a}):
         values = [a.get(key) for a in attributes]
         if any(v != values[1] for v in values) and values != list(range(len(blocks))):
             where = ".".join(filter(None, key))
@@ -211,8 +211,12 @@ def _attributes(block: nn.Module) -> dict:
         for key, value in vars(m).items():
             if key.startswith("_") or key == "training":
                 continue
-            if isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)):
+            if isinstance(value, _SIMPLE):
                 attrs[(name, key)] = value
+            elif isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
+                attrs[(name, key)] = (type(value).__name__, *value)
+            elif isinstance(value, dict) and all(isinstance(v, _SIMPLE) for v in (*value, *value.values())):
+                attrs[(name, key)] = ("dict", *sorted(value.items(), key=repr))
             elif isinstance(value, (torch.dtype, torch.device)):
                 attrs[(name, key)] = str(value)
     return attrs
@@ -367,8 +371,8 @@ def _correspondence(captured: CapturedGraph, blocks: _Blocks, prefix: str) -> _C
     """Match blocks 0 and 1 node for node (see the module docstring for what must agree)."""
     rename = renamer(prefix, 0, 1)
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
-    param_of = {placeholders[i]: captured.inputs[i].name for b in (0, 1) for i in blocks.params[b]}
-    param_node = {name: node for node, name in param_of.items()}
+    params0 = {placeholders[i]: captured.inputs[i].name for i in blocks.params[0]}
+    params1 = {captured.inputs[i].name: placeholders[i] for i in blocks.params[1]}
     in0, in1 = set(blocks.nodes[0]), set(blocks.nodes[1])
     node: dict[fx.Node, fx.Node] = {}
     chained: dict[fx.Node, tuple[str, fx.Node]] = {}
@@ -380,12 +384,12 @@ def _correspondence(captured: CapturedGraph, blocks: _Blocks, prefix: str) -> _C
             if rename(x0) != x1 and not (x0 != x0 and x1 != x1):  # NaN constants are equal here
                 raise BlocksDiffer(f"{where}: constant {x0!r} in block 0, {x1!r} in block 1")
             return
-        if x0 in in0:
+        if x0 in in0 or x1 in in1:
             if node.get(x0) is not x1:
                 raise BlocksDiffer(f"{where}: inputs from inside the blocks do not correspond")
-        elif x0 in param_of:
-            if param_node.get(rename(param_of[x0])) is not x1:
-                raise BlocksDiffer(f"{where}: block 0 reads {param_of[x0]!r}, block 1 not its counterpart")
+        elif x0 in params0 or x1 in params1.values():  # each block its own parameter, nothing else
+            if x0 not in params0 or params1.get(rename(params0[x0])) is not x1:
+                raise BlocksDiffer(f"{where}: the blocks do not read their own counterpart parameters")
         elif x0 is not x1:
             if x1 in in0 and x0 not in in1:
                 link = ("forward", x1)
