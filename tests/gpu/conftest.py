@@ -29,12 +29,13 @@ def _profiled_step_events(model, batch: dict, trace_path) -> list[dict]:
     device script can bring the trace back)."""
     import json
     import os
+    import shutil
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         model(**batch)["loss"].backward()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(str(trace_path))
+    prof.export_chrome_trace(str(trace_path))  # Kineto saves a profile once: copy it for the script
     if os.environ.get("HP_GPU_TRACE_OUT"):
-        prof.export_chrome_trace(os.environ["HP_GPU_TRACE_OUT"])
+        shutil.copyfile(trace_path, os.environ["HP_GPU_TRACE_OUT"])
     with open(trace_path) as f:
         return json.load(f)["traceEvents"]
