@@ -91,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     "on --hardware) for `hyper-parallel report DIR`")
     ex.add_argument("--repeated-blocks", default=None, choices=("auto",),
                     help="trace two layers and copy the others (parallelize(repeated_blocks='auto')): "
-                    "the same report, several times faster for deep models")
+                    "the same report, about twice as fast for deep models")
     rep = sub.add_parser(
         "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
         description="Read DUMP_DIR (written by parallelize(..., dump_dir=DUMP_DIR) or HYPER_PARALLEL_DUMP_DIR) "
