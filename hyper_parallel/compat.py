@@ -406,3 +406,21 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def renumber_node_names(graph: torch.fx.Graph, base_of) -> None:
+    """Name ``graph``'s nodes as a new graph built in their order names them: ``base_of(node)``
+    numbered by a fresh namespace (fx keeps its names in the graph's private namespace)."""
+    namespace = torch.fx.graph._Namespace()
+    for node in graph.nodes:
+        node.name = namespace.create_name(base_of(node), node)
+    graph._graph_namespace = namespace
+
+
+def lazy_graph_module(root, graph: torch.fx.Graph, class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """A GraphModule that generates and compiles its Python code when first called or read, not
+    when built (nor at each ``recompile``): a large graph that passes rewrite, or that is only
+    dumped, skips code generation it does not need."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph, class_name=class_name)

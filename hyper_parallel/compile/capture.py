@@ -27,6 +27,7 @@ import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
 from ..ir.kinds import InputKind, OutputKind
+from ..ir.names import renumber
 from ..compat import pytree
 from .. import compat
 from ..moe.region import expert_regions
@@ -273,7 +274,8 @@ def capture(
             raise _unsupported(desc, "output slot", type(model).__name__, input_paths, joint.out_spec)
 
     _put_buffer_updates_after_user_outputs(gm, outputs)
-    gm.recompile()  # once for both rewrites of the graph above
+    renumber(gm, recompile=False)  # the trace dropped dead nodes: no gaps in the names (ir/names.py)
+    gm.recompile()  # once for the rewrites of the graph above
 
     # Readable output paths ("loss", "logits", "[0]") from the exported program's output structure.
     out_spec = joint.out_spec

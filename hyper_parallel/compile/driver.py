@@ -31,6 +31,7 @@ from .. import compat
 from ..codegen import generate
 from .capture import CapturedGraph, flat_paths, module_fqn_of
 from .repeated_blocks import capture_blocks_once
+from .repeated_lowering import lower_blocks_once
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
 from .lower import lower
 from .unplanned import find_unplanned, warn_unplanned
@@ -150,7 +151,9 @@ class Lowered:
     input_placements: dict
     annotated: dict  # hp.checkpoint / hp.swap calls seen while capturing
     rewrite_seconds: dict  # seconds per pre-propagation rewrite
-    repeated_blocks: str = ""  # "2 of 32 blocks of model.layers traced" when capture copied blocks
+    # "2 of 32 blocks of model.layers traced" when capture copied blocks, "..., propagated and
+    # lowered" when their layouts and lowering were copied too (compile/repeated_lowering.py)
+    repeated_blocks: str = ""
 
 
 def capture_and_lower(
@@ -192,25 +195,44 @@ def capture_and_lower(
         started = time.perf_counter()
         with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
                 (wrap_forward() if wrap_forward else contextlib.nullcontext()):
-            captured, traced = capture_blocks_once(
+            blocks = capture_blocks_once(
                 module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts,
                 state.options.repeated_blocks, forget_annotated_regions)
             annotated = annotated_regions()
-        progress.record("capture", time.perf_counter() - started, traced)
+        progress.record("capture", time.perf_counter() - started, blocks.traced)
     finally:
         module.__class__ = parallel_cls
-    _name_tied_parameters(captured, module)
-    dumper.graph("captured", captured.gm)
+    for graph in (blocks.captured, blocks.two, blocks.pristine):
+        if graph is not None:
+            _name_tied_parameters(graph, module)
+    if dumper.dir:
+        dumper.graph("captured", blocks.full().gm)
 
     storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
     timings: dict = {}
-    with progress.phase("propagation"):
-        run_rewrites(captured, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
-                                           fsdp=resolved.fsdp, on_pass=dumper.rewrite, timings=timings))
-        report = propagate(captured, resolved, mesh)
-        check_attention_stays_sharded(captured.gm, resolved.context, mesh)
-    with progress.phase("lowering"):
-        local = lower(captured, mesh, resolved.context)
+
+    def front_end(graph: CapturedGraph, on_rewrite) -> tuple:
+        """Rewrites, propagation and lowering of ``graph``: (propagation report, lowered graph)."""
+        with progress.phase("propagation"):
+            run_rewrites(graph, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
+                                            fsdp=resolved.fsdp, on_pass=on_rewrite, timings=timings))
+            report = propagate(graph, resolved, mesh)
+            check_attention_stays_sharded(graph.gm, resolved.context, mesh)
+        with progress.phase("lowering"):
+            return report, lower(graph, mesh, resolved.context)
+
+    copied = None
+    if blocks.two is not None:
+        copied = lower_blocks_once(blocks.two, blocks.blocks, front_end,
+                                   dumper.rewrite if dumper.dir else None, resolved.context, progress)
+    traced = blocks.traced
+    if copied is not None:
+        captured, report, local = copied.captured, copied.report, copied.local
+        traced += ", propagated and lowered"
+    else:
+        timings.clear()
+        captured = blocks.full()
+        report, local = front_end(captured, dumper.rewrite)
     dumper.graph("lowered", local)
     return Lowered(captured, resolved, report, local, input_placements, annotated, timings, traced)
 

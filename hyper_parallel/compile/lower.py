@@ -33,6 +33,7 @@ from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from .capture import CapturedGraph, module_fqn_of
 from ..errors import internal_error
 from ..ir import meta
+from ..ir.names import renumber
 from ..cp.load_balance import Balancer
 from ..layout import format_placements
 from ..moe.lowering import ExpertLowering
@@ -333,9 +334,9 @@ def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
         for key in meta.COPIED_BY_LOWERING:
             if key in src.meta:
                 node.meta[key] = src.meta[key]
-    if local_gm.graph.eliminate_dead_code(is_impure_node=_kept_when_unused):
-        local_gm.recompile()  # make_fx compiled the graph before the dead code went
-    return local_gm
+    local_gm.graph.eliminate_dead_code(is_impure_node=_kept_when_unused)
+    # make_fx compiled the graph before the dead code went; its names close the gaps it left
+    return renumber(local_gm)
 
 
 def _kept_when_unused(node: torch.fx.Node) -> bool:

@@ -45,8 +45,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .. import compat
 from ..compat import pytree
 from ..ir.kinds import InputKind, OutputKind
+from ..ir.meta import LAYOUT, SOURCE
+from ..ir.names import base_name
 from .capture import CapturedGraph, capture, module_fqn_of
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ log = logging.getLogger(__name__)
 TRACED = 2  # blocks traced: block 0, and block 1 as the template of the others
 
 _SIMPLE = (int, float, str, bool, type(None))
+_NUMBERED = re.compile(r"_\d+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +72,33 @@ class BlocksDiffer(Exception):
     """Why the traced blocks cannot stand for the others; the compile then traces them all."""
 
 
+@dataclasses.dataclass
+class BlockCapture:
+    """What :func:`capture_blocks_once` traced: every block, or two and what copies them."""
+
+    captured: CapturedGraph | None  # every block (None until :meth:`full` writes the copies)
+    traced: str = ""  # "2 of 32 blocks of model.layers traced" when blocks are copied
+    two: CapturedGraph | None = None  # the two-block trace (later steps rewrite it and copy again)
+    blocks: RepeatedBlocks | None = None
+    pristine: CapturedGraph | None = None  # ``two`` as traced, for :meth:`full`
+
+    def full(self) -> CapturedGraph:
+        """The joint graph of every block as capture gives it (written on first use: the compile
+        needs it only to dump it, or when the later steps cannot copy)."""
+        if self.captured is None:
+            self.captured = instantiate_blocks(self.pristine, self.blocks)
+        return self.captured
+
+
 def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries, experts, option,
-                        forget_annotations: Callable[[], None]) -> tuple[CapturedGraph, str]:
-    """:func:`~.capture.capture`, tracing two blocks of the repeated list and copying the rest when
-    ``option`` (``parallelize``'s ``repeated_blocks``) asks and the blocks qualify; else, or when
-    the two traced blocks do not correspond, every block (logged at INFO with the reason). The
-    second value says what was traced, for the progress line. ``forget_annotations`` drops the
-    hp.checkpoint / hp.swap regions the abandoned two-block trace recorded."""
+                        forget_annotations: Callable[[], None]) -> BlockCapture:
+    """:func:`~.capture.capture`, tracing two blocks of the repeated list when ``option``
+    (``parallelize``'s ``repeated_blocks``) asks, the blocks qualify and the two traced blocks
+    correspond (the others are then copies, :meth:`BlockCapture.full`); else every block (logged at
+    INFO with the reason). ``forget_annotations`` drops the hp.checkpoint / hp.swap regions an
+    abandoned two-block trace recorded."""
     if option is None:
-        return capture(model, args, kwargs, boundaries, experts), ""
+        return BlockCapture(capture(model, args, kwargs, boundaries, experts))
     blocks, why = find_repeated_blocks(model, option, boundaries)
     if blocks is not None and experts:
         blocks, why = None, "expert-parallel regions are traced block by block"
@@ -86,12 +108,25 @@ def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries,
         with first_blocks_only(model, blocks):
             two = capture(model, args, kwargs, traced_boundaries, experts)
         try:
-            return instantiate_blocks(two, blocks), f"{TRACED} of {blocks.count} blocks of {blocks.prefix} traced"
+            check_copyable(two, blocks)
+            return BlockCapture(None, f"{TRACED} of {blocks.count} blocks of {blocks.prefix} traced", two, blocks,
+                                _copy_captured(two))
         except BlocksDiffer as exc:
             why = f"{blocks.prefix}: {exc}"
             forget_annotations()
     log.info("repeated_blocks=%r: tracing every block: %s", option, why)
-    return capture(model, args, kwargs, boundaries, experts), ""
+    return BlockCapture(capture(model, args, kwargs, boundaries, experts))
+
+
+def _copy_captured(captured: CapturedGraph) -> CapturedGraph:
+    """A copy whose graph, node meta (shallowly) and slot lists later steps' in-place changes to
+    ``captured`` leave alone."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
+    old_output = captured.gm.graph.output_node()
+    graph.output(graph.graph_copy(captured.gm.graph, {})).meta = copy.copy(old_output.meta)
+    gm = compat.lazy_graph_module(captured.gm, graph, class_name=type(captured.gm).__name__)
+    return dataclasses.replace(captured, gm=gm, inputs=list(captured.inputs), outputs=list(captured.outputs))
 
 
 def check_option(value, model: nn.Module):
@@ -237,10 +272,13 @@ def renamer(prefix: str, src: int, dst: int) -> Callable[[Any], Any]:
     if src == dst:
         return lambda value: value
     pattern = re.compile(r"(?<![A-Za-z0-9.])(" + re.escape(prefix) + r")(\.|\[)" + str(src) + r"(?![0-9])")
+    done: dict[str, str] = {}  # the same module paths recur on many nodes
 
     def rename(value):
         if isinstance(value, str):
-            return pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{dst}", value)
+            if value not in done:
+                done[value] = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{dst}", value)
+            return done[value]
         return value
 
     return rename
@@ -255,6 +293,9 @@ def _rename_meta(meta: dict, rename) -> dict:
             out[key] = {rename(k): (rename(path), cls) for k, (path, cls) in stack.items()}
     if isinstance(meta.get("custom"), dict):
         out["custom"] = {k: rename(v) for k, v in meta["custom"].items()}
+    for key, value in meta.items():  # our own annotations that name modules or parameters
+        if key.startswith("hp_") and isinstance(value, str):
+            out[key] = rename(value)
     if "desc" in meta:
         out["desc"] = _rename_desc(meta["desc"], rename)
     out.pop("from_node", None)  # provenance of the traced block; a copy has none of its own
@@ -295,33 +336,46 @@ def _block_index(fqn: str, prefix: str) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def _locate(captured: CapturedGraph, prefix: str) -> _Blocks:
-    """Each compute node's block: its module's, else (gradient accumulations carry no module) the
-    earliest block its inputs come from."""
+def _locate(captured: CapturedGraph, prefix: str,
+            block_of: Callable[[fx.Node, dict], int | None] | None = None) -> _Blocks:
+    """Each compute node's block (``block_of(node, blocks of the nodes before)``; default
+    :func:`_module_block`), and each block's parameter and buffer placeholders."""
+    block_of = block_of or (lambda node, known: _module_block(node, known, prefix))
+    params: dict[int, list[int]] = {0: [], 1: []}
+    known: dict[fx.Node, int] = {}
+    placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
+    for i, info in enumerate(captured.inputs):
+        if info.kind in (InputKind.PARAM, InputKind.BUFFER):
+            index = _block_index(info.name.rsplit(".", 1)[0], prefix)
+            if index is not None:
+                params.setdefault(index, []).append(i)
+                known[placeholders[i]] = index
     of: dict[fx.Node, int] = {}
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
             continue
-        index = _block_index(module_fqn_of(node), prefix)
-        if index is None and not (node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")):
-            # A gradient accumulated at a block's input adds the gradient coming from the block
-            # after it: it belongs to the earlier block, whose backward runs next.
-            sources = {of[a] for a in node.all_input_nodes if a in of}
-            index = min(sources) if sources else None
+        index = block_of(node, known)
         if index is not None:
-            of[node] = index
+            of[node] = known[node] = index
     nodes: dict[int, list[fx.Node]] = {0: [], 1: []}
     for node, index in of.items():
         if index not in nodes:
             raise BlocksDiffer(f"node {node.name!r} belongs to block {index}, but {TRACED} were traced")
         nodes[index].append(node)
-    params: dict[int, list[int]] = {0: [], 1: []}
-    for i, info in enumerate(captured.inputs):
-        if info.kind in (InputKind.PARAM, InputKind.BUFFER):
-            index = _block_index(info.name.rsplit(".", 1)[0], prefix)
-            if index is not None:
-                params[index].append(i)
     return _Blocks(nodes, of, params)
+
+
+def _module_block(node: fx.Node, known: dict, prefix: str) -> int | None:
+    """A joint-graph node's block: its module's; else (gradient accumulations, and the casts and
+    gathers of parameters rewrites insert, carry no module) the earliest block of its inputs (a
+    block's parameters belong to it)."""
+    index = _block_index(module_fqn_of(node), prefix)
+    if index is None and not (node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")):
+        # A gradient accumulated at a block's input adds the gradient coming from the block
+        # after it: it belongs to the earlier block, whose backward runs next.
+        sources = {known[a] for a in node.all_input_nodes if a in known}
+        index = min(sources) if sources else None
+    return index
 
 
 def _runs(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[tuple[int, int]]:
@@ -336,25 +390,26 @@ def _runs(nodes: list[fx.Node], order: dict[fx.Node, int]) -> list[tuple[int, in
     return [tuple(r) for r in runs]
 
 
-def _check_layout(captured: CapturedGraph, blocks: _Blocks) -> tuple[list[fx.Node], list[fx.Node]]:
-    """Block 0 then block 1 forward, nothing between them; block 1 then block 0 backward, likewise.
-    Returns block 1's (forward run, backward run)."""
+def _check_layout(captured: CapturedGraph, blocks: _Blocks) -> list[tuple[list[fx.Node], bool]]:
+    """Each block is a few contiguous runs of nodes (forward, backward; in a lowered graph also the
+    gradients' way to storage), and the k-th run of block 0 is next to the k-th run of block 1, with
+    nothing between them: block 0's first (forward, ascending copies) or block 1's (backward,
+    descending). Returns block 1's runs, each with whether its copies go in ascending order."""
     all_nodes = list(captured.gm.graph.nodes)
     order = {n: i for i, n in enumerate(all_nodes)}
     runs0, runs1 = _runs(blocks.nodes[0], order), _runs(blocks.nodes[1], order)
-    if not runs1 or len(runs0) != len(runs1) or len(runs1) > 2:
+    if not runs1 or len(runs0) != len(runs1):
         raise BlocksDiffer(f"blocks 0 and 1 are split into {len(runs0)} and {len(runs1)} runs of nodes "
                            "(other code runs inside them)")
-    if runs0[0][1] + 1 != runs1[0][0]:
-        raise BlocksDiffer("code outside the blocks runs between block 0 and block 1 in forward")
-    if len(runs1) == 2 and runs1[1][1] + 1 != runs0[1][0]:
-        raise BlocksDiffer("code outside the blocks runs between block 1 and block 0 in backward")
-    for a, b in zip(runs0, runs1):
+    out = []
+    for k, (a, b) in enumerate(zip(runs0, runs1)):
         if a[1] - a[0] != b[1] - b[0]:
             raise BlocksDiffer("blocks 0 and 1 have different numbers of nodes")
-    forward = all_nodes[runs1[0][0]:runs1[0][1] + 1]
-    backward = all_nodes[runs1[1][0]:runs1[1][1] + 1] if len(runs1) == 2 else []
-    return forward, backward
+        if a[1] + 1 != b[0] and b[1] + 1 != a[0]:
+            where = "forward" if k == 0 else "backward" if k == 1 else f"their run {k + 1}"
+            raise BlocksDiffer(f"code outside the blocks runs between block 0 and block 1 in {where}")
+        out.append((all_nodes[b[0]:b[1] + 1], a[1] + 1 == b[0]))
+    return out
 
 
 @dataclasses.dataclass
@@ -367,7 +422,8 @@ class _Correspondence:
     chained: dict[fx.Node, tuple[str, fx.Node]]
 
 
-def _correspondence(captured: CapturedGraph, blocks: _Blocks, prefix: str) -> _Correspondence:
+def _correspondence(captured: CapturedGraph, blocks: _Blocks, prefix: str,
+                    same_source: Callable[[fx.Node, fx.Node], bool] | None = None) -> _Correspondence:
     """Match blocks 0 and 1 node for node (see the module docstring for what must agree)."""
     rename = renamer(prefix, 0, 1)
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
@@ -412,17 +468,21 @@ def _correspondence(captured: CapturedGraph, blocks: _Blocks, prefix: str) -> _C
         for x0, x1 in zip(flat0, flat1):
             match(x0, x1, where)
         _match_meta(a, b, rename, where)
+        if same_source is not None and not same_source(a, b):
+            raise BlocksDiffer(f"{where}: lowered from joint-graph nodes that do not correspond")
         node[a] = b
     return _Correspondence(node, chained)
 
 
 def _match_meta(a: fx.Node, b: fx.Node, rename, where: str) -> None:
+    """The two nodes' module stacks, source lines, annotations (``hp_source`` aside: the caller
+    matches sources), shapes and dtypes agree up to the block index."""
     for key in ("nn_module_stack", "fwd_nn_module_stack"):
         if _rename_meta({key: a.meta.get(key)}, rename).get(key) != b.meta.get(key):
             raise BlocksDiffer(f"{where}: module stacks differ")
     if a.meta.get("stack_trace") != b.meta.get("stack_trace"):
         raise BlocksDiffer(f"{where}: traced from different source lines")
-    if _rename_meta({"custom": a.meta.get("custom")}, rename).get("custom") != b.meta.get("custom"):
+    if _custom(a, rename) != _custom(b, None):
         raise BlocksDiffer(f"{where}: different annotations (hp.checkpoint / hp.swap regions)")
     va, vb = a.meta.get("val"), b.meta.get("val")
     shapes = [(tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t)
@@ -430,6 +490,28 @@ def _match_meta(a: fx.Node, b: fx.Node, rename, where: str) -> None:
     half = len(shapes) // 2
     if len(shapes) % 2 or shapes[:half] != shapes[half:]:
         raise BlocksDiffer(f"{where}: different shapes or dtypes")
+
+
+def _custom(node: fx.Node, rename) -> dict:
+    custom = {k: v for k, v in (node.meta.get("custom") or {}).items() if k != SOURCE}
+    return {k: rename(v) for k, v in custom.items()} if rename else custom
+
+
+def _check_chained_layouts(corr: _Correspondence) -> None:
+    """With layouts (a propagated graph): copy j reads copy j-1's value (forward) or copy j+1's
+    (backward) where block 1 read block 0's or an outside one. The copies compute what block 1
+    computes only if those values have the layouts block 1 read."""
+    for x1, (direction, other) in corr.chained.items():
+        if direction == "forward":  # block 1 reads block 0's x1; copies read block 1's counterpart
+            read, copied = x1, corr.node[other]
+        else:  # block 0 reads block 1's `other`; block 1 read the outside x1, copies read `other`
+            read, copied = x1, other
+        a, b = read.meta.get(LAYOUT), copied.meta.get(LAYOUT)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or str(a.output) != str(b.output):
+            raise BlocksDiffer(f"block 1 reads {read.name!r} in layout {getattr(a, 'output', None)}, but its "
+                               f"copies would read {copied.name!r} in {getattr(b, 'output', None)}")
 
 
 # --- writing all blocks --------------------------------------------------------------------------
@@ -467,12 +549,12 @@ class _SequenceNumbers:
 
 
 def _check_outside_readers(captured: CapturedGraph, template: set, located: _Blocks,
-                           forward1: list[fx.Node], backward1: list[fx.Node]) -> None:
-    """Outside code may read block 1 only between its forward and its backward (the last block's
-    values after the copies) or from block 0's backward (the first copy's gradients)."""
+                           runs: list[tuple[list[fx.Node], bool]]) -> None:
+    """Outside code may read block 1 only between its first run and its second (forward and
+    backward: the last block's values after the copies) or from block 0 (the first copy's)."""
     order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
-    start = order[forward1[-1]]
-    end = order[backward1[0]] if backward1 else len(order)
+    start = order[runs[0][0][-1]]
+    end = order[runs[1][0][0]] if len(runs) > 1 else len(order)
     for node in template:
         for user in node.users:
             if user in template or user.op == "output":
@@ -483,46 +565,89 @@ def _check_outside_readers(captured: CapturedGraph, template: set, located: _Blo
                                "backward ran")
 
 
+@dataclasses.dataclass
+class Instantiated:
+    """All blocks written out, and where each node of the two-block graph went."""
+
+    captured: CapturedGraph
+    outside: dict[fx.Node, fx.Node]  # a node outside block 1 (block 0's too) -> its one new node
+    copies: dict[int, dict[fx.Node, fx.Node]]  # block j >= 1 -> block 1's node -> block j's
+    located: _Blocks  # the two-block graph's blocks
+    counterpart: dict[fx.Node, fx.Node]  # block 0's node -> block 1's
+
+    def new_node(self, old: fx.Node, j: int | None) -> fx.Node:
+        """Where ``old`` went in block ``j`` (None, or ``old`` outside block 1: its one place)."""
+        return self.copies[j][old] if j is not None and old in self.copies[j] else self.outside[old]
+
+
 def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> CapturedGraph:
     """The joint graph of all ``blocks.count`` blocks from the two-block ``captured`` (traced with
     the list cut to blocks 0 and 1). Raises :class:`BlocksDiffer` when the copies would not be
     exact."""
-    prefix, count = blocks.prefix, blocks.count
+    return instantiate(captured, blocks).captured
+
+
+def check_copyable(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Blocks | None = None,
+                   same_source: Callable[[fx.Node, fx.Node], bool] | None = None) -> tuple:
+    """Raise :class:`BlocksDiffer` unless copies of block 1 write all blocks exactly (the checks of
+    :func:`instantiate`, which takes the same arguments); returns (located, block 1's runs, the
+    correspondence)."""
     if captured.pending_inputs or captured.expert_regions:
         raise BlocksDiffer("expert-parallel regions and pending gradients are traced block by block")
-    located = _locate(captured, prefix)
-    forward1, backward1 = _check_layout(captured, located)
-    corr = _correspondence(captured, located, prefix)
+    located = located or _locate(captured, blocks.prefix)
+    runs = _check_layout(captured, located)
+    corr = _correspondence(captured, located, blocks.prefix, same_source)
+    _check_chained_layouts(corr)
+    _check_outside_readers(captured, set(located.nodes[1]), located, runs)
+    return located, runs, corr
+
+
+def instantiate(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Blocks | None = None,
+                same_source: Callable[[fx.Node, fx.Node], bool] | None = None,
+                retag: Callable[[fx.Node, int | None, dict], dict] | None = None) -> Instantiated:
+    """:func:`instantiate_blocks` for a joint graph before or after propagation, or a lowered one.
+    ``located``: each node's block (default: by module, :func:`_locate`); ``same_source``: whether
+    a block-0 node and its block-1 counterpart come from corresponding nodes (lowered graphs);
+    ``retag(old, j, meta)``: the meta of ``old``'s new node in block ``j`` (None: its one place),
+    given the renamed one (default: it, with autograd's sequence numbers shifted)."""
+    prefix, count = blocks.prefix, blocks.count
+    located, runs, corr = check_copyable(captured, blocks, located, same_source)
     template = set(located.nodes[1])
-    _check_outside_readers(captured, template, located, forward1, backward1)
-    seq = _SequenceNumbers(forward1, count)
+    seq = _SequenceNumbers(runs[0][0], count)
     same = lambda value: value  # noqa: E731 - outside code keeps its names
 
+    def default_retag(old: fx.Node, j: int | None, meta: dict) -> dict:
+        if "seq_nr" in old.meta:
+            meta["seq_nr"] = seq.renumber(old.meta["seq_nr"], j)
+        return meta
+
+    retag = retag or default_retag
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     copies: dict[int, dict[fx.Node, fx.Node]] = {j: {} for j in range(1, count)}
     inputs = []
     old_placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
-    counters = {"primals": 0, "tangents": 0}
+    counters: dict[str, int] = {}
 
-    def placeholder(old: fx.Node, info, rename) -> fx.Node:
-        kind = "tangents" if info.kind == InputKind.TANGENT else "primals"
-        counters[kind] += 1
+    def placeholder(old: fx.Node, info, rename, j: int | None) -> fx.Node:
+        kind = _NUMBERED.sub("", old.name)  # primals_3, tangents_1; a lowered graph's arg0_3, arg1_1
+        counters[kind] = counters.get(kind, 0) + 1
         new = graph.placeholder(f"{kind}_{counters[kind]}")
-        new.meta = _rename_meta(old.meta, rename)
+        new.meta = retag(old, j, _rename_meta(old.meta, rename))
         inputs.append(dataclasses.replace(info, name=rename(info.name)))
         return new
 
-    runs = _contiguous_runs(located.params[1])
+    renamers = {j: renamer(prefix, 1, j) for j in range(1, count)}
+    param_runs = _contiguous_runs(located.params[1])
     in_runs = set(located.params[1])
     for i, (old, info) in enumerate(zip(old_placeholders, captured.inputs)):
-        if i in runs:  # every block's parameters (buffers) where block 1's were
+        if i in param_runs:  # every block's parameters (buffers) where block 1's were
             for j in range(1, count):
-                for k in runs[i]:
+                for k in param_runs[i]:
                     copies[j][old_placeholders[k]] = placeholder(old_placeholders[k], captured.inputs[k],
-                                                                 renamer(prefix, 1, j))
+                                                                 renamers[j], j)
         elif i not in in_runs:
-            env[old] = placeholder(old, info, same)
+            env[old] = placeholder(old, info, same, None)
 
     def read(x: fx.Node, j: int | None, from_block0: bool) -> fx.Node:
         """The new node standing for old ``x`` where copy ``j`` (None: code outside the copies)
@@ -535,47 +660,43 @@ def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> Captu
                 if direction == "forward":  # the block before's value (block 0's for copy 1)
                     return env[x] if j == 1 else copies[j - 1][corr.node[other]]
                 return env[x] if j == count - 1 else copies[j + 1][other]  # the block after's gradient
-        elif x in template:  # block 0's backward reads the first copy, other code the last
+        elif x in template:  # block 0 reads the first copy, other code the last
             return copies[1 if from_block0 else count - 1][x]
         return env[x]
 
     def emit(old: fx.Node, j: int | None) -> fx.Node:
-        rename = renamer(prefix, 1, j) if j is not None else same
+        rename = renamers[j] if j is not None else same
         from_block0 = located.of.get(old) == 0
         args, kwargs = fx.node.map_aggregate(
             (old.args, old.kwargs), lambda x: read(x, j, from_block0) if isinstance(x, fx.Node) else rename(x))
-        new = graph.create_node(old.op, old.target, args, kwargs, name=_name_candidate(old))
-        new.meta = _rename_meta(old.meta, rename)
-        if "seq_nr" in old.meta:
-            new.meta["seq_nr"] = seq.renumber(old.meta["seq_nr"], j)
+        new = graph.create_node(old.op, old.target, args, kwargs, name=base_name(old))
+        new.meta = retag(old, j, _rename_meta(old.meta, rename))
         return new
 
-    forward_set, backward_set = set(forward1), set(backward1)
+    starts = {run[0]: (run, ascending) for run, ascending in runs}
+    in_template_runs = {n for run, _ in runs for n in run}
     outputs = None
     for old in captured.gm.graph.nodes:
         if old.op == "placeholder":
             continue
         if old.op == "output":
-            outputs = _emit_output(graph, old, captured, copies, read, prefix, count, seq)
-        elif old in forward_set or old in backward_set:
-            if old is forward1[0]:
-                for j in range(1, count):
-                    for t in forward1:
-                        copies[j][t] = emit(t, j)
-            elif backward1 and old is backward1[0]:
-                for j in range(count - 1, 0, -1):
-                    for t in backward1:
-                        copies[j][t] = emit(t, j)
-        else:
+            outputs = _emit_output(graph, old, captured, copies, read, prefix, count, retag)
+        elif old in starts:
+            run, ascending = starts[old]
+            for j in (range(1, count) if ascending else range(count - 1, 0, -1)):
+                for t in run:
+                    copies[j][t] = emit(t, j)
+        elif old not in in_template_runs:
             env[old] = emit(old, None)
 
     graph._codegen = _resized_codegen(captured, inputs, outputs)
-    gm = fx.GraphModule(captured.gm, graph, class_name=type(captured.gm).__name__)
-    return dataclasses.replace(captured, gm=gm, inputs=inputs, outputs=outputs)
+    gm = compat.lazy_graph_module(captured.gm, graph, class_name=type(captured.gm).__name__)
+    return Instantiated(dataclasses.replace(captured, gm=gm, inputs=inputs, outputs=outputs), env, copies,
+                        located, corr.node)
 
 
 def _emit_output(graph: fx.Graph, old: fx.Node, captured: CapturedGraph, copies, read, prefix: str, count: int,
-                 seq: _SequenceNumbers) -> list:
+                 retag) -> list:
     """The output node with every block's gradient (and buffer update) slot where block 1's
     were; returns the matching OutputInfo list."""
     slots = list(old.args[0])
@@ -602,17 +723,16 @@ def _emit_output(graph: fx.Graph, old: fx.Node, captured: CapturedGraph, copies,
             if descs is not None:
                 new_descs.append(descs[i])
     node = graph.output(type(old.args[0])(new_slots))
-    node.meta = dict(old.meta)
-    if "seq_nr" in old.meta:
-        node.meta["seq_nr"] = seq.renumber(old.meta["seq_nr"], None)
+    node.meta = retag(old, None, dict(old.meta))
     if descs is not None:
         node.meta["desc"] = new_descs
     return outputs
 
 
 def _resized_codegen(captured: CapturedGraph, inputs: list, outputs: list):
-    """The joint graph's calling convention, ``(primals, tangents) -> (forward outputs, gradients)``
-    as pytrees, with as many primals and gradient slots as the blocks now have."""
+    """The graph's calling convention with as many primals and gradient slots as the blocks now
+    have: the joint graph's ``(primals, tangents) -> (forward outputs, gradients)`` pytrees, or a
+    lowered graph's ``(primals, tangents) -> [every slot]``."""
     codegen = copy.copy(captured.gm.graph._codegen)
     info = getattr(codegen, "pytree_info", None)
     if info is None:
@@ -622,17 +742,15 @@ def _resized_codegen(captured: CapturedGraph, inputs: list, outputs: list):
     num_tangents = sum(i.kind == InputKind.TANGENT for i in inputs)
     in_spec = pytree.tree_structure((type(primals)([None] * (len(inputs) - num_tangents)),
                                      type(tangents)([None] * num_tangents)))
-    forward, grads = structure(info.out_spec)
-    num_forward = len(forward) + sum(o.kind == OutputKind.BUFFER_UPDATE for o in outputs) - \
-        sum(o.kind == OutputKind.BUFFER_UPDATE for o in captured.outputs)
-    out_spec = pytree.tree_structure((type(forward)([None] * num_forward),
-                                      type(grads)([None] * (len(outputs) - num_forward))))
+    returned = structure(info.out_spec)
+    if len(returned) == 2 and all(isinstance(r, (tuple, list)) for r in returned) and \
+            info.out_spec.num_leaves == len(captured.outputs):
+        forward, grads = returned
+        num_forward = len(forward) + sum(o.kind == OutputKind.BUFFER_UPDATE for o in outputs) - \
+            sum(o.kind == OutputKind.BUFFER_UPDATE for o in captured.outputs)
+        out_spec = pytree.tree_structure((type(forward)([None] * num_forward),
+                                          type(grads)([None] * (len(outputs) - num_forward))))
+    else:
+        out_spec = pytree.tree_structure(type(returned)([None] * len(outputs)))
     codegen.pytree_info = info._replace(in_spec=in_spec, out_spec=out_spec)
     return codegen
-
-
-def _name_candidate(node: fx.Node) -> str | None:
-    """The name tracing gives a node: its op's name (``mm``), numbered by the new graph."""
-    if hasattr(node.target, "overloadpacket"):
-        return node.target.overloadpacket.__name__
-    return None  # fx's choice from the target (getitem ...)

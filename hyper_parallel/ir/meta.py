@@ -14,6 +14,9 @@ import torch
 LAYOUT = "hp_layout"  # NodeLayout: the input layouts a node computes with and its output layout
 LOSS_MEAN = "hp_loss_mean"  # True on the global token-mean loss (propagation/loss_reduction.py)
 PLAN_ENTRY = "hp_plan_entry"  # on boundary / boundary_grad nodes: the plan entry they apply, as text
+# The propagation report's lines, on the nodes they are about (a report can be rebuilt from a graph):
+FALLBACK = "hp_fallback"  # on a node run replicated for want of a rule: why, one line
+BOUNDARY_CHANGE = "hp_boundary_change"  # on a boundary node whose plan entry changes the layout: the line
 
 # --- FSDP (propagation/unshard.py, passes/reshard_after_forward.py, passes/bucketing.py) ----------
 FSDP_PARAM = "hp_fsdp_param"  # FQN of the FSDP parameter an all-gather (or its copy) gathers
@@ -59,8 +62,8 @@ COPIED_BY_LOWERING = (
 )
 
 ALL_KEYS = (
-    LAYOUT, LOSS_MEAN, PLAN_ENTRY, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD, SOURCE, ROLE,
-    REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK, CP_RING,
+    LAYOUT, LOSS_MEAN, PLAN_ENTRY, FALLBACK, BOUNDARY_CHANGE, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD,
+    SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK, CP_RING,
 )
 
 

@@ -20,8 +20,12 @@ changes numerics. Every step is timed into the compile summary's ``pass_seconds`
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..ir.names import renumber
+from ..propagation import recompile
 from ..propagation.accumulation import insert_gradient_accumulation
 from ..propagation.boundaries import merge_boundaries
 from ..propagation.loss_reduction import make_token_means_global
@@ -98,8 +102,19 @@ def rewrite_names() -> list[str]:
 
 
 def run_rewrites(captured, ctx: PassContext):
-    """The rewrites on the captured joint graph (in place); returns ``captured``."""
-    return run_steps(REWRITES, captured, ctx, graph_of=lambda c: c.gm)
+    """The rewrites on the captured joint graph (in place); returns ``captured``. Each leaves its
+    graph's nodes numbered without gaps (ir/names.py), as a graph built afresh."""
+    return run_steps([dataclasses.replace(step, fn=_renumbered(step.fn)) for step in REWRITES], captured, ctx,
+                     graph_of=lambda c: c.gm)
+
+
+def _renumbered(rewrite):
+    def run(captured, ctx):
+        captured = rewrite(captured, ctx)
+        recompile(renumber(captured.gm, recompile=False))  # once, at run_steps' end
+        return captured
+
+    return run
 
 
 def check_disabled_passes(names) -> None:

@@ -255,9 +255,10 @@ class _Propagator:
         self.forward_boundary_source[key] = (src.placements, tuple(constraint.placements), constraint.source)
         node.meta[meta.PLAN_ENTRY] = constraint.source
         if src.placements != target:
-            self.report.boundaries.append(
+            node.meta[meta.BOUNDARY_CHANGE] = (
                 f"{key}: {format_placements(src.placements)} -> {format_placements(target)}  ({constraint.source})"
             )
+            self.report.boundaries.append(node.meta[meta.BOUNDARY_CHANGE])
         return NodeLayout(spec, (src,), "boundary")
 
     def boundary_grad(self, node) -> NodeLayout:
@@ -342,7 +343,8 @@ class _Propagator:
         return NodeLayout(_with_meta(output_spec, node, self.mesh), wanted, "rule")
 
     def fallback(self, node, tensor_nodes, why: str) -> NodeLayout:
-        self.report.fallbacks.append(f"{_describe(node)}: ran replicated ({why.splitlines()[0][:120]})")
+        node.meta[meta.FALLBACK] = why.splitlines()[0][:120]
+        self.report.fallbacks.append(_fallback_line(node))
         wanted = tuple(
             make_spec(self.mesh, (Replicate(),) * self.mesh.ndim, a.meta["val"]) for a in tensor_nodes
         )
@@ -449,6 +451,21 @@ def _with_meta(spec, node, mesh):
             for s, v in zip(spec, val)
         )
     return spec
+
+
+def _fallback_line(node: torch.fx.Node) -> str:
+    return f"{_describe(node)}: ran replicated ({node.meta[meta.FALLBACK]})"
+
+
+def report_of(gm: torch.fx.GraphModule, output_placements: dict) -> PropagationReport:
+    """The report propagation gives for ``gm``, read back from its nodes (a graph whose layouts were
+    copied, not propagated: compile/repeated_lowering.py); ``output_placements`` as propagation's."""
+    nodes = list(gm.graph.nodes)
+    return PropagationReport(
+        fallbacks=[_fallback_line(n) for n in nodes if meta.FALLBACK in n.meta],
+        boundaries=[n.meta[meta.BOUNDARY_CHANGE] for n in nodes if meta.BOUNDARY_CHANGE in n.meta],
+        output_placements=dict(output_placements),
+    )
 
 
 def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:

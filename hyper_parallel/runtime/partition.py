@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import compat
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, phases_of
@@ -109,7 +110,8 @@ def partition_by_phase(joint: torch.fx.GraphModule, num_fwd_outputs: int):
     # graphs before the modules generate their code, so each program's code is generated once.
     hold_in_graph(fwd)
     hold_in_graph(bwd)
-    return torch.fx.GraphModule(joint, fwd), torch.fx.GraphModule(joint, bwd), len(saved)
+    # Lazy: flattening the placeholders and the boxed convention change them before the first call.
+    return compat.lazy_graph_module(joint, fwd), compat.lazy_graph_module(joint, bwd), len(saved)
 
 
 class BackwardSplit(NamedTuple):

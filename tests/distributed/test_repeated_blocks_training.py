@@ -37,7 +37,7 @@ def copied_blocks_parity(steps: int = 2) -> dict:
 
 def test_copied_blocks_train_like_one_device(dist2):
     results = dist2.run(copied_blocks_parity)
-    assert results[0]["traced"] == "2 of 3 blocks of model.layers traced"
+    assert results[0]["traced"] == "2 of 3 blocks of model.layers traced, propagated and lowered"
     assert results[0]["counts"] != results[1]["counts"]  # the ranks count different tokens
 
 
@@ -68,7 +68,7 @@ def pipelined_dumps(dump_root: str) -> dict:
 def test_copied_blocks_pipeline_like_traced_blocks(dist2, tmp_path):
     results = dist2.run(pipelined_dumps, str(tmp_path))
     for r in results:
-        assert r["traced"] == {"None": "", "auto": "2 of 4 blocks of model.layers traced"}
+        assert r["traced"] == {"None": "", "auto": "2 of 4 blocks of model.layers traced, propagated and lowered"}
         assert "rank0/schedule.txt" in r["files"] or "rank1/schedule.txt" in r["files"], r["files"]
         assert sum(f.startswith("stage") and f.endswith("_backward.py") for f in r["files"]) >= 1, r["files"]
         assert r["differing"] == [], r["differing"]

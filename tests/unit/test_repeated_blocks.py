@@ -76,6 +76,10 @@ ZOO = {
 }
 
 
+def _captured(result) -> tuple:
+    return result.full(), result.traced
+
+
 @pytest.mark.parametrize("arch", list(ZOO))
 def test_transformers_models_copy_exactly_or_trace_every_block(arch, caplog):
     pytest.importorskip("transformers")
@@ -83,7 +87,7 @@ def test_transformers_models_copy_exactly_or_trace_every_block(arch, caplog):
     batch = global_batch(arch, 2, 16, seed=1)
     full = capture(model, (), batch)
     with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated_blocks"):
-        copied, traced = capture_blocks_once(model, (), batch, {}, {}, "auto", lambda: None)
+        copied, traced = _captured(capture_blocks_once(model, (), batch, {}, {}, "auto", lambda: None))
     if ZOO[arch].endswith("traced"):
         assert traced == ZOO[arch]
     else:
@@ -91,28 +95,42 @@ def test_transformers_models_copy_exactly_or_trace_every_block(arch, caplog):
     _assert_same_capture(full, copied)
 
 
-def test_compile_dumps_are_byte_identical(tmp_path):
-    """FSDP (bf16 params, fp32 reduce) x TP on a 2x2 mesh, 3 layers: every dumped stage, from the
-    captured graph to the partitioned programs, the layouts, memory and summary, is the same file."""
-    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def _dump_plan(name: str) -> dict:
     from hyper_parallel.models.plans import llama_tp_plan
 
-    plan = {**llama_tp_plan(), "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
+    if name == "fsdp_bf16_tp":
+        policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return {**llama_tp_plan(), "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
+    return llama_tp_plan(sequence_parallel=True, loss_parallel=True)  # data parallel over "dp"
+
+
+@pytest.mark.parametrize("plan_name,layers", [("fsdp_bf16_tp", 3), ("dp_tp_sp_loss_parallel", 4)])
+def test_compile_dumps_are_byte_identical(tmp_path, plan_name, layers):
+    """On a 2x2 mesh: FSDP (bf16 params, fp32 reduce) x TP, and DP x TP with sequence parallelism
+    and the vocab-parallel loss. With two blocks traced, propagated and lowered and the others
+    copied, every dumped stage, from the captured graph and each rewrite to the partitioned
+    programs, the layouts, memory and timeline, is the same file as when every block goes through
+    every step; so are the summary's propagation report lines."""
+    plan = _dump_plan(plan_name)
     summaries = {}
     with fake_world(4, 1):
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         for option in (None, "model.layers"):
             with hp.init_empty_weights():
-                model = build_model("llama", num_hidden_layers=3)
+                model = build_model("llama", num_hidden_layers=layers)
             ids = torch.empty(4, 16, dtype=torch.long, device="meta")
             pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids},
                                          dump_dir=str(tmp_path / str(option)), repeated_blocks=option)
             summaries[option] = pmodel.compile_summary()
-    assert summaries["model.layers"]["repeated_blocks"] == "2 of 3 blocks of model.layers traced"
+    assert summaries["model.layers"]["repeated_blocks"] == \
+        f"2 of {layers} blocks of model.layers traced, propagated and lowered"
     assert summaries[None]["repeated_blocks"] == ""
+    for key in ("fallbacks", "plan_redistributions", "collectives"):
+        assert summaries[None][key] == summaries["model.layers"][key], key
+    assert summaries[None]["plan_redistributions"], "the plan changes layouts at module boundaries"
     traced, copied = tmp_path / "None" / "rank1", tmp_path / "model.layers" / "rank1"
     names = sorted(os.listdir(traced))
-    assert names == sorted(os.listdir(copied)) and "15_backward.py" in names, names
+    assert names == sorted(os.listdir(copied)) and "15_backward.py" in names and "00c_fsdp_unshard.py" in names, names
     for name in names:
         assert (traced / name).read_bytes() == (copied / name).read_bytes(), name
 
@@ -166,7 +184,7 @@ def test_blocks_that_differ_are_all_traced(mode, why, caplog):
     x, target = torch.randn(4, 8), torch.randn(4, 8)
     full = capture(model, (x, target), {})
     with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated_blocks"):
-        copied, traced = capture_blocks_once(model, (x, target), {}, {}, {}, "auto", lambda: None)
+        copied, traced = _captured(capture_blocks_once(model, (x, target), {}, {}, {}, "auto", lambda: None))
     assert traced == "" and why in caplog.text, caplog.text
     _assert_same_capture(full, copied)
 
@@ -183,7 +201,8 @@ def test_checkpointed_blocks_are_all_traced(caplog):
         full = capture(model, (x, target), {})
         full_regions = len(annotated_regions())
     with capturing(), caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated_blocks"):
-        copied, traced = capture_blocks_once(model, (x, target), {}, {}, {}, "layers", forget_annotated_regions)
+        copied, traced = _captured(
+            capture_blocks_once(model, (x, target), {}, {}, {}, "layers", forget_annotated_regions))
         regions = len(annotated_regions())
     assert traced == "" and "different annotations" in caplog.text, caplog.text
     assert regions == full_regions == 4
@@ -195,7 +214,7 @@ def test_identical_blocks_copy_exactly():
     model = _Stack(n=5)
     x, target = torch.randn(4, 8), torch.randn(4, 8)
     full = capture(model, (x, target), {})
-    copied, traced = capture_blocks_once(model, (x, target), {}, {}, {}, "layers", lambda: None)
+    copied, traced = _captured(capture_blocks_once(model, (x, target), {}, {}, {}, "layers", lambda: None))
     assert traced == "2 of 5 blocks of layers traced"
     _assert_same_capture(full, copied)
     # And they compute the same loss and gradients, called as the joint graph is: (primals, tangents).
