@@ -264,7 +264,7 @@ def explain(
         pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids},
                                      dump_dir=dump_dir, repeated_blocks=repeated_blocks)
         compile_s = time.perf_counter() - compile_start
-        summary = pmodel.compile_summary()
+        summary = pmodel.compile_summary(memory=False)  # memory_report prices it with the optimizer
         labels = _flattened_axis_labels(mesh, dims.flattened_axes())
         memory = pmodel.memory_report(optimizer)
         with progress.phase("simulated step"):

@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,15 @@ class CompiledEntry:
     # (flat output index, sub-mesh, placements): outputs returned as DTensors over the
     # non-data-parallel axes they stay sharded on (see returned_shardings).
     returned: tuple = ()
+    # summary["memory"] when a compile that dumps nothing left it out: estimated on first request
+    # (a replay of both programs; explain prices memory with the optimizer itself).
+    estimate_memory: Callable[[], dict] | None = None
+
+    def full_summary(self) -> dict:
+        """``summary`` with its ``"memory"`` estimate."""
+        if "memory" not in self.summary and self.estimate_memory is not None:
+            self.summary["memory"] = self.estimate_memory()
+        return self.summary
 
 
 def returned_shardings(mesh, resolved: ResolvedPlan, report: PropagationReport) -> tuple:
@@ -318,7 +327,8 @@ def finish(
     pass_seconds.update(run_seconds)
     progress.record("passes", time.perf_counter() - started,
                     ", ".join(f"{name} {s:.2f}" for name, s in run_seconds.items()))
-    dumper.text("layouts.tsv", layout_table(local))
+    if dumper.dir:
+        dumper.text("layouts.tsv", layout_table(local))
     flatten_placeholders(local, captured)
     with progress.phase("partition"):
         program = CompiledProgram.from_joint(local, captured)
@@ -339,7 +349,8 @@ def finish(
     with progress.phase("SPMD check"):
         digest = check_spmd_on_mesh(colls, mesh)
     memory_series = [] if dumper.dir else None  # live bytes per moment, for the report's plot
-    memory = estimate_program(program, captured, series=memory_series)  # no optimizer state: memory_report(opt) adds it
+    # No optimizer state (memory_report(opt) adds it); estimated now only for the dumps.
+    memory = estimate_program(program, captured, series=memory_series) if dumper.dir else None
     summary = {
         "collectives": {name: collective_summary(c) for name, c in colls.items()},
         "collectives_per_step": collective_summary(colls["forward"] + colls["backward"]),
@@ -351,13 +362,14 @@ def finish(
         "mesh": {n: mesh.size(i) for i, n in enumerate(mesh.mesh_dim_names)},
         "spmd_hash": digest,
         "inputs": {p: [str(pl) for pl in v] for p, v in lowered.input_placements.items()},
-        "memory": memory.as_dict(),
     }
-    dumper.json("summary.json", summary)
+    if memory is not None:
+        summary["memory"] = memory.as_dict()
+        dumper.json("summary.json", summary)
+        # For `hyper-parallel report`.
+        dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)
     if current_rank() == 0:
         warn_unplanned(summary["unplanned_collectives"])
-    # For `hyper-parallel report`.
-    dumper.report_data(program, mesh, resolved_plan.fsdp, memory, memory_series, context=resolved_plan.context)
     # Seconds differ between runs: only in the in-memory summary (and the log), never in a dump.
     summary["pass_seconds"] = pass_seconds
     summary["repeated_blocks"] = lowered.repeated_blocks  # capture's choice: the graph is the same either way
@@ -365,7 +377,8 @@ def finish(
         log.debug("[compile] %s", summary["collectives_per_step"])
         log.debug("[compile] seconds per rewrite and pass: %s", {k: round(v, 4) for k, v in pass_seconds.items()})
     return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured),
-                         returned_shardings(mesh, resolved_plan, lowered.report))
+                         returned_shardings(mesh, resolved_plan, lowered.report),
+                         lambda: estimate_program(program, captured).as_dict())
 
 
 def compile_within_budget(
@@ -394,7 +407,7 @@ def compile_within_budget(
         if i not in tried:
             entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(i), silent,
                             local=copy_graph_module(lowered.local))
-            value = torch.tensor([entry.summary["memory"]["peak"]], dtype=torch.float64)
+            value = torch.tensor([entry.full_summary()["memory"]["peak"]], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(value, op=dist.ReduceOp.MAX)
             tried[i] = int(value.item())

@@ -127,9 +127,12 @@ class ParallelModule(FsdpMethods, nn.Module):
         return set_model_state_dict(self, state_dict, StateDictOptions(strict=strict))
 
     # --- what users and tests read -----------------------------------------------------------
-    def compile_summary(self) -> dict:
-        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...)."""
-        return self._last_entry().summary
+    def compile_summary(self, memory: bool = True) -> dict:
+        """The summary of the program the last call ran (collectives by kind/axis, fallbacks, ...).
+        ``memory=False``: without its ``"memory"`` estimate unless already made (a replay of both
+        programs, made on first request when the compile dumped nothing)."""
+        entry = self._last_entry()
+        return entry.full_summary() if memory else entry.summary
 
     def compiled_programs(self) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         """(forward, backward) GraphModules of the program the last call ran, for inspection."""
