@@ -7,7 +7,9 @@ list cut to its first two blocks, then writes blocks 2 .. N-1 into the joint gra
 block 1 (:func:`instantiate_blocks`). The result is the joint graph a trace of all N blocks gives:
 the same nodes in the same order, module stacks, source lines and autograd sequence order, named
 as a fresh trace numbers them (``tests/unit/test_repeated_blocks.py`` compares the two node by
-node, and the compiled dumps byte for byte). Propagation, lowering and the passes then run on it as on any capture.
+node, and the compiled dumps byte for byte). The same :func:`instantiate` writes out the two-block
+graph after propagation and after lowering (``repeated_lowering.py``), with the checks that
+concern layouts and lowered nodes added (:func:`check_copyable`).
 
 The copies are exact when:
 
@@ -22,14 +24,17 @@ The copies are exact when:
   values come from: the hidden state from the block before, its gradient from the block after
   (:func:`_correspondence`);
 * nothing outside the blocks runs between two of them, or reads a block other than the last
-  (forward) or the first (backward).
+  (forward) or the first (backward); each block is a few runs of nodes, the k-th run of block 0
+  next to the k-th of block 1 (:func:`_check_layout`);
+* in a propagated graph, the chained values have the layouts block 1 read them in
+  (:func:`_check_chained_layouts`).
 
 When any of this fails the compile traces every block, as without the option, and the INFO log
 says why. Not checked, and the reason the option is not on by default: code outside the blocks
 that computes with their number (``len(self.layers)`` in a formula).
 
-Reads: the model, the two-block :class:`~.capture.CapturedGraph`. Writes: a new CapturedGraph of
-all blocks (the two-block one is not changed).
+Reads: the model, the two-block :class:`~.capture.CapturedGraph` (traced, propagated or lowered).
+Writes: a new CapturedGraph of all blocks (the two-block one is not changed).
 """
 
 from __future__ import annotations

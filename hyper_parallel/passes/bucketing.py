@@ -52,14 +52,14 @@ from ..propagation import recompile
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
+
 def _fake(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     mode = getattr(like, "fake_mode", None)
     # Lowering traces the local graph under a fake mode, so every value is a fake tensor.
     assert mode is not None, (
         f"bucketing needs fake-tensor metadata on the local graph, got a {type(like).__name__} value"
     )
-    with mode:
-        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+    return compat.fake_empty(like, shape, dtype)
 
 
 class _Builder:

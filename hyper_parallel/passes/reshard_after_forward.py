@@ -34,6 +34,7 @@ import dataclasses
 
 import torch
 
+from .. import compat
 from ..ir import meta
 from ..fsdp.plan import post_forward_size
 from ..ir.phase import BACKWARD, FORWARD, PARTITIONER_TAG, is_tagged_backward, tag, tag_value
@@ -123,8 +124,7 @@ def _smaller_groups(fsdp, mesh) -> dict[str, _Smaller]:
 
 
 def _fake(like: torch.Tensor, shape) -> torch.Tensor:
-    with like.fake_mode:
-        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    return compat.fake_empty(like, shape)
 
 
 def _regather_kept_piece(graph, gather: torch.fx.Node, anchor: torch.fx.Node, to: _Smaller) -> torch.fx.Node:

@@ -26,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+from .. import compat
 from ..runtime.host_copies import SWAP_IN, SWAP_OUT, SWAP_WAIT
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
@@ -36,8 +37,7 @@ HOST = torch.device("cpu")
 
 
 def _fake(like: torch.Tensor, shape, device) -> torch.Tensor:
-    with like.fake_mode:
-        return torch.empty(shape, dtype=like.dtype, device=device)
+    return compat.fake_empty(like, shape, device=device)
 
 
 def _emit(graph, where, target, args, kwargs, val, phase, copy=None):
