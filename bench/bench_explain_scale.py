@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--recompute", default="none")
     p.add_argument("--repeated-blocks", default=None, choices=("auto",),
-                   help="explain(repeated_blocks='auto'): trace two layers, copy the others")
+                   help="explain(repeated_blocks='auto'): trace, propagate and lower two layers, copy the others")
     p.add_argument("--profile", default=None, help="write a cProfile of the explain call to this file")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)

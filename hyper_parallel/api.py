@@ -97,10 +97,10 @@ def parallelize(
     the compute between collectives as Inductor-generated kernels (compiled on the first step),
     collectives and the passes' schedule unchanged (docs/codegen.md).
     ``repeated_blocks``: ``"auto"`` or the FQN of a ModuleList of identical blocks
-    (``"model.layers"``): capture traces two of its blocks and writes the others as their copies
-    (a 32-layer compile in 0.45x the time); the graph is the one a trace of every block gives, and
-    blocks that differ are all traced (docs/codegen.md#compile-time-repeated_blocks). None
-    (default): every block is traced.
+    (``"model.layers"``): two of its blocks are traced, propagated and lowered, and the others
+    written as their copies (a 32-layer compile in 0.14x the time); the graphs are the ones every
+    block going through every step gives, and blocks that differ all go through every step
+    (docs/codegen.md#compile-time-repeated_blocks). None (default): every block is traced.
 
     Before distributing anything the ranks check that they resolved the same plan and options
     (a ValueError on every rank naming the difference, not a hang); every call likewise checks
