@@ -54,7 +54,7 @@ from .. import compat
 from ..compat import pytree
 from ..ir.kinds import InputKind, OutputKind
 from ..ir.meta import LAYOUT, SOURCE
-from ..ir.names import base_name
+from ..ir.names import base_name, unnumbered
 from .capture import CapturedGraph, capture, module_fqn_of
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 TRACED = 2  # blocks traced: block 0, and block 1 as the template of the others
 
 _SIMPLE = (int, float, str, bool, type(None))
-_NUMBERED = re.compile(r"_\d+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -635,7 +634,7 @@ def instantiate(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Block
     counters: dict[str, int] = {}
 
     def placeholder(old: fx.Node, info, rename, j: int | None) -> fx.Node:
-        kind = _NUMBERED.sub("", old.name)  # primals_3, tangents_1; a lowered graph's arg0_3, arg1_1
+        kind = unnumbered(old.name)  # primals_3, tangents_1; a lowered graph's arg0_3, arg1_1
         counters[kind] = counters.get(kind, 0) + 1
         new = graph.placeholder(f"{kind}_{counters[kind]}")
         new.meta = retag(old, j, _rename_meta(old.meta, rename))

@@ -18,10 +18,15 @@ from .. import compat
 _NUMBERED = re.compile(r"_\d+$")
 
 
+def unnumbered(name: str) -> str:
+    """``name`` without its number: ``mm_5`` -> ``mm``, ``_to_copy_default_3`` -> ``_to_copy_default``."""
+    return _NUMBERED.sub("", name)
+
+
 def base_name(node: torch.fx.Node) -> str:
-    """The name without its number (``mm_5`` -> ``mm``, ``_to_copy_default_3`` -> ``_to_copy_default``);
+    """What a node is named from when the graph is numbered afresh: its name without the number;
     a placeholder's whole name."""
-    return node.name if node.op == "placeholder" else _NUMBERED.sub("", node.name)
+    return node.name if node.op == "placeholder" else unnumbered(node.name)
 
 
 def renumber(gm: torch.fx.GraphModule, recompile: bool = True) -> torch.fx.GraphModule:
