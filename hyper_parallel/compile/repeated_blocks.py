@@ -108,7 +108,7 @@ def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries,
         blocks, why = None, "expert-parallel regions are traced block by block"
     if blocks is not None:
         traced_boundaries = {fqn: cons for fqn, cons in (boundaries or {}).items()
-                             if (_block_index(fqn, blocks.prefix) or 0) < TRACED}
+                             if (block_index(fqn, blocks.prefix) or 0) < TRACED}
         with first_blocks_only(model, blocks):
             two = capture(model, args, kwargs, traced_boundaries, experts)
         try:
@@ -333,15 +333,16 @@ class _Blocks:
     params: dict[int, list[int]]  # block -> indices of its parameter/buffer placeholders
 
 
-def _block_index(fqn: str, prefix: str) -> int | None:
+def block_index(fqn: str, prefix: str) -> int | None:
+    """The index of the block of ``prefix`` that ``fqn`` (a module or parameter path) is in, or None."""
     if fqn == prefix or not fqn.startswith(prefix + "."):
         return None
     head = fqn[len(prefix) + 1:].split(".", 1)[0]
     return int(head) if head.isdigit() else None
 
 
-def _locate(captured: CapturedGraph, prefix: str,
-            block_of: Callable[[fx.Node, dict], int | None] | None = None) -> _Blocks:
+def locate_blocks(captured: CapturedGraph, prefix: str,
+                  block_of: Callable[[fx.Node, dict], int | None] | None = None) -> _Blocks:
     """Each compute node's block (``block_of(node, blocks of the nodes before)``; default
     :func:`_module_block`), and each block's parameter and buffer placeholders."""
     block_of = block_of or (lambda node, known: _module_block(node, known, prefix))
@@ -350,7 +351,7 @@ def _locate(captured: CapturedGraph, prefix: str,
     placeholders = list(captured.gm.graph.find_nodes(op="placeholder"))
     for i, info in enumerate(captured.inputs):
         if info.kind in (InputKind.PARAM, InputKind.BUFFER):
-            index = _block_index(info.name.rsplit(".", 1)[0], prefix)
+            index = block_index(info.name.rsplit(".", 1)[0], prefix)
             if index is not None:
                 params.setdefault(index, []).append(i)
                 known[placeholders[i]] = index
@@ -373,7 +374,7 @@ def _module_block(node: fx.Node, known: dict, prefix: str) -> int | None:
     """A joint-graph node's block: its module's; else (gradient accumulations, and the casts and
     gathers of parameters rewrites insert, carry no module) the earliest block of its inputs (a
     block's parameters belong to it)."""
-    index = _block_index(module_fqn_of(node), prefix)
+    index = block_index(module_fqn_of(node), prefix)
     if index is None and not (node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")):
         # A gradient accumulated at a block's input adds the gradient coming from the block
         # after it: it belongs to the earlier block, whose backward runs next.
@@ -598,7 +599,7 @@ def check_copyable(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Bl
     correspondence)."""
     if captured.pending_inputs or captured.expert_regions:
         raise BlocksDiffer("expert-parallel regions and pending gradients are traced block by block")
-    located = located or _locate(captured, blocks.prefix)
+    located = located or locate_blocks(captured, blocks.prefix)
     runs = _check_layout(captured, located)
     corr = _correspondence(captured, located, blocks.prefix, same_source)
     _check_chained_layouts(corr)
@@ -610,7 +611,7 @@ def instantiate(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Block
                 same_source: Callable[[fx.Node, fx.Node], bool] | None = None,
                 retag: Callable[[fx.Node, int | None, dict], dict] | None = None) -> Instantiated:
     """:func:`instantiate_blocks` for a joint graph before or after propagation, or a lowered one.
-    ``located``: each node's block (default: by module, :func:`_locate`); ``same_source``: whether
+    ``located``: each node's block (default: by module, :func:`locate_blocks`); ``same_source``: whether
     a block-0 node and its block-1 counterpart come from corresponding nodes (lowered graphs);
     ``retag(old, j, meta)``: the meta of ``old``'s new node in block ``j`` (None: its one place),
     given the renamed one (default: it, with autograd's sequence numbers shifted)."""
@@ -707,7 +708,7 @@ def _emit_output(graph: fx.Graph, old: fx.Node, captured: CapturedGraph, copies,
     descs = old.meta.get("desc")
     own = [i for i, info in enumerate(captured.outputs)
            if info.kind in (OutputKind.GRAD, OutputKind.BUFFER_UPDATE)
-           and _block_index(info.name.rsplit(".", 1)[0], prefix) == 1]
+           and block_index(info.name.rsplit(".", 1)[0], prefix) == 1]
     runs = _contiguous_runs(own)
     in_runs = set(own)
     new_slots, new_descs, outputs = [], [], []

@@ -40,7 +40,7 @@ from ..progress import Progress
 from ..propagation.engine import PropagationReport, report_of
 from .capture import CapturedGraph
 from .repeated_blocks import (
-    BlocksDiffer, Instantiated, RepeatedBlocks, _block_index, _locate, instantiate, renamer,
+    BlocksDiffer, Instantiated, RepeatedBlocks, block_index, instantiate, locate_blocks, renamer,
 )
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _instantiate_lowered(two: CapturedGraph, local: fx.GraphModule, full: Instan
             return None
         if src.op == "output":  # a gradient's way to its storage: its parameter's block
             grad_of = node.meta.get(meta.GRAD_OF)
-            return _block_index(grad_of.rsplit(".", 1)[0], prefix) if grad_of else None
+            return block_index(grad_of.rsplit(".", 1)[0], prefix) if grad_of else None
         return full.located.of.get(src)
 
     def same_source(a: fx.Node, b: fx.Node) -> bool:
@@ -134,5 +134,5 @@ def _instantiate_lowered(two: CapturedGraph, local: fx.GraphModule, full: Instan
         return new_meta
 
     lowered = dataclasses.replace(two, gm=local)
-    located = _locate(lowered, prefix, block_of)
+    located = locate_blocks(lowered, prefix, block_of)
     return instantiate(lowered, blocks, located, same_source, retag).captured.gm
