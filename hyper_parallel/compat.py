@@ -101,11 +101,23 @@ def clear_sharding_caches() -> None:
 
     DTensor keys those caches on a mesh's shape and axis names, not on its process groups, so a
     decision cached for one mesh can hand a later mesh of the same shape the first one's (possibly
-    destroyed) groups. Called whenever a mesh is created."""
+    destroyed) groups. Called whenever a mesh is created.
+
+    Also DTensor's redistribution planners and transform plans: torch keys the planner cache on a
+    weak reference to the mesh but the planner holds the mesh itself, so every mesh a compile
+    lowered through stays alive, and with it its process groups: destroying a gloo group then
+    leaves its threads running (a test worker kept over a hundred)."""
     sharding_propagator().propagate_op_sharding.cache_clear()
     clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear is not None:
         clear()
+    from torch.distributed.tensor import _collective_utils, _redistribute
+
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
+    topology = getattr(_collective_utils, "MeshTopoInfo", None)  # cached per mesh, by its hash
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None), getattr(topology, "build_from_mesh", None)):
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def unflatten_mesh_axis(mesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]):
@@ -438,3 +450,24 @@ def fake_empty(like: torch.Tensor, shape, dtype=None, device=None) -> torch.Tens
         with like.fake_mode:
             return torch.empty(shape, dtype=dtype, device=device)
     return FakeTensor(like.fake_mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device(device))
+
+
+
+def create_node_unchecked(graph: torch.fx.Graph, op: str, target, args: tuple, kwargs: dict, name: str,
+                          type_expr=None) -> torch.fx.Node:
+    """``graph.create_node(...)`` without its walk of the arguments looking for raw SymInts (it only
+    warns): for copies, whose arguments are nodes and the constants a built graph already held. The
+    walk is about 40% of the cost of a node; a 32-layer compile copies tens of thousands."""
+    new = graph.create_node(op, target, (), {}, name, type_expr)
+    new._update_args_kwargs(args, kwargs)  # what create_node does with them, less the walk
+    return new
+
+
+def copy_node(graph: torch.fx.Graph, node: torch.fx.Node, arg_transform) -> torch.fx.Node:
+    """``graph.node_copy(node, arg_transform)`` through :func:`create_node_unchecked`; ``meta`` is
+    shared, not copied (callers that change it assign a new dict)."""
+    args = torch.fx.node.map_arg(node.args, arg_transform)
+    kwargs = torch.fx.node.map_arg(node.kwargs, arg_transform)
+    new = create_node_unchecked(graph, node.op, node.target, args, kwargs, node.name, node.type)
+    new.meta = node.meta
+    return new

@@ -674,7 +674,7 @@ def instantiate(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Block
         from_block0 = located.of.get(old) == 0
         args, kwargs = fx.node.map_aggregate(
             (old.args, old.kwargs), lambda x: read(x, j, from_block0) if isinstance(x, fx.Node) else rename(x))
-        new = graph.create_node(old.op, old.target, args, kwargs, name=base_name(old))
+        new = compat.create_node_unchecked(graph, old.op, old.target, args, kwargs, base_name(old))
         new.meta = retag(old, j, _rename_meta(old.meta, rename))
         return new
 

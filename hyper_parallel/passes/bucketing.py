@@ -405,16 +405,17 @@ def _acyclic_parts(graph: torch.fx.Graph, buckets: list[list[torch.fx.Node]]) ->
 
 
 def _fuse_buckets(graph: torch.fx.Graph, buckets: list[tuple[str, list[torch.fx.Node]]], fuse,
-                  alone=None) -> None:
+                  alone=None) -> bool:
     """Fuse each ``(name, collectives)`` bucket with ``fuse``, in parts (:func:`_acyclic_parts`),
     labelled ``"<name> (<n> params)"`` (``", part <k>/<parts>"`` added when cut). With ``alone``,
-    parts of one collective go to it instead of ``fuse``."""
-    if not buckets:
-        return
-    for (name, _), parts in zip(buckets, _acyclic_parts(graph, [members for _, members in buckets])):
+    parts of one collective go to it instead of ``fuse``. Whether the graph changed."""
+    changed = False
+    for (name, _), parts in zip(buckets, _acyclic_parts(graph, [members for _, members in buckets]) if buckets else ()):
         for k, part in enumerate(parts, 1):
             where = f", part {k}/{len(parts)}" if len(parts) > 1 else ""
             (alone if alone is not None and len(part) == 1 else fuse)(graph, part, f"{name} ({len(part)} params{where})")
+            changed = True
+    return changed
 
 
 def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int, first_cap_bytes: int) -> list[list[torch.fx.Node]]:
@@ -452,19 +453,22 @@ def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int, first_cap_bytes: i
 def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     fsdp = ctx.fsdp
     graph = gm.graph
+    changed = False
     if fsdp is not None and fsdp.comm_fusion:
         all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
-        _fuse_buckets(graph, [(f"{unit or '<root>'} {phase} all_gather", members)
-                              for (unit, phase, *_), members in all_gathers.items()], _fuse_all_gather)
-        _fuse_buckets(graph, [(f"{unit or '<root>'} reduce_scatter", members)
-                              for (unit, *_), members in reduce_scatters.items()], _fuse_reduction)
+        changed |= _fuse_buckets(graph, [(f"{unit or '<root>'} {phase} all_gather", members)
+                                         for (unit, phase, *_), members in all_gathers.items()], _fuse_all_gather)
+        changed |= _fuse_buckets(graph, [(f"{unit or '<root>'} reduce_scatter", members)
+                                         for (unit, *_), members in reduce_scatters.items()], _fuse_reduction)
         # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
-        _fuse_buckets(graph, [(f"{unit or '<root>'} all_reduce", members)
-                              for (unit, *_), members in _buckets(graph, fsdp)[2].items()], _fuse_reduction)
+        changed |= _fuse_buckets(graph, [(f"{unit or '<root>'} all_reduce", members)
+                                         for (unit, *_), members in _buckets(graph, fsdp)[2].items()], _fuse_reduction)
     # As DDP, a gradient alone in its bucket keeps its own all-reduce (also a part cut to one).
     buckets = _gradient_all_reduce_buckets(graph, fsdp, ctx.gradient_bucket_bytes, ctx.first_gradient_bucket_bytes)
-    _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members) for i, members in enumerate(buckets)],
-                  _fuse_reduction, alone=_issue_alone)
+    changed |= _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members) for i, members in enumerate(buckets)],
+                             _fuse_reduction, alone=_issue_alone)
+    if not changed:  # nothing to fuse: the graph is as it came (ordered, no dead code)
+        return gm
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()

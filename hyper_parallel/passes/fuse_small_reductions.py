@@ -60,6 +60,7 @@ def fuse_small_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     if not groups:
         return gm
     keys = list(groups)
+    fused = False
     for key, parts in zip(keys, _acyclic_parts(graph, [groups[k] for k in keys])):
         phase = key[0]
         for k, part in enumerate(parts, 1):
@@ -67,6 +68,9 @@ def fuse_small_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 continue
             where = f", part {k}/{len(parts)}" if len(parts) > 1 else ""
             _fuse_reduction(graph, part, f"small reductions {phase} ({len(part)} values{where})", phase=phase)
+            fused = True
+    if not fused:  # every group cut into parts of one (each reduction feeds the next): unchanged
+        return gm
     _restore_topological_order(graph)
     graph.eliminate_dead_code()
     graph.lint()

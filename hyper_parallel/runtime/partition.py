@@ -32,9 +32,7 @@ from .collective_inputs import hold_in_graph, release_after_wait
 
 
 def _copy(graph: torch.fx.Graph, node: torch.fx.Node, env: dict) -> torch.fx.Node:
-    new = graph.node_copy(node, lambda a: env[a])
-    new.meta = node.meta
-    return new
+    return compat.copy_node(graph, node, env.__getitem__)
 
 
 def _ring_transfer(wait: torch.fx.Node) -> bool:
