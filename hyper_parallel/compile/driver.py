@@ -220,11 +220,14 @@ def capture_and_lower(
     storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
     timings: dict = {}
 
-    def front_end(graph: CapturedGraph, on_rewrite) -> tuple:
-        """Rewrites, propagation and lowering of ``graph``: (propagation report, lowered graph)."""
+    def front_end(graph: CapturedGraph, on_rewrite, check_rewritten=None) -> tuple:
+        """Rewrites, propagation and lowering of ``graph``: (propagation report, lowered graph).
+        ``check_rewritten(graph)`` runs between the rewrites and propagation (it may raise)."""
         with progress.phase("propagation"):
             run_rewrites(graph, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
                                             fsdp=resolved.fsdp, on_pass=on_rewrite, timings=timings))
+            if check_rewritten is not None:
+                check_rewritten(graph)
             report = propagate(graph, resolved, mesh)
             check_attention_stays_sharded(graph.gm, resolved.context, mesh)
         with progress.phase("lowering"):

@@ -52,6 +52,7 @@ import torch.nn as nn
 
 from .. import compat
 from ..compat import pytree
+from ..errors import internal_error
 from ..ir.kinds import InputKind, OutputKind
 from ..ir.meta import LAYOUT, SOURCE
 from ..ir.names import base_name, unnumbered
@@ -130,7 +131,13 @@ def _copy_captured(captured: CapturedGraph) -> CapturedGraph:
     old_output = captured.gm.graph.output_node()
     graph.output(graph.graph_copy(captured.gm.graph, {})).meta = copy.copy(old_output.meta)
     gm = compat.lazy_graph_module(captured.gm, graph, class_name=type(captured.gm).__name__)
-    return dataclasses.replace(captured, gm=gm, inputs=list(captured.inputs), outputs=list(captured.outputs))
+    if captured.pending_inputs:  # only a rewrite adds them, after this copy was taken
+        raise internal_error("capture", "a captured graph to copy has pending gradients already",
+                             workaround="pass repeated_blocks=None to parallelize")
+    # Fresh containers: a rewrite of ``captured`` (gradient accumulation's pending inputs) must not
+    # show in the copy, the full graph a refused copy falls back to.
+    return dataclasses.replace(captured, gm=gm, inputs=list(captured.inputs), outputs=list(captured.outputs),
+                               pending_inputs={}, expert_regions=dict(captured.expert_regions))
 
 
 def check_option(value, model: nn.Module):
@@ -592,13 +599,19 @@ def instantiate_blocks(captured: CapturedGraph, blocks: RepeatedBlocks) -> Captu
     return instantiate(captured, blocks).captured
 
 
+def check_rewrites_copyable(captured: CapturedGraph) -> None:
+    """Raise :class:`BlocksDiffer` for what copies never write: expert-parallel regions and the
+    gradients accumulated over micro-steps (``pending_inputs``, added by a rewrite)."""
+    if captured.pending_inputs or captured.expert_regions:
+        raise BlocksDiffer("expert-parallel regions and pending gradients are traced block by block")
+
+
 def check_copyable(captured: CapturedGraph, blocks: RepeatedBlocks, located: _Blocks | None = None,
                    same_source: Callable[[fx.Node, fx.Node], bool] | None = None) -> tuple:
     """Raise :class:`BlocksDiffer` unless copies of block 1 write all blocks exactly (the checks of
     :func:`instantiate`, which takes the same arguments); returns (located, block 1's runs, the
     correspondence)."""
-    if captured.pending_inputs or captured.expert_regions:
-        raise BlocksDiffer("expert-parallel regions and pending gradients are traced block by block")
+    check_rewrites_copyable(captured)
     located = located or locate_blocks(captured, blocks.prefix)
     runs = _check_layout(captured, located)
     corr = _correspondence(captured, located, blocks.prefix, same_source)

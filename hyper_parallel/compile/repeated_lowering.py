@@ -40,7 +40,8 @@ from ..progress import Progress
 from ..propagation.engine import PropagationReport, report_of
 from .capture import CapturedGraph
 from .repeated_blocks import (
-    BlocksDiffer, Instantiated, RepeatedBlocks, block_index, instantiate, locate_blocks, renamer,
+    BlocksDiffer, Instantiated, RepeatedBlocks, block_index, check_rewrites_copyable, instantiate, locate_blocks,
+    renamer,
 )
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,11 @@ class CopiedLowering:
 
 
 def lower_blocks_once(two: CapturedGraph, blocks: RepeatedBlocks,
-                      front_end: Callable[[CapturedGraph, Callable], tuple[PropagationReport, fx.GraphModule]],
+                      front_end: Callable[..., tuple[PropagationReport, fx.GraphModule]],
                       dump_rewrite: Callable[[str, fx.GraphModule], None] | None,
                       context=None, progress: Progress | None = None) -> CopiedLowering | None:
-    """Rewrite, propagate and lower ``two`` with ``front_end(captured, on_rewrite) -> (report,
-    lowered)``, then copy. ``dump_rewrite(stage, gm)``: where each rewrite's full graph is dumped
+    """Rewrite, propagate and lower ``two`` with ``front_end(captured, on_rewrite, check_rewritten)
+    -> (report, lowered)``, then copy. ``dump_rewrite(stage, gm)``: where each rewrite's full graph is dumped
     (None: not dumping). ``context``: the plan's context parallelism, whose lowering is not copied;
     ``progress``: where the copying's seconds go (phase "copy blocks").
     None when the copies would not be exact: the caller then runs the steps on the full graph."""
@@ -75,7 +76,9 @@ def lower_blocks_once(two: CapturedGraph, blocks: RepeatedBlocks,
             rewrites.append((stage, instantiate(dataclasses.replace(two, gm=gm), blocks).captured.gm))
 
     try:
-        report, local = front_end(two, on_rewrite)
+        # Refused before propagating and lowering two blocks for nothing (and before the progress
+        # log shows those phases twice).
+        report, local = front_end(two, on_rewrite, check_rewrites_copyable)
         with (progress or Progress("", enabled=False)).phase("copy blocks"):
             full = instantiate(two, blocks)
             local = _instantiate_lowered(two, local, full, blocks)

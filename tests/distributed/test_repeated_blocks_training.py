@@ -41,6 +41,36 @@ def test_copied_blocks_train_like_one_device(dist2):
     assert results[0]["counts"] != results[1]["counts"]  # the ranks count different tokens
 
 
+def accumulated_copied_blocks(micro_steps: int = 2) -> list[str]:
+    """FSDP gradient accumulation on the 3-layer example Llama with ``repeated_blocks="auto"``: the
+    first micro-step's program copies the lowering; the later ones read pending gradients, so their
+    compiles lower every block (refused right after the rewrites). The sum over micro-steps is one
+    step on the whole batch. Returns each compile's ``repeated_blocks`` line."""
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    master = build_model("llama", num_hidden_layers=3)
+    model = hp.parallelize(copy.deepcopy(master), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh,
+                           repeated_blocks="auto")
+    full = global_batch("llama", 4 * micro_steps, 16)
+    ref_loss = master(**full)["loss"]
+    ref_loss.backward()
+    traced = []
+    for i in range(micro_steps):
+        model.set_requires_gradient_sync(i == micro_steps - 1)
+        batch = {k: v[i::micro_steps] for k, v in full.items()}
+        (model(**local_batch(batch, mesh))["loss"] / micro_steps).backward()
+        traced.append(model.compile_summary()["repeated_blocks"])
+    ref_params = dict(master.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+    return traced
+
+
+def test_copied_blocks_with_gradient_accumulation(dist2):
+    traced = dist2.run(accumulated_copied_blocks)[0]
+    assert traced == ["2 of 3 blocks of model.layers traced, propagated and lowered",
+                      "2 of 3 blocks of model.layers traced"], traced
+
+
 def pipelined_dumps(dump_root: str) -> dict:
     """A 2-stage 1F1B pipeline of the 4-layer example Llama, at parity with one device, compiled
     with and without copied blocks: the stage split reads the autograd order of the copies."""
