@@ -292,7 +292,22 @@ def renamer(prefix: str, src: int, dst: int) -> Callable[[Any], Any]:
             return done[value]
         return value
 
+    rename.stacks = {}  # id(module stack) -> (it, renamed): nodes share their stack dicts (_rename_meta)
     return rename
+
+
+def _renamed_stack(stack: dict, rename) -> dict:
+    """A module stack with its paths renamed. Traced nodes share stack dicts (a few hundred for
+    thousands of nodes), so each is renamed once per renamer and its copy shared the same way."""
+    cache = getattr(rename, "stacks", None)
+    if cache is None:  # not a renamer: names stay
+        return stack
+    hit = cache.get(id(stack))
+    if hit is not None and hit[0] is stack:
+        return hit[1]
+    renamed = {rename(k): (rename(path), cls) for k, (path, cls) in stack.items()}
+    cache[id(stack)] = (stack, renamed)  # holding ``stack`` keeps its id from being reused
+    return renamed
 
 
 def _rename_meta(meta: dict, rename) -> dict:
@@ -301,7 +316,7 @@ def _rename_meta(meta: dict, rename) -> dict:
     for key in ("nn_module_stack", "fwd_nn_module_stack"):
         stack = meta.get(key)
         if stack:
-            out[key] = {rename(k): (rename(path), cls) for k, (path, cls) in stack.items()}
+            out[key] = _renamed_stack(stack, rename)
     if isinstance(meta.get("custom"), dict):
         out["custom"] = {k: rename(v) for k, v in meta["custom"].items()}
     for key, value in meta.items():  # our own annotations that name modules or parameters
