@@ -30,6 +30,7 @@ from ..cp.check import check_attention_stays_sharded
 from .. import compat
 from ..codegen import generate
 from .capture import CapturedGraph, flat_paths, module_fqn_of
+from .gc_freeze import older_objects_frozen
 from .repeated_blocks import capture_blocks_once
 from .repeated_lowering import lower_blocks_once
 from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
@@ -289,6 +290,7 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
     )
 
 
+@older_objects_frozen()
 def compile_program(
     module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
     explicit_prefetch: dict, activation=None,
@@ -384,6 +386,7 @@ def finish(
                          lambda: estimate_program(program, captured).as_dict())
 
 
+@older_objects_frozen()
 def compile_within_budget(
     module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
     explicit_prefetch: dict,

@@ -43,6 +43,7 @@ from ..compat import pytree
 from .. import compat
 from ..codegen import generate
 from ..compile.capture import flat_paths
+from ..compile.gc_freeze import older_objects_frozen
 from ..compile.driver import (
     capture_and_lower, copy_graph_module, current_rank, format_signature, run_pass_pipeline, signature,
 )
@@ -325,6 +326,7 @@ def _broadcast_loss(pipe: PipelineState, loss: torch.Tensor | None, count: torch
     return pair[0], (pair[1] if executor.token_mean else None)
 
 
+@older_objects_frozen()
 def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineEntry:
     """Compile one micro-batch signature into this rank's stage programs (module docstring)."""
     state = module._hp

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import torch.fx as fx
@@ -129,3 +130,57 @@ def test_node_order_follows_insertions_and_moves():
             assert (a <= b) == (position[a] <= position[b]), (a, b)
     assert sorted(reversed(order)) == order
     assert min(order[3:]) is order[3] and max(order[:4]) is order[3]
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_older_objects_frozen_during_a_compile_only():
+    """compile/gc_freeze.py: objects older than the compile are frozen while it runs (nested
+    compiles freeze once), unfrozen after it, also after an error; garbage made during it is
+    still collected; an application's own freeze, or a disabled collector, is left alone."""
+    import gc
+
+    from hyper_parallel.compile.gc_freeze import older_objects_frozen
+
+    assert gc.get_freeze_count() == 0
+    with older_objects_frozen():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with older_objects_frozen():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+        cycle = _Cycle()
+        ref = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert ref() is None  # the compile's own garbage is collected
+    assert gc.get_freeze_count() == 0
+
+    @older_objects_frozen()
+    def failing_compile():
+        assert gc.get_freeze_count() > 0
+        raise ValueError("bad plan")
+
+    try:
+        failing_compile()
+    except ValueError:
+        pass
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()  # the application's
+    try:
+        mine = gc.get_freeze_count()
+        with older_objects_frozen():
+            pass
+        assert gc.get_freeze_count() == mine
+    finally:
+        gc.unfreeze()
+    gc.disable()
+    try:
+        with older_objects_frozen():
+            assert gc.get_freeze_count() == 0
+    finally:
+        gc.enable()
