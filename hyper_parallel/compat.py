@@ -452,7 +452,6 @@ def fake_empty(like: torch.Tensor, shape, dtype=None, device=None) -> torch.Tens
     return FakeTensor(like.fake_mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device(device))
 
 
-
 def create_node_unchecked(graph: torch.fx.Graph, op: str, target, args: tuple, kwargs: dict, name: str,
                           type_expr=None) -> torch.fx.Node:
     """``graph.create_node(...)`` without its walk of the arguments looking for raw SymInts (it only

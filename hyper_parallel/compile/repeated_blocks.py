@@ -126,14 +126,14 @@ def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries,
 def _copy_captured(captured: CapturedGraph) -> CapturedGraph:
     """A copy whose graph, node meta (shallowly) and slot lists later steps' in-place changes to
     ``captured`` leave alone."""
+    if captured.pending_inputs:  # only a rewrite adds them, after this copy was taken
+        raise internal_error("capture", "a captured graph to copy has pending gradients already",
+                             workaround="pass repeated_blocks=None to parallelize")
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
     old_output = captured.gm.graph.output_node()
     graph.output(graph.graph_copy(captured.gm.graph, {})).meta = copy.copy(old_output.meta)
     gm = compat.lazy_graph_module(captured.gm, graph, class_name=type(captured.gm).__name__)
-    if captured.pending_inputs:  # only a rewrite adds them, after this copy was taken
-        raise internal_error("capture", "a captured graph to copy has pending gradients already",
-                             workaround="pass repeated_blocks=None to parallelize")
     # Fresh containers: a rewrite of ``captured`` (gradient accumulation's pending inputs) must not
     # show in the copy, the full graph a refused copy falls back to.
     return dataclasses.replace(captured, gm=gm, inputs=list(captured.inputs), outputs=list(captured.outputs),

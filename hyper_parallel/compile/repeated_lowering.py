@@ -61,8 +61,8 @@ def lower_blocks_once(two: CapturedGraph, blocks: RepeatedBlocks,
                       dump_rewrite: Callable[[str, fx.GraphModule], None] | None,
                       context=None, progress: Progress | None = None) -> CopiedLowering | None:
     """Rewrite, propagate and lower ``two`` with ``front_end(captured, on_rewrite, check_rewritten)
-    -> (report, lowered)``, then copy. ``dump_rewrite(stage, gm)``: where each rewrite's full graph is dumped
-    (None: not dumping). ``context``: the plan's context parallelism, whose lowering is not copied;
+    -> (report, lowered)``, then copy. ``dump_rewrite(stage, gm)``: where each rewrite's full graph
+    is dumped (None: not dumping). ``context``: the plan's context parallelism, whose lowering is not copied;
     ``progress``: where the copying's seconds go (phase "copy blocks").
     None when the copies would not be exact: the caller then runs the steps on the full graph."""
     if context is not None:
