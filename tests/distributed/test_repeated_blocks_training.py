@@ -42,15 +42,15 @@ def test_copied_blocks_train_like_one_device(dist2):
 
 
 def accumulated_copied_blocks(micro_steps: int = 2) -> list[str]:
-    """FSDP gradient accumulation on the 3-layer example Llama with ``repeated_blocks="auto"``: the
+    """FSDP gradient accumulation on transformers' 3-layer Llama with ``repeated_blocks="auto"``: the
     first micro-step's program copies the lowering; the later ones read pending gradients, so their
     compiles lower every block (refused right after the rewrites). The sum over micro-steps is one
     step on the whole batch. Returns each compile's ``repeated_blocks`` line."""
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
-    master = build_model("llama", num_hidden_layers=3)
+    master = build_model("hf_llama", num_hidden_layers=3)
     model = hp.parallelize(copy.deepcopy(master), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh,
                            repeated_blocks="auto")
-    full = global_batch("llama", 4 * micro_steps, 16)
+    full = global_batch("hf_llama", 4 * micro_steps, 16)
     ref_loss = master(**full)["loss"]
     ref_loss.backward()
     traced = []
