@@ -96,6 +96,15 @@ def local_of(dt) -> torch.Tensor:
     return dt._local_tensor
 
 
+def clear_propagation_caches() -> None:
+    """Forget DTensor's cached sharding decisions per op schema (Python LRU and the C++ dispatch
+    cache): needed whenever the strategies an op has change."""
+    sharding_propagator().propagate_op_sharding.cache_clear()
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear is not None:
+        clear()
+
+
 def clear_sharding_caches() -> None:
     """Forget DTensor's cached sharding decisions (Python LRU and the C++ dispatch cache).
 
@@ -107,10 +116,7 @@ def clear_sharding_caches() -> None:
     weak reference to the mesh but the planner holds the mesh itself, so every mesh a compile
     lowered through stays alive, and with it its process groups: destroying a gloo group then
     leaves its threads running (a test worker kept over a hundred)."""
-    sharding_propagator().propagate_op_sharding.cache_clear()
-    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear is not None:
-        clear()
+    clear_propagation_caches()
     from torch.distributed.tensor import _collective_utils, _redistribute
 
     getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()

@@ -2,10 +2,12 @@
 
 Under context parallelism every activation is sharded on its sequence dim over the ``cp`` axis;
 token-wise ops (embedding, norms, linear layers, the loss) need nothing new, but attention mixes
-tokens. Propagation gives the SDPA ops (``_scaled_dot_product_flash_attention_for_cpu`` and its
-backward, ``rules.py``) one more strategy: query, key, value, output and log-sum-exp all
-``Shard(2)`` (the sequence dim) on an axis. DTensor has no kernel for that layout, so lowering asks
-:func:`local_kernel`, which computes it on the shards:
+tokens. While it propagates a program, the compiler gives the SDPA ops (the CPU flash kernel and
+the GPU flash, memory-efficient and cuDNN kernels, forward and backward:
+``propagation/attention_rules.py``) one more strategy: query, key, value, output and log-sum-exp
+all ``Shard(2)`` (the sequence dim) on an axis. No kernel computes that layout on its own, so
+lowering asks :func:`local_kernel`, which computes it on the shards with the captured op's own
+kernel family (``cp/attention_ops.py``):
 
 * ring mode (``hp.ContextParallel(mode="ring")``): ``cp/ring.py``, K/V blocks passed around the cp
   ring and merged by log-sum-exp, optionally in the load-balanced order of ``cp/load_balance.py``;
@@ -34,13 +36,12 @@ from torch.distributed.tensor import Shard
 from .. import compat
 from ..layout import format_placements
 from .exchange import swap_sharded_dim
+from .attention_ops import family_of, local_rng
 from .hybrid import hybrid_kernels
 from .ring import ring_kernels
 
 aten = torch.ops.aten
 
-SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
-SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ_DIM = 2  # of query / key / value / output [B, H, S, D] and log-sum-exp [B, H, S]
 HEAD_DIM = 1
 
@@ -56,8 +57,10 @@ def sequence_axes(spec) -> tuple[int, ...]:
 def local_kernel(op, layout, context=None, name: str = ""):
     """The local kernel for ``op`` when propagation chose sequence sharding, else None: ring
     attention (``cp/ring.py``) when ``context`` (the ``ContextPlan``) asks for it, else the
-    all-to-all kernel below. ``name`` is the node's, for the ring's tags and messages."""
-    if op not in (SDPA, SDPA_BACKWARD) or not layout.inputs:
+    all-to-all kernel below. ``op`` is any SDPA forward or backward op (``cp/attention_ops.py``);
+    ``name`` is the node's, for the ring's tags and messages."""
+    ops = family_of(op)
+    if ops is None or not layout.inputs:
         return None
     axes = sequence_axes(layout.inputs[0])
     if not axes:
@@ -70,33 +73,47 @@ def local_kernel(op, layout, context=None, name: str = ""):
         )
     ring_modes = {"ring": ring_kernels, "hybrid": hybrid_kernels}
     if context is not None and context.mode in ring_modes:
-        forward, backward = ring_modes[context.mode](axes[0], context, name)
-        if op is SDPA:
-            return functools.partial(_ring_forward, forward, layout.output)
-        return functools.partial(_ring_backward, backward, layout.output)
-    kernel = _ulysses_forward if op is SDPA else _ulysses_backward
-    return functools.partial(kernel, axes)
+        forward, backward = ring_modes[context.mode](axes[0], context, name, ops)
+        kernel = forward if op is ops.forward else backward
+    else:
+        kernel = functools.partial(_ulysses_forward if op is ops.forward else _ulysses_backward, ops, axes)
+    return functools.partial(_as_dtensors, kernel, layout.output, op is ops.forward)
 
 
-def _ring_forward(kernel, specs, *args, **kwargs):
-    out, lse = kernel(*args, **kwargs)
-    return _one_device_strides(compat.dtensor_from_spec(out, specs[0])), compat.dtensor_from_spec(lse, specs[1])
+def _as_dtensors(kernel, specs, is_forward: bool, *args, **kwargs):
+    """``kernel``'s local results as DTensors in the node's output layouts (``specs``); outputs
+    with no layout (sequence lengths, absent tensors) as they are. The attention output and the
+    gradients get the memory layout of one device's kernel (:func:`_one_device_strides`)."""
+    results = []
+    for i, (value, spec) in enumerate(zip(kernel(*args, **kwargs), specs)):
+        if isinstance(value, torch.Tensor) and spec is not None:
+            value = compat.dtensor_from_spec(value, spec)
+            if i == 0 or not is_forward:
+                value = _one_device_strides(value)
+        results.append(value)
+    return tuple(results)
 
 
-def _ring_backward(kernel, specs, *args, **kwargs):
-    return tuple(_one_device_strides(compat.dtensor_from_spec(g, s)) for g, s in zip(kernel(*args, **kwargs), specs))
-
-
-def _move(dt, axes, src_dim: int, dst_dim: int):
-    """DTensor ``dt`` (``[B, H, S, ...]``) from ``Shard(src_dim)`` to ``Shard(dst_dim)`` on the one
-    axis in ``axes`` (cp/exchange.py), annotated as that redistribution."""
+def _swap(local, spec, axes, src_dim: int, dst_dim: int):
+    """``local``, split along ``src_dim`` over the one axis in ``axes``, as split along ``dst_dim``
+    (cp/exchange.py), annotated as that redistribution of ``spec``'s placements."""
     (axis,) = axes
-    spec = compat.spec_of(dt)
-    target = tuple(Shard(dst_dim) if i == axis else p for i, p in enumerate(spec.placements))
-    dst = compat.DTensorSpec(spec.mesh, target, tensor_meta=spec.tensor_meta)
-    whole = swap_sharded_dim(compat.local_of(dt), spec.mesh.get_group(axis).group_name, spec.mesh.size(axis),
-                             src_dim, dst_dim, f"{format_placements(spec.placements)} -> {format_placements(target)}")
-    return compat.dtensor_from_spec(whole, dst)
+    before, after = (tuple(Shard(d) if i == axis else p for i, p in enumerate(spec.placements))
+                     for d in (src_dim, dst_dim))
+    return swap_sharded_dim(local, spec.mesh.get_group(axis).group_name, spec.mesh.size(axis), src_dim, dst_dim,
+                            f"{format_placements(before)} -> {format_placements(after)}")
+
+
+def _heads_of_mask(mask, spec, axes, heads: int):
+    """This rank's share of an additive mask once the heads are split over ``axes``: a mask with
+    one entry per head keeps this rank's ``heads``, a broadcast one stays whole."""
+    if mask is None:
+        return None
+    mask = compat.local_of(mask)
+    if mask.dim() >= 4 and mask.shape[-3] > 1:
+        (axis,) = axes
+        mask = mask.narrow(-3, spec.mesh.get_local_rank(axis) * heads, heads)
+    return mask
 
 
 def _one_device_strides(dt):
@@ -124,16 +141,28 @@ def _check_heads(x, axes, what: str) -> None:
         )
 
 
-def _ulysses_forward(axes, query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    for x, what in ((query, "query"), (key, "key/value")):
+def _ulysses_forward(ops, axes, *args, **kwargs):
+    call = ops.bind(ops.forward, args, kwargs)
+    for x, what in ((call.query, "query"), (call.key, "key/value")):
         _check_heads(x, axes, what)
-    q, k, v = (_move(x, axes, SEQ_DIM, HEAD_DIM) for x in (query, key, value))
-    out, lse = SDPA(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    return _one_device_strides(_move(out, axes, HEAD_DIM, SEQ_DIM)), _move(lse, axes, HEAD_DIM, SEQ_DIM)
+    spec = compat.spec_of(call.query)
+    q, k, v = (_swap(compat.local_of(x), spec, axes, SEQ_DIM, HEAD_DIM) for x in (call.query, call.key, call.value))
+    mask = _heads_of_mask(call.mask, spec, axes, q.shape[HEAD_DIM])
+    out, lse, others = ops.block_forward(q, k, v, call.is_causal, mask, call.scale, call.dropout_p)
+    out, lse = (_swap(x, spec, axes, HEAD_DIM, SEQ_DIM) for x in (out, lse))
+    return ops.forward_outputs(out, lse, others, (q.shape[SEQ_DIM], k.shape[SEQ_DIM]), call.compute_lse)
 
 
-def _ulysses_backward(axes, grad_out, query, key, value, out, lse, dropout_p, is_causal, *,
-                      attn_mask=None, scale=None):
-    moved = [_move(x, axes, SEQ_DIM, HEAD_DIM) for x in (grad_out, query, key, value, out, lse)]
-    grads = SDPA_BACKWARD(*moved, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    return tuple(_one_device_strides(_move(g, axes, HEAD_DIM, SEQ_DIM)) for g in grads)
+def _ulysses_backward(ops, axes, *args, **kwargs):
+    call = ops.bind(ops.backward, args, kwargs)
+    if call.mask_needs_grad:
+        raise ValueError("context-parallel attention cannot compute the gradient of the attention bias "
+                         "(it requires grad): pass a bias that does not require grad")
+    spec = compat.spec_of(call.query)
+    local = [compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out)]
+    lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ_DIM])
+    moved = [_swap(x, spec, axes, SEQ_DIM, HEAD_DIM) for x in (*local, lse)]
+    mask = _heads_of_mask(call.mask, spec, axes, moved[1].shape[HEAD_DIM])
+    rng = local_rng(call.rng)
+    grads = ops.block_backward(*moved, call.is_causal, mask, call.scale, rng, call.dropout_p)
+    return ops.backward_outputs(*(_swap(g, spec, axes, HEAD_DIM, SEQ_DIM) for g in grads))

@@ -1,7 +1,8 @@
 """The check that context-parallel attention stays sequence-sharded.
 
-Context parallelism computes attention on sequence shards only through the SDPA ops our rule knows
-(``propagation/rules.py``: the CPU flash-attention kernel and its backward). Any other form of
+Context parallelism computes attention on sequence shards only through the SDPA ops our rules know
+(``propagation/attention_rules.py``: the CPU flash kernel and the GPU flash, memory-efficient and
+cuDNN kernels, with their backwards). Any other form of
 attention in a context-parallel module — the eager math form (``q @ k.T``, softmax, ``@ v``), an
 SDPA variant we have no rule for — would still give the right numbers, because DTensor gathers the
 whole sequence over the cp axis to compute it. That gather is exactly what context parallelism is
@@ -20,11 +21,11 @@ from ..compat import pytree
 from ..compile.capture import describe_node, module_fqn_of
 from ..ir import meta
 from ..layout import format_placements
+from .attention_ops import FAMILIES
 from .load_balance import sequence_dim
 
-KNOWN_ATTENTION_OPS = (
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+KNOWN_ATTENTION_OPS = tuple(
+    f"aten.{op._schema.name.split('::')[1]}" for f in FAMILIES for op in (f.forward, f.backward)
 )
 
 

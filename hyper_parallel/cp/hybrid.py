@@ -27,15 +27,17 @@ would; the all-to-alls stay inside groups of ``u`` consecutive ranks (one node's
 from __future__ import annotations
 
 from .. import compat
+from .attention_ops import AttentionOps, local_rng
 from .exchange import swap_sharded_dim
-from .ring import Ring, backward, check_dropout, forward
+from .ring import Ring, backward, check_dropout, check_mask_gradient, forward
 
 SEQ, HEADS = 2, 1  # of [B, H, S, D] (query, key, value, output) and [B, H, S] (log-sum-exp)
 
 
-def hybrid_kernels(axis: int, context, name: str):
-    """The forward and backward local kernels lowering calls with DTensors (cp/attention.py):
-    mesh axis ``axis`` is the cp axis of ``context`` (the ContextPlan, with its groups attached)."""
+def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
+    """The forward and backward local kernels lowering calls with the node's arguments as
+    DTensors (cp/attention.py): mesh axis ``axis`` is the cp axis of ``context`` (the ContextPlan,
+    with its groups attached); ``ops`` is the SDPA family that computes each block."""
     u = context.ulysses
 
     def placed(query, attn_mask):
@@ -58,17 +60,25 @@ def hybrid_kernels(axis: int, context, name: str):
         return swap_sharded_dim(x, context.ulysses_group, u, HEADS, SEQ,
                                 f"{context.axis}_ulysses: heads -> sequence")
 
-    def fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        check_dropout(dropout_p, name)
-        ring, mask = placed(query, attn_mask)
-        q, k, v = (to_heads(compat.local_of(x)) for x in (query, key, value))
-        out, lse = forward(ring, q, k, v, is_causal, mask, scale)
-        return to_sequence(out), to_sequence(lse)
+    def fwd(*args, **kwargs):
+        call = ops.bind(ops.forward, args, kwargs)
+        check_dropout(call.dropout_p, name)
+        ring, mask = placed(call.query, call.mask)
+        q, k, v = (to_heads(compat.local_of(x)) for x in (call.query, call.key, call.value))
+        out, lse, others = forward(ring, ops, q, k, v, call.is_causal, mask, call.scale)
+        out, lse = to_sequence(out), to_sequence(lse)
+        return ops.forward_outputs(out, lse, others, (out.shape[SEQ], out.shape[SEQ]), call.compute_lse)
 
-    def bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
-        check_dropout(dropout_p, name)
-        ring, mask = placed(query, attn_mask)
-        moved = [to_heads(compat.local_of(x)) for x in (grad_out, query, key, value, out, lse)]
-        return tuple(to_sequence(g) for g in backward(ring, *moved, is_causal, mask, scale))
+    def bwd(*args, **kwargs):
+        call = ops.bind(ops.backward, args, kwargs)
+        check_dropout(call.dropout_p, name)
+        check_mask_gradient(call, name)
+        ring, mask = placed(call.query, call.mask)
+        local = [compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out)]
+        lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ])
+        moved = [to_heads(x) for x in (*local, lse)]
+        rng = local_rng(call.rng)
+        grads = backward(ring, ops, *moved, call.is_causal, mask, call.scale, rng)
+        return ops.backward_outputs(*(to_sequence(g) for g in grads))
 
     return fwd, bwd

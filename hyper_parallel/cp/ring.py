@@ -4,7 +4,8 @@
 every rank's key/value block: at step ``t`` it holds the block of rank ``r − t`` and sends the block
 it holds to rank ``r + 1`` for the next step, so it sends exactly ``cp − 1`` K/V blocks per
 attention forward (key and value stacked: one transfer per step). Each block's attention runs the
-ordinary CPU flash kernel and returns its output and log-sum-exp; blocks merge exactly:
+captured op's own kernel (the CPU flash kernel, or on GPUs the flash, memory-efficient or cuDNN
+one: ``cp/attention_ops.py``) and returns its output and log-sum-exp; blocks merge exactly:
 ``lse = logaddexp(lse_a, lse_b)``, ``out = out_a·exp(lse_a − lse) + out_b·exp(lse_b − lse)`` (fp32).
 
 Causal masks: a block whose keys all come after the rank's queries is skipped, one whose keys all
@@ -34,12 +35,10 @@ import torch.fx.traceback as fx_traceback
 
 from .. import compat
 from ..ir import meta
+from .attention_ops import AttentionOps, local_rng
 from .load_balance import rank_chunks
 
-aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
-SDPA_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 SEQ = 2  # the sequence dim of query / key / value / output [B, H, S, D] and log-sum-exp [B, H, S]
 
 
@@ -152,19 +151,20 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def forward(ring: Ring, q, k, v, is_causal: bool, mask, scale):
-    """Local output and log-sum-exp of this rank's queries against the whole sequence."""
+def forward(ring: Ring, ops: AttentionOps, q, k, v, is_causal: bool, mask, scale):
+    """Local output, log-sum-exp ``[B, H, S]`` and the first block call's other outputs (the
+    family's RNG state, ``cp/attention_ops.py``) of this rank's queries against the whole sequence."""
     length = q.shape[SEQ]
     acc = _accumulate_dtype(q.dtype)
-    out = lse = None
+    out = lse = others = None
     kv = ring.pack(k, v)
     for step in range(ring.n):
         source = ring.source(step)
         following = ring.shift(kv, "kv", step + 1) if step + 1 < ring.n else None
         for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
-            o, l = SDPA(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), 0.0, causal,
-                        attn_mask=block_mask, scale=scale)
+            o, l, extra = ops.block_forward(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal,
+                                            block_mask, scale)
             o, l = o.to(acc), l.to(acc)
             if block_mask is not None:  # rows this block masks entirely add nothing
                 hidden = torch.isneginf(block_mask).all(-1).expand_as(l)
@@ -172,16 +172,18 @@ def forward(ring: Ring, q, k, v, is_causal: bool, mask, scale):
             if out is None:
                 full = torch.zeros(q.shape, dtype=acc, device=q.device)
                 out, lse = full, torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+                others = extra
             out, lse = _merge(out, lse, rows, o, l)
         if following is not None:
             kv = following
     # A row no key is visible to (only under an explicit mask): 0 and lse 0, as the one-device kernel.
     lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-    return out.to(q.dtype), lse
+    return out.to(q.dtype), lse, others
 
 
-def backward(ring: Ring, grad_out, q, k, v, out, lse, is_causal: bool, mask, scale):
-    """dQ, dK, dV of this rank's blocks (each rank's dK/dV complete after the ring closes)."""
+def backward(ring: Ring, ops: AttentionOps, grad_out, q, k, v, out, lse, is_causal: bool, mask, scale, rng=()):
+    """dQ, dK, dV of this rank's blocks (each rank's dK/dV complete after the ring closes);
+    ``lse`` is ``[B, H, S]``, ``rng`` the RNG state the family's backward takes."""
     length = q.shape[SEQ]
     acc = _accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -194,10 +196,9 @@ def backward(ring: Ring, grad_out, q, k, v, out, lse, is_causal: bool, mask, sca
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
-            gq, gk, gv = SDPA_BACKWARD(
+            gq, gk, gv = ops.block_backward(
                 _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
-                _rows(out, rows), _rows(lse, rows), 0.0, causal,
-                attn_mask=block_mask, scale=scale)
+                _rows(out, rows), _rows(lse, rows), causal, block_mask, scale, rng)
             dq = _splice(dq, rows, _rows(dq, rows) + gq.to(acc))
             kv_seq = SEQ + 1  # key and value stacked in front
             dkv = _splice(dkv, keys, _rows(dkv, keys, kv_seq) + torch.stack([gk, gv]).to(acc), kv_seq)
@@ -212,6 +213,14 @@ def backward(ring: Ring, grad_out, q, k, v, out, lse, is_causal: bool, mask, sca
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
+def check_mask_gradient(call, name: str) -> None:
+    if call.mask_needs_grad:
+        raise ValueError(
+            f"context-parallel attention (node {name}) cannot compute the gradient of the attention "
+            "bias (it requires grad): pass a bias that does not require grad, or drop the "
+            "context_parallel entry of this module")
+
+
 def check_dropout(dropout_p, name: str) -> None:
     if dropout_p:
         raise ValueError(
@@ -220,23 +229,32 @@ def check_dropout(dropout_p, name: str) -> None:
             "dropout to 0 or use hp.ContextParallel(mode='all_to_all')")
 
 
-def ring_kernels(axis: int, context, name: str):
-    """The forward and backward local kernels lowering calls with DTensors (cp/attention.py):
-    ring attention over mesh axis ``axis`` as ``context`` (the ContextPlan) asks."""
+def ring_kernels(axis: int, context, name: str, ops: AttentionOps):
+    """The forward and backward local kernels lowering calls with the node's arguments as
+    DTensors (cp/attention.py): ring attention over mesh axis ``axis`` as ``context`` (the
+    ContextPlan) asks, computed with the SDPA family ``ops``; they return the op's outputs as
+    local tensors."""
 
     def ring_of(x):
         return Ring.on_axis(compat.spec_of(x).mesh, axis, context.balanced, context.asynchronous, name)
 
-    def fwd(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        check_dropout(dropout_p, name)
-        local = [compat.local_of(x) for x in (query, key, value)]
-        mask = compat.local_of(attn_mask) if attn_mask is not None else None
-        return forward(ring_of(query), *local, is_causal, mask, scale)
+    def fwd(*args, **kwargs):
+        call = ops.bind(ops.forward, args, kwargs)
+        check_dropout(call.dropout_p, name)
+        q, k, v = (compat.local_of(x) for x in (call.query, call.key, call.value))
+        mask = compat.local_of(call.mask) if call.mask is not None else None
+        out, lse, others = forward(ring_of(call.query), ops, q, k, v, call.is_causal, mask, call.scale)
+        return ops.forward_outputs(out, lse, others, (q.shape[SEQ], k.shape[SEQ]), call.compute_lse)
 
-    def bwd(grad_out, query, key, value, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
-        check_dropout(dropout_p, name)
-        local = [compat.local_of(x) for x in (grad_out, query, key, value, out, lse)]
-        mask = compat.local_of(attn_mask) if attn_mask is not None else None
-        return backward(ring_of(query), *local, is_causal, mask, scale)
+    def bwd(*args, **kwargs):
+        call = ops.bind(ops.backward, args, kwargs)
+        check_dropout(call.dropout_p, name)
+        check_mask_gradient(call, name)
+        local = [compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out)]
+        lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ])
+        mask = compat.local_of(call.mask) if call.mask is not None else None
+        rng = local_rng(call.rng)
+        grads = backward(ring_of(call.query), ops, *local, lse, call.is_causal, mask, call.scale, rng)
+        return ops.backward_outputs(*grads)
 
     return fwd, bwd

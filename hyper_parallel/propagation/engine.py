@@ -48,6 +48,7 @@ from ..layout import format_placements
 from ..moe.propagation import expert_op_layout
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from .accumulation import GRAD_ACCUM
+from .attention_rules import sequence_sharded_attention
 from .rules import NoShardingRule, has_partial, propagate_op, propagate_token_mean
 from .unshard import GATHERED, PREGATHERED
 
@@ -470,8 +471,10 @@ def report_of(gm: torch.fx.GraphModule, output_placements: dict) -> PropagationR
 
 def propagate(captured: CapturedGraph, resolved, mesh) -> PropagationReport:
     """Give every node of ``captured.gm`` a layout (``node.meta["hp_layout"]``), after the
-    pre-propagation rewrites (passes/__init__.py: ``run_rewrites``) have run on it."""
-    report = _Propagator(captured, resolved, mesh).run()
+    pre-propagation rewrites (passes/__init__.py: ``run_rewrites``) have run on it. Attention may be
+    sharded on the sequence meanwhile (attention_rules.py: the context-parallel kernels compute it)."""
+    with sequence_sharded_attention():
+        report = _Propagator(captured, resolved, mesh).run()
     for line in report.fallbacks:
         log.warning("[propagate] %s", line)
     return report

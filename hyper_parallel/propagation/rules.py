@@ -5,8 +5,9 @@ arguments must be redistributed to and which layout the result has. PyTorch's DT
 ~1,100 aten ops; we ask its propagator (which picks, among an op's strategies, the one with the
 least alpha-beta redistribution cost) and add rules only where it has none:
 
-* ``_scaled_dot_product_flash_attention_for_cpu`` (+ backward): the CPU SDPA kernels; attention is
-  independent per batch row and per head, so batch (dim 0) and head (dim 1) sharding are exact.
+* the SDPA kernels (``attention_rules.py``): the CPU flash kernel, which DTensor has no rule for,
+  and, while a program is propagated, the sequence-sharded layout of every SDPA kernel (context
+  parallelism).
 * The vocab-parallel cross-entropy ("loss parallel"): ``_log_softmax``,
   ``_log_softmax_backward_data``, ``nll_loss_forward`` and ``nll_loss_backward`` on a class dim
   sharded over mesh axes (the logits of a column-parallel ``lm_head``). See below.
@@ -67,7 +68,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..compat import pytree
 from .. import compat
 from ..cp import attention as cp_attention
-from . import strided_views
+from . import attention_rules, strided_views
 from ..ir import meta
 from ..layout import format_placements
 
@@ -78,49 +79,6 @@ class NoShardingRule(Exception):
     """Raised when neither DTensor's registry nor our own rules know an op."""
 
 
-def _sdpa_cpu_strategy(op_schema, num_outputs: int, num_qkv_like: int):
-    # One single-mesh-axis strategy per row: [outputs..., tensor inputs...]; the expansion to every
-    # mesh-axis combination (and the redistribution cost of each) is DTensor's. An attention mask
-    # (B or 1, H or 1, L, S) follows batch/head sharding only where it is not broadcast.
-    mesh = op_schema.get_mesh_from_args()
-    mask = op_schema.kwargs_schema.get("attn_mask")
-    mask_shape = mask.shape if isinstance(mask, compat.OpStrategy) else None
-
-    def row(p, dim):
-        # The sequence (dim 2): the mask is read whole, by whole sequences (cp/attention.py).
-        mask_p = [] if mask_shape is None else [
-            p if dim in (0, 1) and mask_shape[dim] > 1 else Replicate()
-        ]
-        return [p] * (num_outputs + num_qkv_like) + mask_p
-
-    # Batch, heads, and the sequence (context parallelism: no DTensor kernel, cp/attention.py
-    # computes it on the shards).
-    strategies = [row(Replicate(), None), row(Shard(0), 0), row(Shard(1), 1), row(Shard(2), 2)]
-    return compat.expand_to_full_mesh_op_strategy(
-        mesh, op_schema, strategies, input_index=num_outputs
-    )
-
-
-def _sdpa_cpu_forward_strategy(op_schema):
-    # (B, H, L, E) q/k/v and output; logsumexp (B, H, L): batch and heads are independent.
-    return _sdpa_cpu_strategy(op_schema, 2, 3)
-
-
-def _sdpa_cpu_backward_strategy(op_schema):
-    # grad_out, q, k, v, out, logsumexp -> grad_q, grad_k, grad_v
-    return _sdpa_cpu_strategy(op_schema, 3, 6)
-
-
-_OWN_RULES = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: (
-        _sdpa_cpu_forward_strategy,
-        compat.RuntimeSchemaInfo(3, static_kwargkey=["scale"]),
-    ),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (
-        _sdpa_cpu_backward_strategy,
-        compat.RuntimeSchemaInfo(6, static_kwargkey=["scale"]),
-    ),
-}
 _registered = False
 
 
@@ -129,10 +87,7 @@ def register_own_rules() -> None:
     global _registered
     if _registered:
         return
-    propagator = compat.sharding_propagator()
-    for op, (fn, info) in _OWN_RULES.items():
-        if op not in propagator.op_strategy_funcs:
-            propagator.register_op_strategy(op, fn, info)
+    attention_rules.register(compat.sharding_propagator())
     _registered = True
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,7 @@ def run_parity(
     disable_passes: tuple[str, ...] = (),
     parallelize_options: dict | None = None,
     ignore_fraction: float = 0.0,
+    inspect: Callable[[torch.nn.Module], Any] | None = None,
 ) -> dict:
     """Train the parallel and the single-device model side by side; assert they agree each step.
 
@@ -161,7 +162,8 @@ def run_parity(
 
     SGD: loss and every gradient with ``assert_close`` defaults. AdamW: the loss within
     ``loss_rtol`` (Adam turns noise in near-zero gradients into full-size updates, docs/architecture.md §4.1).
-    Returns the losses and the compile summary (rank-local).
+    Returns the losses and the compile summary (rank-local), and what ``inspect(parallel_model)``
+    returns after the last step (``"inspected"``), when given.
     """
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     reference = build_model(model, **(model_overrides or {}))
@@ -193,7 +195,7 @@ def run_parity(
         opt.zero_grad()
         ref_opt.zero_grad()
     return {"losses": losses, "ref_losses": ref_losses, "summary": parallel.compile_summary(),
-            "rank": dist.get_rank()}
+            "rank": dist.get_rank(), "inspected": inspect(parallel) if inspect is not None else None}
 
 
 def assert_same_step(parallel, loss, reference, ref_loss, what: str = "") -> None:

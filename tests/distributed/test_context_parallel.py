@@ -299,12 +299,19 @@ def test_errors_name_the_entry_and_the_fix(dist2):
     assert errors["shard"].startswith("ValueError: shard_sequence: dim 1"), errors
 
 
-def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
+def _ring_kernel_against_whole_sequence(balanced: bool, family: str = "cpu_flash") -> dict:
     """cp/ring.py's kernels run eagerly on this rank's tokens (real transfers) against the one-device
     kernel on the whole sequence: causal, and an explicit additive mask under which some query rows
-    see none of another rank's keys and one row sees no key at all."""
+    see none of another rank's keys and one row sees no key at all (for the kernel families that
+    take a mask). ``family``: the SDPA kernels each block runs (cp/attention_ops.py; the GPU ones
+    emulated on CPU)."""
+    from hyper_parallel.cp.attention_ops import FAMILIES
     from hyper_parallel.cp.load_balance import permute
     from hyper_parallel.cp.ring import Ring, backward, forward
+    from hyper_parallel.testing.emulated_attention import register_cpu_emulation
+
+    register_cpu_emulation()
+    ops = next(f for f in FAMILIES if f.name == family)
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     ring = Ring.on_axis(mesh, 0, balanced=balanced, overlap=False, name="sdpa")
@@ -321,10 +328,12 @@ def _ring_kernel_against_whole_sequence(balanced: bool) -> dict:
         return x.narrow(dim, ring.rank * length, length)
 
     def blockwise(causal, m):
-        o, l = forward(ring, mine(q), mine(k), mine(v), causal, m, None)
-        return (o, l, *backward(ring, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None))
+        o, l, others = forward(ring, ops, mine(q), mine(k), mine(v), causal, m, None)
+        rng = others[:2] if family != "cpu_flash" else ()
+        return (o, l, *backward(ring, ops, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None, rng))
 
-    return _errors_against_one_device(q, k, v, grad, (("causal", True, None), ("mask", False, mask)), blockwise, mine)
+    cases = (("causal", True, None), ("mask", False, mask))
+    return _errors_against_one_device(q, k, v, grad, cases if family != "flash" else cases[:1], blockwise, mine)
 
 
 def _errors_against_one_device(q, k, v, grad, cases, blockwise, mine) -> dict:
@@ -339,10 +348,15 @@ def _errors_against_one_device(q, k, v, grad, cases, blockwise, mine) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("balanced", [True, False])
-def test_ring_kernel_matches_the_whole_sequence(dist2, balanced):
-    for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced)):
-        assert max(errors.values()) < 1e-12, (rank, errors)
+@pytest.mark.parametrize("balanced,family", [
+    (True, "cpu_flash"), (False, "cpu_flash"), (True, "flash"), (True, "efficient"), (False, "cudnn"),
+])
+def test_ring_kernel_matches_the_whole_sequence(dist2, balanced, family):
+    """Every SDPA kernel family (the GPU ones emulated on CPU: their log-sum-exp is float32, so
+    fp64 inputs agree to float32's precision only)."""
+    bound = 1e-12 if family == "cpu_flash" else 1e-5
+    for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced, family)):
+        assert max(errors.values()) < bound, (rank, errors)
 
 
 def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
@@ -357,7 +371,9 @@ def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
 
     mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     context = attach_context_groups(ContextPlan("cp", 4, "hybrid", balanced, False, (), "test", ulysses=2), mesh)
-    forward, backward = hybrid_kernels(0, context, "sdpa")
+    from hyper_parallel.cp.attention_ops import CpuFlash
+
+    forward, backward = hybrid_kernels(0, context, "sdpa", CpuFlash())
     n, length, heads = 4, 4, 4
     seq = n * length
     rank = mesh.get_local_rank(0)
@@ -407,3 +423,95 @@ def _logits_against_one_device(style: str) -> float:
 @pytest.mark.parametrize("style", ["ring", "all_to_all"])
 def test_returned_logits_are_in_sequence_order(dist2, style):
     assert max(dist2.run(_logits_against_one_device, style)) < 1e-5
+
+
+# --- the GPU SDPA kernels (flash, memory-efficient, cuDNN), emulated on CPU ---------------------------
+
+def _attention_ops(model) -> dict[str, list[str]]:
+    """The SDPA ops in each of the compiled programs, in program order."""
+    from hyper_parallel.cp.attention_ops import ATTENTION_OPS
+
+    return {phase: [str(n.target) for n in program.graph.nodes if n.target in ATTENTION_OPS]
+            for phase, program in zip(("forward", "backward"), model.compiled_programs())}
+
+
+def _kernel_family_parity(family: str, model: str, style: str) -> dict:
+    """run_parity with ``F.scaled_dot_product_attention`` going through the GPU kernel ``family``
+    (hyper_parallel.testing.emulated_attention: its CPU emulation), on one device and in the
+    context-parallel program alike; returns the compile summary and the programs' attention ops."""
+    from hyper_parallel.testing.emulated_attention import sdpa_as
+
+    with sdpa_as(family):
+        result = run_parity(model, _plan(style), (2,), ("cp",), steps=2, ignore_fraction=0.3,
+                            model_overrides={"num_hidden_layers": LAYERS}, inspect=_attention_ops)
+    return {"summary": result["summary"], "ops": result["inspected"]}
+
+
+@pytest.mark.parametrize("family,model,style", [
+    ("flash", "llama", "async"),
+    ("flash", "llama", "all_to_all"),
+    ("efficient", "hf:LlamaForCausalLM", "async"),  # under torch.export transformers passes its causal mask
+    ("efficient", "llama", "all_to_all"),
+    ("cudnn", "hf:LlamaForCausalLM", "ring_flat"),
+])
+def test_gpu_attention_kernels(dist2, family, model, style):
+    """Context parallelism on the kernels GPUs run (flash for bf16/fp16 without a mask, memory-
+    efficient and cuDNN with transformers' mask as their bias), each with its own arguments and
+    outputs (the log-sum-exp padded to 32 tokens / with a trailing 1; sequence lengths and RNG
+    state in the output): parity with one device, the programs compute with that family's ops and
+    no other, and the collectives are the CPU kernel's."""
+    result = dist2.run(_kernel_family_parity, family, model, style)[0]
+    forward_op, backward_op = f"aten._scaled_dot_product_{family}_attention.default", \
+        f"aten._scaled_dot_product_{family}_attention_backward.default"
+    ring = style != "all_to_all"
+    # Rank 0's kernel calls per attention: one on whole sequences (all-to-all); on the ring, its own
+    # block, and the other rank's when it sees any of it (always under a mask; balanced causal: the
+    # half of it before its second chunk; flat causal: none, it comes after).
+    masked = model.startswith("hf:")
+    per_layer = 1 if not ring else 2 if masked or style != "ring_flat" else 1
+    assert result["ops"]["forward"] == [forward_op] * LAYERS * per_layer, result["ops"]
+    assert set(result["ops"]["backward"]) == {backward_op}, result["ops"]
+    collectives = result["summary"]["collectives"]
+    if not ring:
+        assert collectives["forward"]["all_to_all"]["cp"]["count"] == LAYERS * 5
+        assert collectives["backward"]["all_to_all"]["cp"]["count"] == LAYERS * 6
+    else:
+        assert collectives["forward"]["send_recv"]["cp"] == {"count": LAYERS, "bytes": LAYERS * _kv_block_bytes(2)}
+    assert result["summary"]["fallbacks"] == []
+
+
+def _bf16_fsdp_cp_with_flash() -> None:
+    from hyper_parallel.testing.emulated_attention import sdpa_as
+
+    with sdpa_as("flash"):
+        _bf16_fsdp_cp()
+
+
+def test_cp_bf16_with_the_gpu_flash_kernel(dist4):
+    """The configuration GPUs train in: bf16 compute (FSDP mixed precision over dp_shard x cp), the
+    flash kernel, the load-balanced ring, against one device in bf16 through the same kernel."""
+    dist4.run(_bf16_fsdp_cp_with_flash)
+
+
+def _eager_dtensor_attention_error() -> float:
+    """After a context-parallel compile, a user's own eager DTensor attention on sequence-sharded
+    inputs (no compiler involved): its largest difference from one device."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = hp.parallelize(build_model("llama", num_hidden_layers=1), _plan("ring"), mesh)
+    model(**local_batch(global_batch("llama", 2, SEQ), mesh))["loss"].backward()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, SEQ, 4, generator=g) for _ in range(3))
+    shards = [DTensor.from_local(x.chunk(2, dim=2)[mesh.get_local_rank(0)], mesh, [Shard(2)], run_check=False)
+              for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*shards, is_causal=True)
+    return (out.full_tensor() - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max().item()
+
+
+def test_eager_dtensor_attention_is_not_given_the_sequence_rule(dist2):
+    """The sequence-sharded attention strategy exists only while the compiler propagates (where
+    the context-parallel kernels compute it): eager DTensor must not run the plain kernel on
+    sequence shards, which would attend to each rank's own keys only."""
+    assert max(dist2.run(_eager_dtensor_attention_error)) < 1e-6
