@@ -9,6 +9,7 @@ collective counter that sees both eager c10d calls and compiled functional colle
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -98,8 +99,12 @@ class CommCounter(CommDebugMode):
 
 
 def step(model, opt, batch) -> torch.Tensor:
-    loss = model(**batch)["loss"]
-    loss.backward()
+    # A peer that must run forward and backward inside a context (torch's context_parallel shards
+    # its buffers in place there and dispatches attention to ring kernels) says so as
+    # ``model.step_context``.
+    with getattr(model, "step_context", contextlib.nullcontext)():
+        loss = model(**batch)["loss"]
+        loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()

@@ -69,7 +69,9 @@ baseline's (a different task: shorter sequences).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import functools
 import os
 import statistics
 import sys
@@ -102,8 +104,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_model_args(p)
     p.set_defaults(hidden=256, intermediate=688, layers=2, heads=4, kv_heads=2, vocab=1024, seq_len=1024)
     p.add_argument("--batch", type=int, default=1, help="sequences of --seq-len tokens (default 1)")
-    p.add_argument("--baseline", choices=("hp_dp", "ddp"), default="hp_dp",
-                   help="the no-CP side: hp.parallelize(model, {}, dp mesh) (default) or eager DDP")
+    p.add_argument("--baseline", choices=("hp_dp", "ddp", "torch_cp"), default="hp_dp",
+                   help="the other side: hp.parallelize(model, {}, dp mesh) (default) or eager DDP at the same "
+                        "tokens per rank (lower bounds), or torch_cp: PyTorch's context_parallel on the same "
+                        "sequences (both sides on the CUDA flash-attention op, emulated on CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps per side (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
@@ -147,6 +151,52 @@ def try_torch_context_parallel(ref, ids, world: int) -> dict:
     return outcome
 
 
+class TorchCPLlama(torch.nn.Module):
+    """The example Llama as torchtitan runs a model under torch's ``context_parallel``: position ids
+    and labels shifted on the whole sequence are buffers it shards with the input ids (the example
+    model builds its positions with ``arange`` and shifts its labels itself, which on a shard would
+    give every rank positions from 0 and drop the label of each shard's last token), and the loss
+    is the global token mean (``num_items``: the sequences' counted labels) times the ranks, which
+    DDP's gradient average over the cp ranks divides back."""
+
+    def __init__(self, model, num_items: int, ranks: int):
+        super().__init__()
+        self.model, self.num_items, self.ranks = model, num_items, ranks
+
+    def forward(self, input_ids, position_ids, labels):
+        inner = self.model.model
+        h = inner.embed_tokens(input_ids)
+        freqs = position_ids[0].float()[:, None] * inner.rotary_emb.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        for layer in inner.layers:
+            h = layer(h, cos, sin)
+        logits = self.model.lm_head(inner.norm(h)).float()
+        total = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return {"loss": total * self.ranks / self.num_items}
+
+
+def torch_cp_side(ref, ids, world: int):
+    """(model, its batch) of PyTorch's experimental ``context_parallel`` on a ``("cp",)`` mesh: ring
+    attention with torch's defaults (load-balanced, K/V blocks all-gathered), the replicated
+    parameters' gradients averaged by DDP, forward and backward inside the context each step
+    (``step_context``, bench/_harness.py), which shards the batch's buffers in place and restores
+    them after."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    labels = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+    batch = {"input_ids": ids.clone(), "position_ids": torch.arange(ids.shape[1]).expand_as(ids).contiguous(),
+             "labels": labels}
+    model = DistributedDataParallel(TorchCPLlama(copy.deepcopy(ref), int((labels != -100).sum()), world),
+                                    broadcast_buffers=False)
+    buffers = [batch["input_ids"], batch["position_ids"], batch["labels"]]
+    model.step_context = functools.partial(context_parallel, mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1])
+    return model, batch
+
+
 def analytic_flops(args, seq: int, tokens_per_rank: int) -> dict:
     """Analytic forward FLOPs per rank and step (backward ~2x both): the projections, MLP and head
     per token, and causal attention (QK^T and PV over the keys each query sees, on average
@@ -179,6 +229,17 @@ def _estimate(model) -> int | None:
 
 
 def run(args: argparse.Namespace) -> dict | None:
+    with contextlib.ExitStack() as scope:
+        if args.baseline == "torch_cp":
+            # torch's context parallelism handles the CUDA attention ops only: both sides run the
+            # CUDA flash-attention op, through its CPU emulation (the CPU flash kernel's numbers).
+            from hyper_parallel.testing.emulated_attention import sdpa_as
+
+            scope.enter_context(sdpa_as("flash"))
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict | None:
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -204,6 +265,8 @@ def run(args: argparse.Namespace) -> dict | None:
     if args.baseline == "hp_dp":
         dp_mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         base_model = hp.parallelize(copy.deepcopy(ref), {}, dp_mesh)
+    elif args.baseline == "torch_cp":
+        base_model, base_batch = torch_cp_side(ref, ids, world)
     else:
         base_model = DistributedDataParallel(copy.deepcopy(ref))
     base_opt = torch.optim.SGD(base_model.parameters(), lr=args.lr)
@@ -213,7 +276,7 @@ def run(args: argparse.Namespace) -> dict | None:
     counted = {**count_collectives({"hp_cp": (cp_model, cp_opt)}, cp_batch),
                **count_collectives({"baseline": (base_model, base_opt)}, base_batch)}
     reducer_buckets = 0
-    if args.baseline == "ddp":  # allocated by DDP's C++ reducer, alive all run, unseen by the tracker
+    if args.baseline in ("ddp", "torch_cp"):  # allocated by DDP's C++ reducer, alive all run, unseen by the tracker
         reducer_buckets = sum(p.numel() * p.element_size() for p in base_model.parameters() if p.requires_grad)
     peaks = {"hp_cp": _peak(cp_model, cp_opt, cp_batch), "baseline": _peak(base_model, base_opt, base_batch,
                                                                            reducer_buckets)}
@@ -226,6 +289,15 @@ def run(args: argparse.Namespace) -> dict | None:
                   for direction in ("forward", "backward")}
     base_summary = base_model.compile_summary() if args.baseline == "hp_dp" else None
     tokens = args.batch * local_len
+    if args.baseline == "torch_cp":
+        note = ("PyTorch's experimental context_parallel on the same sequences (ring attention on DTensor, "
+                "load-balanced, K/V all-gathered: torch's defaults), gradients averaged by DDP, as torchtitan "
+                "runs it; both sides run the CUDA flash-attention op through its CPU emulation")
+    else:
+        note = (f"data parallelism over the same {world} ranks, each training the {tokens} tokens it holds "
+                f"under CP as {args.batch} sequence(s) of {local_len} tokens: {world}x shorter "
+                "sequences, so less attention work per token and no K/V transfers; a lower bound, "
+                "not a like-for-like peer")
     return {
         "bench": "cp_step",
         "world_size": world,
@@ -233,15 +305,13 @@ def run(args: argparse.Namespace) -> dict | None:
         "mode": args.mode,
         "style": repr(cp_style(args)),
         "baseline": args.baseline,
-        "baseline_note": (f"data parallelism over the same {world} ranks, each training the {tokens} tokens it holds "
-                          f"under CP as {args.batch} sequence(s) of {local_len} tokens: {world}x shorter "
-                          "sequences, so less attention work per token and no K/V transfers; a lower bound, "
-                          "not a like-for-like peer"),
+        "baseline_note": note,
         "config": {
             "hidden": args.hidden, "intermediate": args.intermediate, "layers": args.layers,
             "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab,
             "seq_len": args.seq_len, "batch": args.batch, "tokens_per_rank": tokens,
-            "baseline_seq_len": local_len, "params": ref.num_parameters(),
+            "baseline_seq_len": args.seq_len if args.baseline == "torch_cp" else local_len,
+            "params": ref.num_parameters(),
         },
         "threads_per_rank": args.threads,
         "warmup": args.warmup,
@@ -250,10 +320,10 @@ def run(args: argparse.Namespace) -> dict | None:
         "torch_context_parallel": torch_cp if torch_cp is not None else "not tried (--try-torch-cp)",
         "analytic_fwd_flops_per_rank": {
             "hp_cp": analytic_flops(args, args.seq_len, tokens),
-            "baseline": analytic_flops(args, local_len, tokens),
+            "baseline": analytic_flops(args, args.seq_len if args.baseline == "torch_cp" else local_len, tokens),
         },
         "loss_step0": {"single_device_whole_sequences": ref_loss0, "hp_cp": measured.hp_loss0,
-                       "baseline_shorter_sequences": measured.peer_loss0},
+                       "baseline": measured.peer_loss0},
         "hp_cp_first_step_s (compile + step)": measured.hp_first_step_s,
         "step_time_s": {
             "hyper_parallel": {"median": cp_med, "min": min(cp_times), "max": max(cp_times), "all": cp_times},
@@ -305,7 +375,8 @@ def print_table(r: dict) -> None:
           f"{(fl['baseline']['dense'] + fl['baseline']['attention']) / 1e9:.2f}")
     l0 = r["loss_step0"]
     print(f"loss at step 0: one device (whole sequences) {l0['single_device_whole_sequences']:.6f}, hp CP "
-          f"{l0['hp_cp']:.6f}; baseline (shorter sequences) {l0['baseline_shorter_sequences']:.6f}; hp CP first "
+          f"{l0['hp_cp']:.6f}; baseline {l0['baseline']:.6f}"
+          f"{'' if r['baseline'] == 'torch_cp' else ' (shorter sequences)'}; hp CP first "
           f"step (compile + step) {r['hp_cp_first_step_s (compile + step)']:.1f} s")
     print(f"{'':26}{'hp CP':>16}{'baseline':>16}{'CP/base':>10}")
     print_time_rows(r["step_time_s"], "baseline", r["ratio_cp_over_baseline"])

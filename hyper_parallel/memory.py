@@ -338,7 +338,10 @@ def estimate(
     "module", "bytes", "live"}`` (``live``: bytes per category in :data:`CATEGORIES` order); its
     largest ``bytes`` is the estimate's ``peak``.
     """
-    fwd, bwd = program.forward_gm, program.backward_gm
+    # The backward as the runtime runs it when only some outputs get a gradient (the loss, not the
+    # logits: runtime/zero_tangents.py); the absent tangents hold no memory.
+    missing = program.missing_tangents() if hasattr(program, "missing_tangents") else ()
+    fwd, bwd = program.forward_gm, (program.backward_without(missing) if missing else program.backward_gm)
     runner = _MetaRunner()
     timeline = _Timeline(runner.devices)
 
@@ -363,8 +366,10 @@ def estimate(
     bplaceholders = list(bwd.graph.find_nodes(op="placeholder"))
     benv: dict = {}
     bwd_start = timeline.moment("backward")
+    absent = {bplaceholders[len(saved) + j] for j in missing}
     for i, node in enumerate(bplaceholders):
-        benv[node] = env[saved[i]] if i < len(saved) else runner.fresh(node.meta.get("val"))
+        if node not in absent:
+            benv[node] = env[saved[i]] if i < len(saved) else runner.fresh(node.meta.get("val"))
     btimes = {node: bwd_start for node in bplaceholders}
     btimes.update(_replay(bwd, benv, runner, timeline, "backward"))
     bwd_end = timeline.moment("backward")
@@ -390,7 +395,7 @@ def estimate(
         if i < len(saved):
             until = _last_use(node, btimes) if boxed else bwd_end
             timeline.hold(benv[node], bwd_start, until, "saved_activations")
-        else:  # tangents: autograd's grad_outputs hold them until backward returns
+        elif node not in absent:  # tangents: autograd's grad_outputs hold them until backward returns
             timeline.hold(benv[node], bwd_start, bwd_end, "temporaries")
     grad_nodes = {g for g in grads if isinstance(g, torch.fx.Node)}
     for node, t in btimes.items():

@@ -23,6 +23,7 @@ from ..compile.capture import CapturedGraph
 from ..errors import internal_error
 from .partition import partition_by_phase
 from .profiled import with_ranges
+from .zero_tangents import without_tangents
 
 
 def flatten_placeholders(gm: torch.fx.GraphModule, captured: CapturedGraph) -> None:
@@ -79,21 +80,45 @@ class CompiledProgram:
     # (codegen.generate: the compute regions as Inductor kernels, the schedule unchanged).
     generator: object = None
     _generated: dict = dataclasses.field(default_factory=dict, repr=False)
+    # Backward programs for steps where some outputs got no gradient (zero_tangents.py), by the
+    # positions of the missing tangents; and the positions the last backward ran without.
+    _without: dict = dataclasses.field(default_factory=dict, repr=False)
+    last_missing_tangents: tuple[int, ...] | None = None
 
-    def runnable(self, phase: str):
+    def backward_without(self, missing: tuple[int, ...] = ()) -> torch.fx.GraphModule:
+        """The backward program with the tangents at positions ``missing`` read as zeros."""
+        if not missing:
+            return self.backward_gm
+        if missing not in self._without:
+            self._without[missing] = without_tangents(self.backward_gm, missing)
+        return self._without[missing]
+
+    def missing_tangents(self) -> tuple[int, ...]:
+        """The tangents the next backward most likely runs without: the last backward's; before
+        any, those of the outputs that are not scalars when some output is one (a model returning
+        its loss and its logits, trained with ``loss.backward()``)."""
+        if self.last_missing_tangents is not None:
+            return self.last_missing_tangents
+        outputs = list(self.forward_gm.graph.output_node().args[0])
+        scalar = [isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
+                  and o.meta["val"].dim() == 0 for o in (outputs[i] for i in self.tangent_outputs)]
+        return tuple(j for j, s in enumerate(scalar) if not s) if any(scalar) else ()
+
+    def runnable(self, phase: str, missing: tuple[int, ...] = ()):
         """The program of ``phase`` to run now: with named ranges while a profiler records, through
-        the kernel generator when there is one."""
-        gm = self.forward_gm if phase == "forward" else self.backward_gm
+        the kernel generator when there is one. ``missing``: backward's tangents that are absent."""
+        gm = self.forward_gm if phase == "forward" else self.backward_without(missing)
+        variant = phase + "".join(f".no_tangent{m}" for m in missing)
         profiled = self.ranges is not None and compat.profiler_enabled()
         if profiled:
-            if phase not in self._with_ranges:
-                self._with_ranges[phase] = with_ranges(gm, phase, self.ranges)
-            gm = self._with_ranges[phase]
+            if variant not in self._with_ranges:
+                self._with_ranges[variant] = with_ranges(gm, phase, self.ranges)
+            gm = self._with_ranges[variant]
         if self.generator is None:
             return gm
-        key = (phase, profiled)
+        key = (variant, profiled)
         if key not in self._generated:
-            self._generated[key] = self.generator(gm, phase + (".profiled" if profiled else ""))
+            self._generated[key] = self.generator(gm, variant + (".profiled" if profiled else ""))
         return self._generated[key]
 
     @classmethod
@@ -189,6 +214,9 @@ class _RunStep(torch.autograd.Function):
         ctx.saved_is_tensor = [isinstance(s, torch.Tensor) for s in saved]
         ctx.saved_scalars = [s for s in saved if not isinstance(s, torch.Tensor)]
         ctx.save_for_backward(*(s for s in saved if isinstance(s, torch.Tensor)))
+        # An output no gradient reaches arrives in backward as None, not as zeros of its size
+        # (zero_tangents.py: the backward program then skips adding them).
+        ctx.set_materialize_grads(False)
         non_diff = [o for o, d in zip(user, program.differentiable) if not d and isinstance(o, torch.Tensor)]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
@@ -202,9 +230,12 @@ class _RunStep(torch.autograd.Function):
             tensors, scalars = iter(args), iter(ctx.saved_scalars)
             args = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.saved_is_tensor]
             del tensors  # it references the first list: only ``args`` may own the saved tensors
-        args += [grad_outputs[i].contiguous() for i in program.tangent_outputs]
+        tangents = [grad_outputs[i] for i in program.tangent_outputs]
+        missing = tuple(j for j, t in enumerate(tangents) if t is None)
+        program.last_missing_tangents = missing
+        args += [t.contiguous() if t is not None else None for t in tangents]
         ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
-        grads = _call(ctx.on_error, program.runnable("backward"), "backward", args, boxed=True)
+        grads = _call(ctx.on_error, program.runnable("backward", missing), "backward", args, boxed=True)
         if len(grads) != program.num_primals + len(program.kept_gathered):
             # Gradients would be handed to the wrong parameters: never run on.
             raise internal_error(
