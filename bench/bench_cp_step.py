@@ -1,4 +1,4 @@
-"""Step time and peak memory of context parallelism, against data parallelism at the same tokens per rank.
+"""Step time and peak memory of context parallelism, against torch's context_parallel or data parallelism.
 
 ``python bench/bench_cp_step.py --cp 2`` spawns ``--cp`` gloo processes on CPU (one intra-op thread
 each) and trains the example causal ``hyper_parallel.models.LlamaForCausalLM`` (seed 0) two ways,
@@ -27,20 +27,18 @@ interleaved step by step in the same run:
   overhead against another implementation of the same computation. The analytic attention share
   of each side's FLOPs is printed to size that difference.
 
-Why not PyTorch's own context parallelism (``torch.distributed.tensor.experimental.
-context_parallel``, ring attention on DTensor), the peer a user would otherwise pick: it does not
-run on CPU. Its SDPA patch wraps query/key/value as ``Shard(2)`` DTensors and its handlers
-(``_context_parallel/_attention.py``: ``custom_ops`` / ``call_maps``, sharding rules in
-``_sharding_rules.py``) exist only for the CUDA kernels ``aten._scaled_dot_product_flash_attention``,
-``_efficient_attention`` and ``_cudnn_attention`` (and their backwards). On CPU, SDPA dispatches to
-``aten._scaled_dot_product_flash_attention_for_cpu``, which neither CP nor DTensor knows: torch
-2.13.0+cpu raises ``NotImplementedError: Operator
-aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-registered.`` at the model's first attention; with ``sdpa_kernel(SDPBackend.MATH)`` the math
-fallback mixes the plain causal mask with the DTensors and raises ``RuntimeError: aten.add.Tensor
-got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling
-distributed operators!``. ``--try-torch-cp`` repeats that attempt (one forward + backward inside
-``context_parallel(mesh, buffers=[ids, labels], buffer_seq_dims=[1, 1])``) and records the error.
+* ``--baseline torch_cp``: the peer a user would otherwise pick, PyTorch's experimental
+  ``context_parallel`` (``torch.distributed.tensor.experimental``; ring attention on DTensor,
+  load-balanced, K/V blocks all-gathered: its defaults) on the same sequences, as torchtitan runs it:
+  every rank holds the whole batch, which the context shards in place (input ids, position ids,
+  labels shifted on the whole sequence: :class:`TorchCPLlama`), forward and backward inside the
+  context, the parameters' gradients averaged by DDP. Its step-0 loss equals one device's. torch's
+  context parallelism handles only the CUDA attention ops (``_scaled_dot_product_flash_attention``,
+  ``_efficient_attention``, ``_cudnn_attention``); on CPU, SDPA runs
+  ``_scaled_dot_product_flash_attention_for_cpu``, which it does not know (``--try-torch-cp``
+  records the error). So with this baseline both sides run the CUDA flash-attention op through its
+  CPU emulation (``hyper_parallel.testing.emulated_attention``: the CPU flash kernel's numbers, the
+  CUDA op's arguments and outputs); hp's context parallelism handles that op as it would on a GPU.
 
 Default model: hidden 256, intermediate 688, 2 layers, 4 heads of 64 with 2 key/value heads, vocab
 1024 (1.98 M parameters), one sequence of 1024 tokens (512 per rank at cp=2, 256 at cp=4): causal
@@ -176,6 +174,20 @@ class TorchCPLlama(torch.nn.Module):
         return {"loss": total * self.ranks / self.num_items}
 
 
+class ShiftedLabelsLoss(torch.nn.Module):
+    """hp's side against ``torch_cp``: the same computation as :class:`TorchCPLlama` (labels
+    shifted on the whole sequence, the loss alone returned), on the unchanged model; hp makes the
+    mean a global token mean and takes positions from the sequence itself."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids=input_ids)["logits"].float()
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())}
+
+
 def torch_cp_side(ref, ids, world: int):
     """(model, its batch) of PyTorch's experimental ``context_parallel`` on a ``("cp",)`` mesh: ring
     attention with torch's defaults (load-balanced, K/V blocks all-gathered), the replicated
@@ -254,8 +266,14 @@ def _run(args: argparse.Namespace) -> dict | None:
     torch_cp = try_torch_context_parallel(ref, ids, world) if args.try_torch_cp else None
 
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-    cp_batch = hp.shard_sequence({"input_ids": ids, "labels": ids}, mesh)
-    cp_model = hp.parallelize(copy.deepcopy(ref), {"context_parallel": {ATTENTION: cp_style(args)}}, mesh)
+    if args.baseline == "torch_cp":  # the loss both sides compute: labels shifted on the whole sequence
+        shifted = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].contiguous()
+        cp_batch = hp.shard_sequence({"input_ids": ids, "labels": shifted}, mesh)
+        cp_model = hp.parallelize(ShiftedLabelsLoss(copy.deepcopy(ref)),
+                                  {"context_parallel": {"model." + ATTENTION: cp_style(args)}}, mesh)
+    else:
+        cp_batch = hp.shard_sequence({"input_ids": ids, "labels": ids}, mesh)
+        cp_model = hp.parallelize(copy.deepcopy(ref), {"context_parallel": {ATTENTION: cp_style(args)}}, mesh)
     cp_opt = torch.optim.SGD(cp_model.parameters(), lr=args.lr)
 
     # The baseline: the same tokens this rank holds under CP, as independent shorter sequences.

@@ -232,7 +232,8 @@ def capture_and_lower(
             report = propagate(graph, resolved, mesh)
             check_attention_stays_sharded(graph.gm, resolved.context, mesh)
         with progress.phase("lowering"):
-            return report, lower(graph, mesh, resolved.context)
+            # A pipeline's stages read different inputs: each input enters on its own there.
+            return report, lower(graph, mesh, resolved.context, stack_inputs=wrap_forward is None)
 
     copied = None
     if blocks.two is not None:

@@ -147,8 +147,9 @@ def _wrap_replicated(value, mesh, node):
 
 
 class _LocalInterpreter:
-    def __init__(self, captured: CapturedGraph, mesh, context=None):
+    def __init__(self, captured: CapturedGraph, mesh, context=None, stack_inputs: bool = True):
         self.captured = captured
+        self.stack_inputs = stack_inputs
         self.mesh = mesh
         self.context = context  # cp/resolve.py:ContextPlan or None
         self.experts = ExpertLowering(captured.expert_regions, mesh)
@@ -166,12 +167,16 @@ class _LocalInterpreter:
         graph = self.captured.gm.graph
         env: dict[torch.fx.Node, object] = {}
         flat_inputs = list(primals) + list(tangents)
-        for node, local, info in zip(graph.find_nodes(op="placeholder"), flat_inputs, self.captured.inputs):
-            spec = node.meta[meta.LAYOUT].output
-            if self.balancer is not None and info.kind in (InputKind.INPUT, InputKind.TANGENT):
-                with fx_traceback.annotate({meta.SOURCE: node.name}):
-                    local = self.balancer.entry(local, spec)  # the user's sequence order -> balanced
-            env[node] = compat.dtensor_from_spec(local, spec)
+        placeholders = list(zip(graph.find_nodes(op="placeholder"), flat_inputs, self.captured.inputs))
+        if self.balancer is not None:  # the user's sequence order -> balanced, inputs and tangents apart
+            for kind in (InputKind.INPUT, InputKind.TANGENT):
+                mine = [i for i, (_, _, info) in enumerate(placeholders) if info.kind == kind]
+                moved = self.balancer.entry_all([(placeholders[i][1], placeholders[i][0].meta[meta.LAYOUT].output,
+                                                  placeholders[i][0].name) for i in mine], self.stack_inputs)
+                for i, local in zip(mine, moved):
+                    placeholders[i] = (placeholders[i][0], local, placeholders[i][2])
+        for node, local, info in placeholders:
+            env[node] = compat.dtensor_from_spec(local, node.meta[meta.LAYOUT].output)
         result = None
         for node in graph.nodes:
             if node.op == "placeholder":
@@ -300,15 +305,17 @@ def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, 
     return primals, tangents
 
 
-def lower(captured: CapturedGraph, mesh, context=None) -> torch.fx.GraphModule:
+def lower(captured: CapturedGraph, mesh, context=None, stack_inputs: bool = True) -> torch.fx.GraphModule:
     """Build the local joint graph of this rank (see module docstring). ``context``: the plan's
-    ``ContextPlan`` (sequence-parallel attention kernels, the load-balanced order)."""
+    ``ContextPlan`` (sequence-parallel attention kernels, the load-balanced order).
+    ``stack_inputs``: inputs of one shape and dtype enter the balanced order in one all-to-all
+    (not for a pipeline, whose stages read different inputs)."""
     compat.eager_strided_shard_sizes()  # a strided shard's sizes are integers: not traced
     # A shape environment lets data-dependent sizes (an expert region's received rows) be traced as
     # unbacked symbols; every other size stays a plain int.
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True, shape_env=compat.ShapeEnv())
     primals, tangents = placeholder_local_values(captured, fake_mode)
-    interpreter = _LocalInterpreter(captured, mesh, context)
+    interpreter = _LocalInterpreter(captured, mesh, context, stack_inputs)
     with fx_traceback.preserve_node_meta():
         local_gm = compat.make_fx(interpreter, tracing_mode="fake", pre_dispatch=False)(primals, tangents)
     sources = {n.name: n for n in captured.gm.graph.nodes}

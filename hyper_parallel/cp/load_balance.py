@@ -158,21 +158,46 @@ class Balancer:
         arrived = dict(zip(incoming, got.split(half, dim=dim)))
         return torch.cat([arrived[c] for c in want[r]], dim=dim).contiguous()
 
-    def entry(self, local: torch.Tensor, spec) -> torch.Tensor:
-        """A user input (or tangent) in sequence order -> the program's balanced order."""
-        return self._boundary(local, spec, to_balanced=True)
+    def entry_all(self, values: list[tuple[torch.Tensor, object, str]], stack: bool = True) -> list[torch.Tensor]:
+        """User inputs (or tangents) ``(local, spec, name)`` in sequence order -> the program's
+        balanced order; with ``stack``, those of one shape and dtype (input ids and labels) travel
+        stacked, in one all-to-all."""
+        results = [local for local, _, _ in values]
+        groups: dict[tuple, list[int]] = {}
+        for i, (local, spec, _) in enumerate(values):
+            dim = self._boundary_dim(spec)
+            if dim is not None:
+                groups.setdefault((dim, local.dtype, tuple(local.shape)) if stack else (dim, i), []).append(i)
+        for (dim, *_), members in groups.items():
+            names = ", ".join(values[i][2] for i in members)
+            spec = values[members[0]][1]
+            with fx_traceback.annotate({meta.SOURCE: values[members[0]][2], meta.ROLE: meta.ROLE_REDISTRIBUTE,
+                                        meta.REDISTRIBUTE: f"{format_placements(spec.placements)} -> balanced "
+                                                           f"order ({names})"}):
+                if len(members) == 1:
+                    results[members[0]] = self._exchange(values[members[0]][0], dim, True)
+                    continue
+                moved = self._exchange(torch.stack([values[i][0] for i in members]), dim + 1, True)
+                for i, part in zip(members, moved.unbind(0)):
+                    results[i] = part
+        return results
 
     def exit(self, local: torch.Tensor, spec) -> torch.Tensor:
         """A user output (or input gradient) in the balanced order -> sequence order."""
         return self._boundary(local, spec, to_balanced=False)
 
-    def _boundary(self, local, spec, to_balanced: bool):
+    def _boundary_dim(self, spec) -> int | None:
+        """The sequence dim of a user-facing value laid out as ``spec``, None if it has none here."""
         dim = sequence_dim(spec.placements[self.axis])
+        if dim is None or isinstance(spec.placements[self.axis], compat.StridedShard) or \
+                spec.tensor_meta.shape[dim] != self.seq_len:
+            return None  # not one of the [batch, sequence, ...] tensors users hand over
+        return dim
+
+    def _boundary(self, local, spec, to_balanced: bool):
+        dim = self._boundary_dim(spec)
         if dim is None:
             return local
-        if isinstance(spec.placements[self.axis], compat.StridedShard) or \
-                spec.tensor_meta.shape[dim] != self.seq_len:
-            return local  # not one of the [batch, sequence, ...] tensors users hand over
         target = "balanced" if to_balanced else "sequence"
         with fx_traceback.annotate({meta.ROLE: meta.ROLE_REDISTRIBUTE,
                                     meta.REDISTRIBUTE: f"{format_placements(spec.placements)} -> {target} order"}):

@@ -81,8 +81,9 @@ def test_cp2_parity_and_collectives(dist2, model, style):
     else:
         _check_ring_transfers(collectives, 2)
         balanced = style != "ring_flat"
-        # Input ids and labels in, logits out (and the logits' tangent in backward), when balanced.
-        assert forward.get("all_to_all", {}).get("cp", {}).get("count", 0) == (3 if balanced else 0)
+        # Input ids and labels in (stacked: one shape and dtype, one all-to-all), logits out (and
+        # the logits' tangent in backward), when balanced.
+        assert forward.get("all_to_all", {}).get("cp", {}).get("count", 0) == (2 if balanced else 0)
     assert forward["all_gather"]["cp"]["bytes"] <= BATCH * SEQ * 8  # the labels, never activations
     assert "all_gather" not in backward
     assert results[0]["summary"]["fallbacks"] == []
@@ -182,7 +183,7 @@ def test_cp_composes(dist4, case):
         block = _kv_block_bytes(2) // 2
         assert forward["send_recv"] == {"cp/ring": {"count": LAYERS, "bytes": LAYERS * block}}, forward
         assert backward["send_recv"] == {"cp/ring": {"count": 2 * LAYERS, "bytes": 2 * LAYERS * block}}, backward
-        assert forward["all_to_all"]["cp"]["count"] == 3  # inputs and logits to/from the balanced order
+        assert forward["all_to_all"]["cp"]["count"] == 2  # ids and labels (stacked) in, logits out
     else:
         _check_ring_transfers(collectives, cp, batch)
     if case == "ring_fsdp_cp":
