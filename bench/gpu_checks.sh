@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What to run on a lent GPU (one device, one rank), in one go: the CUDA tests (tests/gpu), then the
+# What to run on a lent GPU (one device, one rank), in one go: the CUDA tests (tests/gpu: the
+# context-parallel attention kernel families first, a few seconds), then the
 # codegen bench against FSDP2 eager/compiled and the unsharded model eager/compiled.
 # Usage: bash bench/gpu_checks.sh OUT_DIR   (writes log.txt, the bench JSON, a profiler trace and
 # one region's generated Triton code there). Each part has its own time limit so one that hangs
@@ -10,6 +11,8 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HYPER_PARALLEL_LOG=quiet HP_GPU_TRACE_OUT="$out/trace_inductor_step.json"
 exec > >(tee "$out/log.txt") 2>&1
 python3 -c "import torch, sys; print(sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name())"
+timeout 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_attention_ops.py
+echo "attention kernel families (context parallelism) rc=$?"
 timeout 200 python3 -m pytest -q -x -p no:cacheprovider --basetemp=/tmp/hp_gpu tests/gpu/test_cuda_codegen.py
 echo "codegen tests rc=$?"
 cp "$(ls /tmp/hp_gpu/*/rank0/inductor.backward.region*.py 2>/dev/null | head -1)" "$out/" 2>/dev/null
