@@ -38,7 +38,7 @@ from ..layout import format_placements
 from .exchange import swap_sharded_dim
 from .attention_ops import family_of, local_rng
 from .hybrid import hybrid_kernels
-from .ring import ring_kernels
+from .ring import check_mask_gradient, ring_kernels
 
 aten = torch.ops.aten
 
@@ -76,7 +76,7 @@ def local_kernel(op, layout, context=None, name: str = ""):
         forward, backward = ring_modes[context.mode](axes[0], context, name, ops)
         kernel = forward if op is ops.forward else backward
     else:
-        kernel = functools.partial(_ulysses_forward if op is ops.forward else _ulysses_backward, ops, axes)
+        kernel = functools.partial(_ulysses_forward if op is ops.forward else _ulysses_backward, ops, axes, name)
     return functools.partial(_as_dtensors, kernel, layout.output, op is ops.forward)
 
 
@@ -141,7 +141,7 @@ def _check_heads(x, axes, what: str) -> None:
         )
 
 
-def _ulysses_forward(ops, axes, *args, **kwargs):
+def _ulysses_forward(ops, axes, name, *args, **kwargs):
     call = ops.bind(ops.forward, args, kwargs)
     for x, what in ((call.query, "query"), (call.key, "key/value")):
         _check_heads(x, axes, what)
@@ -153,11 +153,9 @@ def _ulysses_forward(ops, axes, *args, **kwargs):
     return ops.forward_outputs(out, lse, others, (q.shape[SEQ_DIM], k.shape[SEQ_DIM]), call.compute_lse)
 
 
-def _ulysses_backward(ops, axes, *args, **kwargs):
+def _ulysses_backward(ops, axes, name, *args, **kwargs):
     call = ops.bind(ops.backward, args, kwargs)
-    if call.mask_needs_grad:
-        raise ValueError("context-parallel attention cannot compute the gradient of the attention bias "
-                         "(it requires grad): pass a bias that does not require grad")
+    check_mask_gradient(call, name)
     spec = compat.spec_of(call.query)
     local = [compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out)]
     lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ_DIM])

@@ -73,10 +73,12 @@ class AttentionOps:
 
     name = ""
     forward = backward = None
-    lse_dims = 3  # of the log-sum-exp as the op returns it
 
     def bind(self, op, args: tuple, kwargs: dict) -> Bound:
         a = _arguments(op, args, kwargs)
+        if op is self.forward and a.get("return_debug_mask"):
+            raise ValueError(f"context-parallel attention does not return the {self.name} attention kernel's "
+                             "debug mask (return_debug_mask=True); call it without")
         bound = Bound(a["query"], a["key"], a["value"], self._mask(a), float(a.get("dropout_p") or 0.0),
                       bool(a.get("is_causal")), a.get("scale"))
         if "compute_log_sumexp" in a:
@@ -140,13 +142,6 @@ class CudaFlash(AttentionOps):
     name = "flash"
     forward = aten._scaled_dot_product_flash_attention.default
     backward = aten._scaled_dot_product_flash_attention_backward.default
-
-    def bind(self, op, args, kwargs):
-        a = _arguments(op, args, kwargs)
-        if op is self.forward and a.get("return_debug_mask"):
-            raise ValueError("context-parallel attention does not return flash attention's debug mask "
-                             "(return_debug_mask=True); call it without")
-        return super().bind(op, args, kwargs)
 
     def block_forward(self, q, k, v, causal, mask, scale, dropout_p=0.0):
         out, lse, _, _, _, _, seed, offset, debug = self.forward(q, k, v, dropout_p, causal, False, scale=scale)
@@ -213,14 +208,6 @@ class CudaCudnn(AttentionOps):
     name = "cudnn"
     forward = aten._scaled_dot_product_cudnn_attention.default
     backward = aten._scaled_dot_product_cudnn_attention_backward.default
-    lse_dims = 4
-
-    def bind(self, op, args, kwargs):
-        a = _arguments(op, args, kwargs)
-        if op is self.forward and a.get("return_debug_mask"):
-            raise ValueError("context-parallel attention does not return cuDNN attention's debug mask "
-                             "(return_debug_mask=True); call it without")
-        return super().bind(op, args, kwargs)
 
     def lse_tokens(self, lse, length):
         return lse.squeeze(-1)

@@ -25,7 +25,7 @@ from .attention_ops import FAMILIES
 from .load_balance import sequence_dim
 
 KNOWN_ATTENTION_OPS = tuple(
-    f"aten.{op._schema.name.split('::')[1]}" for f in FAMILIES for op in (f.forward, f.backward)
+    str(op).removesuffix(".default") for f in FAMILIES for op in (f.forward, f.backward)
 )
 
 
