@@ -45,6 +45,7 @@ import torch
 
 from .ir.kinds import InputKind
 from .ir.ops import aliases_input
+from .runtime.zero_tangents import zero_add_operand
 from .compat import pytree
 from . import compat
 
@@ -302,13 +303,15 @@ class _Timeline:
                 storage.category = category
 
 
-def _replay(graph_module, env: dict, runner: _MetaRunner, timeline: _Timeline, phase: str) -> dict:
-    """Run the graph's non-placeholder nodes into ``env``; returns node -> moment."""
+def _replay(graph_module, env: dict, runner: _MetaRunner, timeline: _Timeline, phase: str,
+            aliases: dict | None = None) -> dict:
+    """Run the graph's non-placeholder nodes into ``env``; returns node -> moment. ``aliases``:
+    nodes that are another node's value (node -> that node), allocating nothing."""
     times = {}
     for node in graph_module.graph.nodes:
         if node.op in ("placeholder", "output"):
             continue
-        env[node] = runner.run(node, env, graph_module)
+        env[node] = env[aliases[node]] if aliases and node in aliases else runner.run(node, env, graph_module)
         times[node] = timeline.moment(phase, node)
     return times
 
@@ -338,10 +341,7 @@ def estimate(
     "module", "bytes", "live"}`` (``live``: bytes per category in :data:`CATEGORIES` order); its
     largest ``bytes`` is the estimate's ``peak``.
     """
-    # The backward as the runtime runs it when only some outputs get a gradient (the loss, not the
-    # logits: runtime/zero_tangents.py); the absent tangents hold no memory.
-    missing = program.missing_tangents() if hasattr(program, "missing_tangents") else ()
-    fwd, bwd = program.forward_gm, (program.backward_without(missing) if missing else program.backward_gm)
+    fwd, bwd = program.forward_gm, program.backward_gm
     runner = _MetaRunner()
     timeline = _Timeline(runner.devices)
 
@@ -366,12 +366,18 @@ def estimate(
     bplaceholders = list(bwd.graph.find_nodes(op="placeholder"))
     benv: dict = {}
     bwd_start = timeline.moment("backward")
+    # The backward as the runtime runs it when only some outputs get a gradient (the loss, not the
+    # logits: runtime/zero_tangents.py), without building that program: an absent tangent holds no
+    # memory and an add of it is its other operand (a tangent read otherwise is zeros made for it).
+    missing = program.missing_tangents() if hasattr(program, "missing_tangents") else ()
     absent = {bplaceholders[len(saved) + j] for j in missing}
+    aliases = {user: other for tangent in absent for user in tangent.users
+               if (other := zero_add_operand(user, tangent)) is not None}
     for i, node in enumerate(bplaceholders):
-        if node not in absent:
+        if node not in absent or any(u not in aliases for u in node.users):
             benv[node] = env[saved[i]] if i < len(saved) else runner.fresh(node.meta.get("val"))
     btimes = {node: bwd_start for node in bplaceholders}
-    btimes.update(_replay(bwd, benv, runner, timeline, "backward"))
+    btimes.update(_replay(bwd, benv, runner, timeline, "backward", aliases))
     bwd_end = timeline.moment("backward")
     grads = list(bwd.graph.output_node().args[0])
 
@@ -395,7 +401,9 @@ def estimate(
         if i < len(saved):
             until = _last_use(node, btimes) if boxed else bwd_end
             timeline.hold(benv[node], bwd_start, until, "saved_activations")
-        elif node not in absent:  # tangents: autograd's grad_outputs hold them until backward returns
+        elif node in absent and node in benv:  # zeros the program makes: live to their last use
+            timeline.hold(benv[node], bwd_start, _last_use(node, btimes), "temporaries")
+        elif node in benv:  # tangents: autograd's grad_outputs hold them until backward returns
             timeline.hold(benv[node], bwd_start, bwd_end, "temporaries")
     grad_nodes = {g for g in grads if isinstance(g, torch.fx.Node)}
     for node, t in btimes.items():

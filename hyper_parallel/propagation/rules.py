@@ -124,9 +124,15 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     schema = compat.OpSchema(op, tuple(args_schema), dict(kwargs_schema), schema_info=info)
     if any(isinstance(v, compat.DTensorSpec) for v in kwargs_schema.values()) and op in propagator.op_strategy_funcs:
         return _select_with_tensor_kwargs(propagator, schema)
+    # The cached entry point, as eager DTensor uses it: repeated layers hit the cache. Not for the
+    # attention ops, whose strategies differ inside the propagation scope (attention_rules.py): a
+    # decision cached there must not reach eager dispatch, nor one cached outside reach propagation.
+    if op in attention_rules.ATTENTION_OPS:
+        decide = propagator.propagate_op_sharding_non_cached
+    else:
+        decide = propagator.propagate_op_sharding
     try:
-        # The cached entry point, as eager DTensor uses it: repeated layers hit the cache.
-        sharding = propagator.propagate_op_sharding(schema)
+        sharding = decide(schema)
     except NoShardingRule as exc:
         raise exc
     except NotImplementedError as exc:

@@ -41,6 +41,18 @@ def _same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype
 
 
+def zero_add_operand(user: torch.fx.Node, tangent: torch.fx.Node) -> torch.fx.Node | None:
+    """The other operand of ``user`` when it adds ``tangent`` to a value of its own shape and
+    dtype (what :func:`without_tangents` replaces it by), else None."""
+    if user.target is not aten.add.Tensor or len(user.args) != 2 or user.kwargs:
+        return None
+    a, b = user.args
+    other = b if a is tangent else a
+    if isinstance(other, torch.fx.Node) and other is not tangent and _same_value(other, user):
+        return other
+    return None
+
+
 def without_tangents(gm: torch.fx.GraphModule, missing: tuple[int, ...]) -> torch.fx.GraphModule:
     """``gm`` with the tangents at positions ``missing`` (indices into :func:`tangent_placeholders`)
     treated as zeros (module docstring)."""
@@ -52,12 +64,10 @@ def without_tangents(gm: torch.fx.GraphModule, missing: tuple[int, ...]) -> torc
     for position in missing:
         tangent = tangents[position]
         for user in list(tangent.users):
-            if user.target is aten.add.Tensor and len(user.args) == 2 and not user.kwargs:
-                a, b = user.args
-                other = b if a is tangent else a
-                if isinstance(other, torch.fx.Node) and other is not tangent and _same_value(other, user):
-                    user.replace_all_uses_with(other)
-                    graph.erase_node(user)
+            other = zero_add_operand(user, tangent)
+            if other is not None:
+                user.replace_all_uses_with(other)
+                graph.erase_node(user)
         if tangent.users:
             val = tangent.meta["val"]
             with graph.inserting_before(first_compute):
