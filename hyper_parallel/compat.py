@@ -8,6 +8,8 @@ and module reparametrization for capture on fake tensors.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils._pytree as pytree  # noqa: F401 - flatten/unflatten of call arguments and outputs
 from torch._ops import OpOverload  # noqa: F401 - the type of every torch.ops.<ns>.<op>.<overload>
@@ -348,6 +350,17 @@ def size_hint(size) -> int:
     if isinstance(size, torch.SymInt):
         return int(optimization_hint(size, fallback=0))
     return int(size)
+
+
+@contextlib.contextmanager
+def real_tensors():
+    """Real tensors inside: no fake-tensor mode or proxy tracing that an enclosing compile step has
+    active applies (a value the compiler computes for itself, such as a constant mask's)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
 
 
 def eager_strided_shard_sizes() -> None:

@@ -226,7 +226,8 @@ def capture_and_lower(
         ``check_rewritten(graph)`` runs between the rewrites and propagation (it may raise)."""
         with progress.phase("propagation"):
             run_rewrites(graph, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
-                                            fsdp=resolved.fsdp, on_pass=on_rewrite, timings=timings))
+                                            fsdp=resolved.fsdp, disable_passes=state.options.disable_passes,
+                                            on_pass=on_rewrite, timings=timings))
             if check_rewritten is not None:
                 check_rewritten(graph)
             report = propagate(graph, resolved, mesh)

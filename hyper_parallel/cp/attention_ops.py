@@ -68,6 +68,18 @@ def _arguments(op, args: tuple, kwargs: dict) -> dict:
     return bound
 
 
+def with_arguments(op, args: tuple, kwargs: dict, **updates) -> tuple:
+    """``op``'s (args, kwargs) with the arguments in ``updates`` replaced (``mask`` names the
+    family's ``attn_mask`` or ``attn_bias``): positional ones positional, keyword-only ones keywords."""
+    a = _arguments(op, args, kwargs)
+    updates = {("attn_mask" if "attn_mask" in a else "attn_bias") if k == "mask" else k: v for k, v in updates.items()}
+    a.update(updates)
+    schema = op._schema.arguments
+    positional = tuple(a[s.name] for s in schema if not s.kwarg_only)
+    keywords = {s.name: a[s.name] for s in schema if s.kwarg_only and (s.name in kwargs or s.name in updates)}
+    return positional, keywords
+
+
 class AttentionOps:
     """One SDPA kernel family (subclasses below). ``forward`` / ``backward``: its op pair."""
 

@@ -1,8 +1,10 @@
 """The ordered graph rewrites and passes, run by one runner (runner.py) with one context (context.py).
 
 *Rewrites* run on the captured joint graph before propagation (compile/driver.capture_and_lower);
-single-device numerics depend on them, so they cannot be disabled:
+single-device numerics depend on all but the first, so they cannot be disabled:
 
+0. ``causal_mask`` (propagation/causal_mask.py, optional): attention reading a constant causal
+   mask (transformers' under export) computes with ``is_causal=True`` and no mask;
 1. ``loss_reduction`` (propagation/loss_reduction.py): mean token losses become ``sum / count``,
    so a sharded batch gives the global token mean;
 2. ``merge_boundaries`` (propagation/boundaries.py): plan boundaries that change nothing go, and
@@ -28,6 +30,7 @@ from ..ir.names import renumber
 from ..propagation import recompile
 from ..propagation.accumulation import insert_gradient_accumulation
 from ..propagation.boundaries import merge_boundaries
+from ..propagation.causal_mask import make_constant_causal_masks_causal
 from ..propagation.loss_reduction import make_token_means_global
 from ..propagation.unshard import insert_unshard_nodes
 from .bucketing import bucketing_pass
@@ -47,6 +50,11 @@ from .swap import swap_pass
 
 __all__ = ["DEFAULT_GRADIENT_BUCKET_BYTES", "DEFAULT_PREFETCH_DEPTH", "PASSES", "REWRITES", "PassContext",
            "check_disabled_passes", "pass_names", "rewrite_names", "run_passes", "run_rewrites"]
+
+
+def _causal_mask(captured, ctx):
+    make_constant_causal_masks_causal(captured.gm)
+    return captured
 
 
 def _loss_reduction(captured, ctx):
@@ -70,6 +78,7 @@ def _gradient_accumulation(captured, ctx):
 
 
 REWRITES: list[Step] = [
+    Step("causal_mask", _causal_mask),
     Step("loss_reduction", _loss_reduction, required=True),
     Step("merge_boundaries", _merge_boundaries, required=True),
     Step("fsdp_unshard", _fsdp_unshard, required=True),
@@ -93,7 +102,8 @@ PASSES: list[tuple[str, object]] = [
 
 
 def pass_names() -> list[str]:
-    """The passes ``disable_passes`` may name, in order."""
+    """The passes on the lowered graph, in order (``disable_passes`` may also name the optional
+    rewrites: ``causal_mask``)."""
     return [name for name, _ in PASSES]
 
 
@@ -119,7 +129,7 @@ def _renumbered(rewrite):
 
 def check_disabled_passes(names) -> None:
     """``parallelize(disable_passes=...)`` names only passes that exist and may be disabled."""
-    check_disabled(names, [Step(name, fn) for name, fn in PASSES], REWRITES)
+    check_disabled(names, [s for s in REWRITES if not s.required] + [Step(name, fn) for name, fn in PASSES], REWRITES)
 
 
 def run_passes(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:

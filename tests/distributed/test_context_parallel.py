@@ -436,40 +436,43 @@ def _attention_ops(model) -> dict[str, list[str]]:
             for phase, program in zip(("forward", "backward"), model.compiled_programs())}
 
 
-def _kernel_family_parity(family: str, model: str, style: str) -> dict:
+def _kernel_family_parity(family: str, model: str, style: str, keep_mask: bool) -> dict:
     """run_parity with ``F.scaled_dot_product_attention`` going through the GPU kernel ``family``
     (hyper_parallel.testing.emulated_attention: its CPU emulation), on one device and in the
-    context-parallel program alike; returns the compile summary and the programs' attention ops."""
+    context-parallel program alike; returns the compile summary and the programs' attention ops.
+    ``keep_mask``: transformers' causal mask stays the kernels' bias (the ``causal_mask`` rewrite off)."""
     from hyper_parallel.testing.emulated_attention import sdpa_as
 
     with sdpa_as(family):
         result = run_parity(model, _plan(style), (2,), ("cp",), steps=2, ignore_fraction=0.3,
-                            model_overrides={"num_hidden_layers": LAYERS}, inspect=_attention_ops)
+                            model_overrides={"num_hidden_layers": LAYERS}, inspect=_attention_ops,
+                            disable_passes=("causal_mask",) if keep_mask else ())
     return {"summary": result["summary"], "ops": result["inspected"]}
 
 
-@pytest.mark.parametrize("family,model,style", [
-    ("flash", "llama", "async"),
-    ("flash", "llama", "all_to_all"),
-    ("efficient", "hf:LlamaForCausalLM", "async"),  # under torch.export transformers passes its causal mask
-    ("efficient", "llama", "all_to_all"),
-    ("cudnn", "hf:LlamaForCausalLM", "ring_flat"),
+@pytest.mark.parametrize("family,model,style,keep_mask", [
+    ("flash", "llama", "async", False),
+    ("flash", "llama", "all_to_all", False),
+    ("efficient", "hf:LlamaForCausalLM", "async", True),
+    ("efficient", "llama", "all_to_all", False),
+    ("cudnn", "hf:LlamaForCausalLM", "ring_flat", True),
+    ("cudnn", "hf:LlamaForCausalLM", "ring_flat", False),
 ])
-def test_gpu_attention_kernels(dist2, family, model, style):
+def test_gpu_attention_kernels(dist2, family, model, style, keep_mask):
     """Context parallelism on the kernels GPUs run (flash for bf16/fp16 without a mask, memory-
-    efficient and cuDNN with transformers' mask as their bias), each with its own arguments and
-    outputs (the log-sum-exp padded to 32 tokens / with a trailing 1; sequence lengths and RNG
-    state in the output): parity with one device, the programs compute with that family's ops and
-    no other, and the collectives are the CPU kernel's."""
-    result = dist2.run(_kernel_family_parity, family, model, style)[0]
+    efficient and cuDNN with transformers' causal mask as their bias, or causal once the
+    ``causal_mask`` rewrite has recognised that mask), each with its own arguments and outputs (the
+    log-sum-exp padded to 32 tokens / with a trailing 1; sequence lengths and RNG state in the
+    output): parity with one device, the programs compute with that family's ops and no other, and
+    the collectives are the CPU kernel's."""
+    result = dist2.run(_kernel_family_parity, family, model, style, keep_mask)[0]
     forward_op, backward_op = f"aten._scaled_dot_product_{family}_attention.default", \
         f"aten._scaled_dot_product_{family}_attention_backward.default"
     ring = style != "all_to_all"
     # Rank 0's kernel calls per attention: one on whole sequences (all-to-all); on the ring, its own
     # block, and the other rank's when it sees any of it (always under a mask; balanced causal: the
     # half of it before its second chunk; flat causal: none, it comes after).
-    masked = model.startswith("hf:")
-    per_layer = 1 if not ring else 2 if masked or style != "ring_flat" else 1
+    per_layer = 1 if not ring else 2 if keep_mask or style != "ring_flat" else 1
     assert result["ops"]["forward"] == [forward_op] * LAYERS * per_layer, result["ops"]
     assert set(result["ops"]["backward"]) == {backward_op}, result["ops"]
     collectives = result["summary"]["collectives"]

@@ -48,15 +48,15 @@ def test_every_rewrite_and_pass_is_timed_in_the_summary():
 def test_rewrites_are_dumped_between_capture_and_lowering(tmp_path):
     _compile(dump_dir=str(tmp_path))
     files = sorted(p.name for p in (tmp_path / "rank0").glob("0[01]*.py"))
-    assert files == ["00_captured.py", "00a_loss_reduction.py", "00b_merge_boundaries.py",
-                     "00c_fsdp_unshard.py", "00d_gradient_accumulation.py", "01_lowered.py"]
+    assert files == ["00_captured.py", "00a_causal_mask.py", "00b_loss_reduction.py", "00c_merge_boundaries.py",
+                     "00d_fsdp_unshard.py", "00e_gradient_accumulation.py", "01_lowered.py"]
     # The loss rewrite is visible in its dump: the mean (reduction 1) became a sum (2) divided by
     # the token count.
     captured = (tmp_path / "rank0" / "00_captured.py").read_text()
-    rewritten = (tmp_path / "rank0" / "00a_loss_reduction.py").read_text()
+    rewritten = (tmp_path / "rank0" / "00b_loss_reduction.py").read_text()
     assert "None, 1, -100)" in captured and "aten.div.Tensor" not in captured
     assert "None, 2, -100)" in rewritten and "aten.div.Tensor" in rewritten
-    assert "hyper_parallel.unshard" in (tmp_path / "rank0" / "00c_fsdp_unshard.py").read_text()
+    assert "hyper_parallel.unshard" in (tmp_path / "rank0" / "00d_fsdp_unshard.py").read_text()
     # Timings are in no dump file: dumps stay byte-identical across compiles.
     assert not any("pass_seconds" in p.read_text() for p in (tmp_path / "rank0").iterdir())
 
@@ -68,8 +68,8 @@ def test_disabled_pass_is_not_run_nor_timed():
 
 @pytest.mark.parametrize("names, expected", [
     (("loss_reduction",), "['loss_reduction'], which single-device numerics depend on"),
-    (("fsdp_unshard", "cse"), "cannot be disabled. The passes that can: ['cleanup', 'cse'"),
-    (("prefetching",), "disable_passes names unknown passes ['prefetching']; the passes are ['cleanup'"),
+    (("fsdp_unshard", "cse"), "cannot be disabled. The passes that can: ['causal_mask', 'cleanup', 'cse'"),
+    (("prefetching",), "disable_passes names unknown passes ['prefetching']; the passes are ['causal_mask', 'cleanup'"),
 ])
 def test_bad_disable_passes_name_what_can_be_disabled(names, expected):
     assert expected in error_message(lambda: _compile(disable_passes=names))

@@ -1,0 +1,121 @@
+"""Constant causal attention masks become ``is_causal``, before propagation.
+
+transformers builds its causal mask whenever it is traced: under ``torch.export`` it cannot look at
+values, so it never takes the shortcut it takes in eager mode (no mask, ``is_causal=True`` when
+nothing is padded). Every captured Hugging Face model therefore reaches attention with a
+``[batch, 1, seq, seq]`` additive mask computed from ``arange``s, and so do models that build a
+``triu`` mask themselves. That mask costs what ``is_causal`` does not:
+
+* its ``batch · seq²`` values are computed every step and saved for backward;
+* on a GPU it keeps attention on the kernels that take a bias (memory-efficient, cuDNN);
+* under context parallelism every rank holds all of it, and ring attention computes every K/V
+  block with its slice, twice the work of causal attention, which skips the blocks whose keys all
+  follow the queries (and with the load-balanced order spreads the rest evenly).
+
+The rewrite finds attention masks that are *constants of the program*: no placeholder (parameter,
+buffer, user input, tangent) among their ancestors and no random op. It evaluates such a mask once,
+at compile time, on the CPU; when every entry is the one-device causal mask's (the ``tril`` of
+``is_causal``: 0 or ``True`` on and below the diagonal, ``-inf``, ``finfo.min`` or ``False``
+above, the same for every batch row and head), the attention forward and backward nodes that read
+it are given ``is_causal=True`` and no mask, and the nodes that computed it are removed. Softmax
+gives masked scores exactly zero weight either way (each causal row keeps its diagonal), so the
+result is what the mask computes up to the kernels' summation order. A mask that depends on an
+input (a padding ``attention_mask``, packed-sequence position ids) is left alone, as is one with more
+than ``MAX_CHECKED_ELEMENTS`` distinct entries (the INFO log names it). The evaluation holds the
+mask compressed along the dims it does not vary on and checks it a block of query rows at a time
+(``propagation/mask_evaluation.py``), so a 128k-token causal mask is checked without its 16 G
+entries in memory.
+
+Optional: ``parallelize(disable_passes=["causal_mask"])`` keeps every mask as captured.
+
+Reads: the SDPA forward and backward nodes of the four kernel families (``cp/attention_ops.py``)
+and their masks' ancestors. Writes: those nodes' ``is_causal`` and mask arguments; erases the mask
+computations no other node reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.fx as fx
+
+from ..cp.attention_ops import family_of, with_arguments
+from . import recompile
+from .mask_evaluation import constant_ancestors, evaluate, row_blocks, shape_of
+
+log = logging.getLogger(__name__)
+
+# Masks with up to this many entries are checked (propagation/mask_evaluation.py: compressed, a
+# block of rows at a time): one sequence of 128k tokens; per batch row and head when they differ.
+MAX_CHECKED_ELEMENTS = 2 ** 34
+
+
+def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
+    """Rewrite the attention nodes reading a constant causal mask (module docstring); returns the
+    rewritten forward nodes' names."""
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        ops = family_of(node.target) if node.op == "call_function" else None
+        if ops is None:
+            continue
+        bound = ops.bind(node.target, node.args, node.kwargs)
+        if isinstance(bound.mask, fx.Node) and not bound.is_causal:
+            readers.setdefault(bound.mask, []).append(node)
+    rewritten = []
+    for mask, nodes in readers.items():
+        if not _is_constant_causal(gm, mask, nodes[0]):
+            continue
+        for node in nodes:
+            ops = family_of(node.target)
+            node.args, node.kwargs = with_arguments(node.target, node.args, node.kwargs, mask=None, is_causal=True)
+            if node.target is ops.forward:
+                rewritten.append(node.name)
+        _erase_unused(gm.graph, mask)
+    if rewritten:
+        log.info("causal_mask: %d attention node(s) read a constant causal mask; they compute with "
+                 "is_causal=True instead (%s)", len(rewritten), ", ".join(rewritten))
+        recompile(gm)
+    return rewritten
+
+
+def _is_constant_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> bool:
+    """Whether ``mask`` is a constant of the program equal everywhere to the causal mask of
+    ``attention``'s query and key lengths."""
+    nodes = constant_ancestors(mask)
+    if nodes is None:
+        return False
+    shape = tuple(mask.meta["val"].shape)
+    query = attention.meta["val"][0].shape[-2]
+    key = family_of(attention.target).bind(attention.target, attention.args, attention.kwargs).key.meta["val"].shape[-2]
+    if len(shape) < 2 or shape[-2:] != (query, key):
+        return False
+    value = evaluate(gm, nodes)
+    if value is None:
+        return False
+    entries = math.prod(shape_of(value))
+    if entries > MAX_CHECKED_ELEMENTS:
+        log.info("causal_mask: the attention mask of %s is a constant of the program, but has %d distinct "
+                 "entries (more than %d to check); it is kept as captured", attention.name, entries,
+                 MAX_CHECKED_ELEMENTS)
+        return False
+    dtype = mask.meta["val"].dtype
+    keys = torch.arange(key)
+    for start, stop, block in row_blocks(value, query):
+        causal = keys <= torch.arange(start, stop).unsqueeze(-1)
+        if dtype == torch.bool:
+            visible, hidden = block, ~block
+        else:
+            visible = block == 0
+            hidden = torch.isneginf(block) | (block <= torch.finfo(dtype).min)
+        if not bool((visible == causal).all() and (hidden == ~causal).all()):
+            return False
+    return True
+
+
+def _erase_unused(graph: fx.Graph, mask: fx.Node) -> None:
+    """Erase ``mask`` and the nodes computing it that nothing else reads any more."""
+    for node in reversed(constant_ancestors(mask) or []):
+        if not node.users and node.op == "call_function":
+            graph.erase_node(node)

@@ -1,0 +1,178 @@
+"""The ``causal_mask`` rewrite (propagation/causal_mask.py): attention reading a constant causal
+mask computes with ``is_causal=True`` and no mask; every other mask stays as captured."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hyper_parallel.compile.capture import capture
+from hyper_parallel.cp.attention_ops import ATTENTION_OPS, family_of
+from hyper_parallel.passes import check_disabled_passes
+from hyper_parallel.propagation import causal_mask, mask_evaluation
+from hyper_parallel.testing.parity import build_model
+
+SEQ = 8
+
+
+class MaskedAttention(nn.Module):
+    """One attention over a mask ``make_mask(seq)`` builds inside forward, or over ``mask`` when
+    the caller passes one."""
+
+    def __init__(self, make_mask=None):
+        super().__init__()
+        self.proj = nn.Linear(12, 12)
+        self.make_mask = make_mask
+
+    def forward(self, x, mask=None):
+        q = k = v = self.proj(x).view(x.shape[0], x.shape[1], 3, 4).transpose(1, 2)
+        if mask is None:
+            mask = self.make_mask(x.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+def _additive(keep: torch.Tensor, hidden: float = float("-inf")) -> torch.Tensor:
+    return torch.zeros(keep.shape).masked_fill(~keep, hidden)
+
+
+def _tril(s: int) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool).tril()
+
+
+MASKS = {
+    "additive -inf": (lambda s: _additive(_tril(s)), True),
+    "additive finfo.min": (lambda s: _additive(_tril(s), torch.finfo(torch.float32).min), True),
+    "boolean": (_tril, True),
+    "triu -inf": (lambda s: torch.full((s, s), float("-inf")).triu(1), True),
+    "sliding window": (lambda s: _additive(_tril(s) & ~_tril(s).tril(-3)), False),
+    "shifted diagonal": (lambda s: _additive(torch.ones(s, s, dtype=torch.bool).tril(1)), False),
+    "non-zero bias": (lambda s: _additive(_tril(s)) + 0.5, False),
+}
+
+
+def _attention_nodes(gm) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in ATTENTION_OPS]
+
+
+def _bound(node):
+    return family_of(node.target).bind(node.target, node.args, node.kwargs)
+
+
+def _captured(model, *args):
+    return capture(model, args, {})
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_constant_masks(name):
+    """Every attention node (forward and backward) is rewritten exactly when the constant mask is
+    the one-device causal one, and the mask's computation goes with it."""
+    make_mask, causal = MASKS[name]
+    captured = _captured(MaskedAttention(make_mask), torch.randn(2, SEQ, 12))
+    rewritten = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    nodes = _attention_nodes(captured.gm)
+    assert len(nodes) == 2
+    assert [_bound(n).is_causal for n in nodes] == [causal, causal]
+    assert [_bound(n).mask is None for n in nodes] == [causal, causal]
+    assert rewritten == ([nodes[0].name] if causal else [])
+    if causal:  # nothing computes a [seq, seq] value any more
+        squares = [n for n in captured.gm.graph.nodes
+                   if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (SEQ, SEQ)]
+        assert squares == []
+
+
+def test_the_rewritten_program_computes_what_the_mask_did():
+    captured = _captured(MaskedAttention(MASKS["additive -inf"][0]), torch.randn(2, SEQ, 12))
+    before = captured.gm.code
+    params = [p.detach().clone() for p in MaskedAttention().parameters()]
+    x = torch.randn(2, SEQ, 12)
+    inputs = ([*params, x], [torch.ones(())])  # (primals, tangents)
+    expected = captured.gm(*inputs)
+    causal_mask.make_constant_causal_masks_causal(captured.gm)
+    assert captured.gm.code != before
+    for got, want in zip(captured.gm(*inputs), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_a_mask_from_an_input_is_kept():
+    captured = _captured(MaskedAttention(), torch.randn(2, SEQ, 12), _additive(_tril(SEQ)))
+    assert causal_mask.make_constant_causal_masks_causal(captured.gm) == []
+    assert all(_bound(n).mask is not None for n in _attention_nodes(captured.gm))
+
+
+def test_transformers_causal_mask_becomes_is_causal():
+    """transformers builds its mask from ``arange``s under export: the rewrite recognises it."""
+    model = build_model("hf:LlamaForCausalLM", num_hidden_layers=2)
+    ids = torch.randint(0, 100, (2, SEQ))
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    assert all(_bound(n).mask is not None for n in _attention_nodes(captured.gm))
+    assert len(causal_mask.make_constant_causal_masks_causal(captured.gm)) == 2
+    nodes = _attention_nodes(captured.gm)
+    assert len(nodes) == 4 and all(_bound(n).is_causal and _bound(n).mask is None for n in nodes)
+
+
+def test_transformers_padding_mask_is_kept():
+    """A padding ``attention_mask`` makes the mask depend on an input: kept."""
+    model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1)
+    ids = torch.randint(0, 100, (2, SEQ))
+    padding = torch.ones(2, SEQ, dtype=torch.long)
+    padding[1, :3] = 0
+    captured = capture(model, (), {"input_ids": ids, "attention_mask": padding, "labels": ids})
+    assert causal_mask.make_constant_causal_masks_causal(captured.gm) == []
+    assert all(_bound(n).mask is not None for n in _attention_nodes(captured.gm))
+
+
+def test_a_mask_too_large_to_check_is_kept(monkeypatch, caplog):
+    monkeypatch.setattr(causal_mask, "MAX_CHECKED_ELEMENTS", SEQ * SEQ - 1)
+    captured = _captured(MaskedAttention(MASKS["additive -inf"][0]), torch.randn(2, SEQ, 12))
+    with caplog.at_level(logging.INFO, logger=causal_mask.__name__):
+        assert causal_mask.make_constant_causal_masks_causal(captured.gm) == []
+    assert "is a constant of the program, but has 64 distinct entries" in caplog.text
+
+
+def test_the_rewrite_can_be_disabled_by_name():
+    check_disabled_passes(["causal_mask"])
+    with pytest.raises(ValueError, match="causal_mask"):
+        check_disabled_passes(["no_such_pass"])
+
+
+def _from_positions(keep):
+    """An additive mask ``keep(i, j)`` built from ``arange``s, as transformers builds its own."""
+    def make(s):
+        i, j = torch.arange(s).unsqueeze(-1), torch.arange(s)
+        return torch.where(keep(i, j), 0.0, float("-inf"))
+    return make
+
+
+@pytest.mark.parametrize("keep,causal", [
+    (lambda i, j: j <= i, True),
+    (lambda i, j: (j <= i) & (j > i - 3), False),  # sliding window
+    (lambda i, j: j <= i + 1, False),
+    (lambda i, j: (j <= i) | (i == 5), False),  # one row sees every key
+])
+def test_masks_checked_a_block_of_rows_at_a_time(monkeypatch, keep, causal):
+    """With budgets that hold no ``[seq, seq]`` value whole, the mask is computed lazily, a few
+    query rows at a time: the same decisions."""
+    monkeypatch.setattr(mask_evaluation, "MAX_MATERIALIZED_ELEMENTS", SEQ)
+    monkeypatch.setattr(mask_evaluation, "ROW_BLOCK_ELEMENTS", 2 * SEQ)
+    captured = _captured(MaskedAttention(_from_positions(keep)), torch.randn(2, SEQ, 12))
+    mask = _bound(_attention_nodes(captured.gm)[0]).mask
+    assert isinstance(mask_evaluation.evaluate(captured.gm, mask_evaluation.constant_ancestors(mask)),
+                      mask_evaluation.Lazy)
+    assert bool(causal_mask.make_constant_causal_masks_causal(captured.gm)) == causal
+
+
+def test_transformers_mask_is_held_without_its_batch_and_checked_by_rows(monkeypatch):
+    """transformers' mask is the same for every batch row: held once, checked lazily by rows."""
+    monkeypatch.setattr(mask_evaluation, "MAX_MATERIALIZED_ELEMENTS", 6 * SEQ)
+    monkeypatch.setattr(mask_evaluation, "ROW_BLOCK_ELEMENTS", 3 * SEQ)
+    model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1)
+    ids = torch.randint(0, 100, (4, SEQ))
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    mask = _bound(_attention_nodes(captured.gm)[0]).mask
+    value = mask_evaluation.evaluate(captured.gm, mask_evaluation.constant_ancestors(mask))
+    assert isinstance(value, mask_evaluation.Lazy) and mask_evaluation.shape_of(value) == (1, 1, SEQ, SEQ)
+    assert len(causal_mask.make_constant_causal_masks_causal(captured.gm)) == 1
