@@ -8,9 +8,10 @@ nothing is padded). Every captured Hugging Face model therefore reaches attentio
 
 * its ``batch · seq²`` values are computed every step and saved for backward;
 * on a GPU it keeps attention on the kernels that take a bias (memory-efficient, cuDNN);
-* under context parallelism every rank holds all of it, and ring attention computes every K/V
-  block with its slice, twice the work of causal attention, which skips the blocks whose keys all
-  follow the queries (and with the load-balanced order spreads the rest evenly).
+* under context parallelism ring attention computes every K/V block with its slice of the mask:
+  twice the work of causal attention, which skips the blocks whose keys all follow the queries
+  (``explain`` of transformers' Llama 3 8B, 2 layers, 32k tokens, cp=4: 226 ms → 192 ms per step,
+  0.5 GiB less saved per rank).
 
 The rewrite finds attention masks that are *constants of the program*: no placeholder (parameter,
 buffer, user input, tangent) among their ancestors and no random op. It evaluates such a mask once,

@@ -11,7 +11,7 @@ rows at a time:
   checked for it (dim by dim, against its first slice); a pointwise op of such values is computed on
   them as they are, and its result is uniform where all its inputs are;
 * **lazy values**: a pointwise op (or an ``expand``) whose result would exceed
-  ``MAX_MATERIALIZED_ELEMENTS`` is not computed but remembered; :func:`row_blocks` computes it for a
+  ``LAZY_ABOVE_ELEMENTS`` is not computed but remembered; :func:`row_blocks` computes it for a
   range of query rows (dim −2, which broadcasting keeps aligned), from its inputs' rows.
 
 Anything else (an op that is not pointwise reading a lazy value, a value over the budget computed
@@ -35,10 +35,14 @@ from .. import compat
 aten = torch.ops.aten
 log = logging.getLogger(__name__)
 
-# A value computed whole (compressed) has at most this many elements (256 MB of bools).
+# A value an op that is not pointwise computes whole has at most this many elements (a ``tril``
+# mask of 16k tokens: 256 MB of bools).
 MAX_MATERIALIZED_ELEMENTS = 2 ** 28
+# A pointwise result with more elements than this is lazy: computed by row blocks (faster than whole,
+# which is bound by memory traffic: a 16k-token causal mask checks in ~1 s instead of ~25).
+LAZY_ABOVE_ELEMENTS = 2 ** 24
 # Entries a row block of a lazy mask computes at once.
-ROW_BLOCK_ELEMENTS = 2 ** 24
+ROW_BLOCK_ELEMENTS = 2 ** 22
 
 
 @dataclasses.dataclass
@@ -149,7 +153,7 @@ def _pointwise(target, args, kwargs, dtype: torch.dtype):
     fx.node.map_aggregate((args, kwargs), lambda a: flat.append(a))
     shapes = [shape_of(a) for a in flat if isinstance(a, (torch.Tensor, Lazy))]
     shape = tuple(torch.broadcast_shapes(*shapes)) if shapes else ()
-    if any(isinstance(a, Lazy) for a in flat) or math.prod(shape) > MAX_MATERIALIZED_ELEMENTS:
+    if any(isinstance(a, Lazy) for a in flat) or math.prod(shape) > LAZY_ABOVE_ELEMENTS:
         return Lazy(target, args, kwargs, shape, dtype)
     return target(*args, **kwargs)
 

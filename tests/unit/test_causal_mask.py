@@ -133,6 +133,13 @@ def test_a_mask_too_large_to_check_is_kept(monkeypatch, caplog):
     assert "is a constant of the program, but has 64 distinct entries" in caplog.text
 
 
+def test_a_mask_an_op_must_compute_whole_past_the_budget_is_kept(monkeypatch):
+    """``triu`` is no pointwise op: past ``MAX_MATERIALIZED_ELEMENTS`` the evaluation gives up."""
+    monkeypatch.setattr(mask_evaluation, "MAX_MATERIALIZED_ELEMENTS", SEQ * SEQ - 1)
+    captured = _captured(MaskedAttention(MASKS["triu -inf"][0]), torch.randn(2, SEQ, 12))
+    assert causal_mask.make_constant_causal_masks_causal(captured.gm) == []
+
+
 def test_the_rewrite_can_be_disabled_by_name():
     check_disabled_passes(["causal_mask"])
     with pytest.raises(ValueError, match="causal_mask"):
@@ -156,7 +163,7 @@ def _from_positions(keep):
 def test_masks_checked_a_block_of_rows_at_a_time(monkeypatch, keep, causal):
     """With budgets that hold no ``[seq, seq]`` value whole, the mask is computed lazily, a few
     query rows at a time: the same decisions."""
-    monkeypatch.setattr(mask_evaluation, "MAX_MATERIALIZED_ELEMENTS", SEQ)
+    monkeypatch.setattr(mask_evaluation, "LAZY_ABOVE_ELEMENTS", SEQ)
     monkeypatch.setattr(mask_evaluation, "ROW_BLOCK_ELEMENTS", 2 * SEQ)
     captured = _captured(MaskedAttention(_from_positions(keep)), torch.randn(2, SEQ, 12))
     mask = _bound(_attention_nodes(captured.gm)[0]).mask
@@ -167,7 +174,7 @@ def test_masks_checked_a_block_of_rows_at_a_time(monkeypatch, keep, causal):
 
 def test_transformers_mask_is_held_without_its_batch_and_checked_by_rows(monkeypatch):
     """transformers' mask is the same for every batch row: held once, checked lazily by rows."""
-    monkeypatch.setattr(mask_evaluation, "MAX_MATERIALIZED_ELEMENTS", 6 * SEQ)
+    monkeypatch.setattr(mask_evaluation, "LAZY_ABOVE_ELEMENTS", 6 * SEQ)
     monkeypatch.setattr(mask_evaluation, "ROW_BLOCK_ELEMENTS", 3 * SEQ)
     model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1)
     ids = torch.randint(0, 100, (4, SEQ))
