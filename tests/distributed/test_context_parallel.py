@@ -426,6 +426,43 @@ def test_returned_logits_are_in_sequence_order(dist2, style):
     assert max(dist2.run(_logits_against_one_device, style)) < 1e-5
 
 
+def _padded_attention_mask(style: str) -> list[str]:
+    """HF Llama trained on left-padded sequences (an ``attention_mask`` input, labels -100 on the
+    padding): the mask depends on an input, so the ``causal_mask`` rewrite keeps it and the
+    context-parallel kernels compute with it. Parity over 2 SGD steps; returns the attention
+    nodes' mask arguments in the compiled forward (they must be there)."""
+    import copy
+
+    from hyper_parallel.cp.attention_ops import family_of
+    from hyper_parallel.testing.parity import assert_same_step
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    reference = build_model("hf:LlamaForCausalLM", num_hidden_layers=LAYERS)
+    parallel = hp.parallelize(copy.deepcopy(reference), _plan(style), mesh)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
+    for step in range(2):
+        full = global_batch("llama", BATCH, SEQ, seed=step + 1)
+        padding = torch.ones(BATCH, SEQ, dtype=torch.long)
+        padding[1, :5] = padding[3, :2 + step] = 0  # uneven: cp ranks see different amounts
+        full = {**full, "attention_mask": padding, "labels": full["labels"].masked_fill(padding == 0, -100)}
+        loss, ref_loss = parallel(**local_batch(full, mesh)).loss, reference(**full).loss
+        loss.backward()
+        ref_loss.backward()
+        assert_same_step(parallel, loss, reference, ref_loss, f"step {step}")
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    forward = parallel.compiled_programs()[0]
+    return [str(family_of(n.target).bind(n.target, n.args, n.kwargs).mask) for n in forward.graph.nodes
+            if n.op == "call_function" and family_of(n.target) is not None]
+
+
+@pytest.mark.parametrize("style", ["ring", "all_to_all"])
+def test_padding_attention_mask(dist2, style):
+    masks = dist2.run(_padded_attention_mask, style)[0]
+    assert masks and "None" not in masks, masks
+
+
 # --- the GPU SDPA kernels (flash, memory-efficient, cuDNN), emulated on CPU ---------------------------
 
 def _attention_ops(model) -> dict[str, list[str]]:
