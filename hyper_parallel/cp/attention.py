@@ -16,11 +16,13 @@ kernel family (``cp/attention_ops.py``):
   group of Ulysses ranks, then ring attention across the groups;
 
 * all-to-all mode (DeepSpeed-Ulysses; ``hp.ContextParallel(mode="all_to_all")``): query, key and
-  value move from sequence- to head-sharded (one ``all_to_all_single`` each, annotated as the
-  ``Shard(2) -> Shard(1)`` redistribution it is), the ordinary kernel runs on whole sequences of
-  ``heads / cp`` heads, and the output and log-sum-exp move back (``Shard(1) -> Shard(2)``). Backward does the same with
-  the gradient, saved inputs and outputs, and sends the three gradients back. Exact: every head
-  sees the whole sequence in order, so a causal mask means what it does on one device.
+  value move from sequence- to head-sharded (packed into one ``all_to_all_single`` when they share
+  a dtype and shape, annotated as the ``Shard(2) -> Shard(1)`` redistribution it is), the ordinary
+  kernel runs on whole sequences of ``heads / cp`` heads, and the output and log-sum-exp move back
+  (``Shard(1) -> Shard(2)``; one all-to-all in fp32, two when the output is half precision).
+  Backward moves the output, its gradient and the log-sum-exp, reuses forward's query, key and
+  value (CSE merges the identical all-to-all), and sends the three gradients back in one. Exact:
+  every head sees the whole sequence in order, so a causal mask means what it does on one device.
 
 The output and the gradients keep the memory layout the one-device kernel gives (``[B, S, H, D]``
 order), because the captured graph views their transposes as ``[B, S, H * D]``.
@@ -35,7 +37,7 @@ from torch.distributed.tensor import Shard
 
 from .. import compat
 from ..layout import format_placements
-from .exchange import swap_sharded_dim
+from .exchange import swap_sharded_dims
 from .attention_ops import family_of, local_rng
 from .hybrid import hybrid_kernels
 from .ring import check_mask_gradient, ring_kernels
@@ -94,14 +96,15 @@ def _as_dtensors(kernel, specs, is_forward: bool, *args, **kwargs):
     return tuple(results)
 
 
-def _swap(local, spec, axes, src_dim: int, dst_dim: int):
-    """``local``, split along ``src_dim`` over the one axis in ``axes``, as split along ``dst_dim``
-    (cp/exchange.py), annotated as that redistribution of ``spec``'s placements."""
+def _swap(locals_, spec, axes, src_dim: int, dst_dim: int) -> list:
+    """``locals_``, each split along ``src_dim`` over the one axis in ``axes``, as split along
+    ``dst_dim`` (cp/exchange.py: those of one dtype and ``[B, H, S]`` in one all-to-all),
+    annotated as that redistribution of ``spec``'s placements."""
     (axis,) = axes
     before, after = (tuple(Shard(d) if i == axis else p for i, p in enumerate(spec.placements))
                      for d in (src_dim, dst_dim))
-    return swap_sharded_dim(local, spec.mesh.get_group(axis).group_name, spec.mesh.size(axis), src_dim, dst_dim,
-                            f"{format_placements(before)} -> {format_placements(after)}")
+    return swap_sharded_dims(list(locals_), spec.mesh.get_group(axis).group_name, spec.mesh.size(axis), src_dim,
+                             dst_dim, f"{format_placements(before)} -> {format_placements(after)}")
 
 
 def _heads_of_mask(mask, spec, axes, heads: int):
@@ -146,10 +149,10 @@ def _ulysses_forward(ops, axes, name, *args, **kwargs):
     for x, what in ((call.query, "query"), (call.key, "key/value")):
         _check_heads(x, axes, what)
     spec = compat.spec_of(call.query)
-    q, k, v = (_swap(compat.local_of(x), spec, axes, SEQ_DIM, HEAD_DIM) for x in (call.query, call.key, call.value))
+    q, k, v = _swap((compat.local_of(x) for x in (call.query, call.key, call.value)), spec, axes, SEQ_DIM, HEAD_DIM)
     mask = _heads_of_mask(call.mask, spec, axes, q.shape[HEAD_DIM])
     out, lse, others = ops.block_forward(q, k, v, call.is_causal, mask, call.scale, call.dropout_p)
-    out, lse = (_swap(x, spec, axes, HEAD_DIM, SEQ_DIM) for x in (out, lse))
+    out, lse = _swap((out, lse), spec, axes, HEAD_DIM, SEQ_DIM)
     return ops.forward_outputs(out, lse, others, (q.shape[SEQ_DIM], k.shape[SEQ_DIM]), call.compute_lse)
 
 
@@ -157,10 +160,13 @@ def _ulysses_backward(ops, axes, name, *args, **kwargs):
     call = ops.bind(ops.backward, args, kwargs)
     check_mask_gradient(call, name)
     spec = compat.spec_of(call.query)
-    local = [compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out)]
-    lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ_DIM])
-    moved = [_swap(x, spec, axes, SEQ_DIM, HEAD_DIM) for x in (*local, lse)]
-    mask = _heads_of_mask(call.mask, spec, axes, moved[1].shape[HEAD_DIM])
+    grad_out, q, k, v, out = (compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out))
+    lse = ops.lse_tokens(compat.local_of(call.lse), q.shape[SEQ_DIM])
+    # Query, key and value move as forward moved them: the same nodes, which CSE merges with
+    # forward's (so backward sends only the output, its gradient and the log-sum-exp).
+    q, k, v = _swap((q, k, v), spec, axes, SEQ_DIM, HEAD_DIM)
+    grad_out, out, lse = _swap((grad_out, out, lse), spec, axes, SEQ_DIM, HEAD_DIM)
+    mask = _heads_of_mask(call.mask, spec, axes, q.shape[HEAD_DIM])
     rng = local_rng(call.rng)
-    grads = ops.block_backward(*moved, call.is_causal, mask, call.scale, rng, call.dropout_p)
-    return ops.backward_outputs(*(_swap(g, spec, axes, HEAD_DIM, SEQ_DIM) for g in grads))
+    grads = ops.block_backward(grad_out, q, k, v, out, lse, call.is_causal, mask, call.scale, rng, call.dropout_p)
+    return ops.backward_outputs(*_swap(grads, spec, axes, HEAD_DIM, SEQ_DIM))

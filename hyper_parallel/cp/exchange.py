@@ -25,9 +25,48 @@ def swap_sharded_dim(local: torch.Tensor, group: str, n: int, src_dim: int, dst_
     in ``n`` chunks, chunk ``j`` goes to the group's rank ``j``, and what arrives is concatenated
     along ``src_dim`` in rank order. The nodes are annotated as a redistribution described by
     ``description`` (dumps and summaries show it)."""
-    annotation = {meta.ROLE: meta.ROLE_REDISTRIBUTE, meta.REDISTRIBUTE: description}
-    with fx_traceback.annotate(annotation):
-        pieces = local.unflatten(dst_dim, (n, local.shape[dst_dim] // n)).movedim(dst_dim, 0).contiguous()
-        received = c10d.wait_tensor(c10d.all_to_all_single(pieces, [1] * n, [1] * n, group))
-        # What rank i sent is its piece of the dim that becomes whole: the i-th along it.
-        return received.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
+    with _annotated(description):
+        return _joined(_exchanged(local, group, n, dst_dim), src_dim)
+
+
+def _annotated(description: str):
+    return fx_traceback.annotate({meta.ROLE: meta.ROLE_REDISTRIBUTE, meta.REDISTRIBUTE: description})
+
+
+def _exchanged(local: torch.Tensor, group: str, n: int, dst_dim: int) -> torch.Tensor:
+    """The all-to-all: ``dst_dim`` cut in ``n`` chunks, chunk ``j`` to rank ``j``; returns the
+    ``n`` pieces received, stacked in front in rank order."""
+    pieces = local.unflatten(dst_dim, (n, local.shape[dst_dim] // n)).movedim(dst_dim, 0).contiguous()
+    return c10d.wait_tensor(c10d.all_to_all_single(pieces, [1] * n, [1] * n, group))
+
+
+def _joined(received: torch.Tensor, src_dim: int) -> torch.Tensor:
+    """What rank i sent is its piece of the dim that becomes whole: the i-th along it."""
+    return received.movedim(0, src_dim).flatten(src_dim, src_dim + 1)
+
+
+def swap_sharded_dims(tensors: list[torch.Tensor], group: str, n: int, src_dim: int, dst_dim: int,
+                      description: str) -> list[torch.Tensor]:
+    """:func:`swap_sharded_dim` of several attention tensors ``[B, H, S, D]`` / ``[B, H, S]`` in as
+    few all-to-alls as their dtypes and ``[B, H, S]`` allow: those that share both travel
+    concatenated along their last dim (a ``[B, H, S]`` one as one more column), one all-to-all
+    each group. Each collective is a fixed latency before it is bandwidth; query, key and value
+    (or the three gradients) moving at once cost one."""
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(tensors):
+        groups.setdefault((x.dtype, tuple(x.shape[:3])), []).append(i)
+    moved: list = [None] * len(tensors)
+    for members in groups.values():
+        if len(members) == 1:
+            (i,) = members
+            moved[i] = swap_sharded_dim(tensors[i], group, n, src_dim, dst_dim, description)
+            continue
+        columns = [tensors[i] if tensors[i].dim() == 4 else tensors[i].unsqueeze(-1) for i in members]
+        with _annotated(description):
+            received = _exchanged(torch.cat(columns, dim=-1), group, n, dst_dim)
+            # Split before joining: each join copies its piece whole and contiguous, as the kernels
+            # (and the GPU ones' alignment rules) want it.
+            for i, piece in zip(members, received.split([c.shape[-1] for c in columns], dim=-1)):
+                piece = _joined(piece, src_dim).contiguous()
+                moved[i] = piece if tensors[i].dim() == 4 else piece.squeeze(-1)
+    return moved

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from .. import compat
 from .attention_ops import AttentionOps, local_rng
-from .exchange import swap_sharded_dim
+from .exchange import swap_sharded_dims
 from .ring import Ring, backward, check_dropout, check_mask_gradient, forward
 
 SEQ, HEADS = 2, 1  # of [B, H, S, D] (query, key, value, output) and [B, H, S] (log-sum-exp)
@@ -52,21 +52,21 @@ def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
             mask = mask.narrow(-3, (r % u) * share, share)
         return ring, mask
 
-    def to_heads(x):
-        return swap_sharded_dim(x, context.ulysses_group, u, SEQ, HEADS,
-                                f"{context.axis}_ulysses: sequence -> heads")
+    def to_heads(*xs):
+        return swap_sharded_dims(list(xs), context.ulysses_group, u, SEQ, HEADS,
+                                 f"{context.axis}_ulysses: sequence -> heads")
 
-    def to_sequence(x):
-        return swap_sharded_dim(x, context.ulysses_group, u, HEADS, SEQ,
-                                f"{context.axis}_ulysses: heads -> sequence")
+    def to_sequence(*xs):
+        return swap_sharded_dims(list(xs), context.ulysses_group, u, HEADS, SEQ,
+                                 f"{context.axis}_ulysses: heads -> sequence")
 
     def fwd(*args, **kwargs):
         call = ops.bind(ops.forward, args, kwargs)
         check_dropout(call.dropout_p, name)
         ring, mask = placed(call.query, call.mask)
-        q, k, v = (to_heads(compat.local_of(x)) for x in (call.query, call.key, call.value))
+        q, k, v = to_heads(*(compat.local_of(x) for x in (call.query, call.key, call.value)))
         out, lse, others = forward(ring, ops, q, k, v, call.is_causal, mask, call.scale)
-        out, lse = to_sequence(out), to_sequence(lse)
+        out, lse = to_sequence(out, lse)
         return ops.forward_outputs(out, lse, others, (out.shape[SEQ], out.shape[SEQ]), call.compute_lse)
 
     def bwd(*args, **kwargs):
@@ -74,11 +74,13 @@ def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
         check_dropout(call.dropout_p, name)
         check_mask_gradient(call, name)
         ring, mask = placed(call.query, call.mask)
-        local = [compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value, call.out)]
-        lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ])
-        moved = [to_heads(x) for x in (*local, lse)]
+        grad_out, q, k, v, out = (compat.local_of(x) for x in (call.grad_out, call.query, call.key, call.value,
+                                                               call.out))
+        lse = ops.lse_tokens(compat.local_of(call.lse), q.shape[SEQ])
+        q, k, v = to_heads(q, k, v)  # as forward moved them: CSE merges the two
+        grad_out, out, lse = to_heads(grad_out, out, lse)
         rng = local_rng(call.rng)
-        grads = backward(ring, ops, *moved, call.is_causal, mask, call.scale, rng)
-        return ops.backward_outputs(*(to_sequence(g) for g in grads))
+        grads = backward(ring, ops, grad_out, q, k, v, out, lse, call.is_causal, mask, call.scale, rng)
+        return ops.backward_outputs(*to_sequence(*grads))
 
     return fwd, bwd

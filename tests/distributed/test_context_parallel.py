@@ -35,12 +35,15 @@ def _plan(style: str, **extra) -> dict:
     return {"context_parallel": {ATTENTION: STYLES[style]}, **extra}
 
 
-def _per_layer_all_to_all_bytes(cp: int, batch: int = BATCH) -> int:
-    """All-to-all mode, forward, one attention: query, key, value and output [B, H, S/cp, D] and
-    the log-sum-exp [B, H, S/cp], each this rank's input of one all-to-all (key/value repeated to
-    the query heads before attention, as the example Llama and HF Llama do)."""
+def _per_layer_all_to_all_bytes(cp: int, batch: int = BATCH, backward: bool = False) -> int:
+    """All-to-all mode, one attention, this rank's inputs of its all-to-alls: forward query, key,
+    value and output [B, H, S/cp, D] and the log-sum-exp [B, H, S/cp]; backward the output, its
+    gradient, the log-sum-exp and the three gradients (forward's head-sharded query, key and
+    value are reused). Key/value are repeated to the query heads before attention, as the example
+    Llama and HF Llama do, so (fp32) query, key and value travel in one all-to-all and the output
+    with the log-sum-exp in another: 2 per direction."""
     local = batch * HEADS * (SEQ // cp)
-    return 4 * local * HEAD_DIM * FP32 + local * FP32
+    return (5 if backward else 4) * local * HEAD_DIM * FP32 + local * FP32
 
 
 def _kv_block_bytes(cp: int, batch: int = BATCH) -> int:
@@ -75,8 +78,9 @@ def test_cp2_parity_and_collectives(dist2, model, style):
     collectives = results[0]["summary"]["collectives"]
     forward, backward = collectives["forward"], collectives["backward"]
     if style == "all_to_all":
-        assert forward["all_to_all"]["cp"] == {"count": LAYERS * 5, "bytes": LAYERS * _per_layer_all_to_all_bytes(2)}
-        assert backward["all_to_all"]["cp"]["count"] == LAYERS * 6
+        assert forward["all_to_all"]["cp"] == {"count": LAYERS * 2, "bytes": LAYERS * _per_layer_all_to_all_bytes(2)}
+        assert backward["all_to_all"]["cp"] == {"count": LAYERS * 2,
+                                                "bytes": LAYERS * _per_layer_all_to_all_bytes(2, backward=True)}
         assert "send_recv" not in forward
     else:
         _check_ring_transfers(collectives, 2)
@@ -120,9 +124,9 @@ def _attention_schedule(style: str) -> dict[str, list[str]]:
 
 
 def test_all_to_alls_surround_each_attention(dist2):
-    """Read from the compiled forward: each attention kernel is preceded by exactly its query, key
-    and value all-to-alls and followed by its output and log-sum-exp ones, layer after layer."""
-    layer = ["a2a"] * 3 + ["attention"] + ["a2a"] * 2
+    """Read from the compiled forward: each attention kernel is preceded by exactly one all-to-all
+    (query, key and value packed) and followed by one (output and log-sum-exp), layer after layer."""
+    layer = ["a2a", "attention", "a2a"]
     assert dist2.run(_attention_schedule, "all_to_all")[0]["forward"] == layer * LAYERS
 
 
@@ -167,7 +171,7 @@ def test_cp_composes(dist4, case):
     cp = shape[names.index("cp")]
     batch = BATCH // 2 if "dp" in names or "dp_shard" in names else BATCH
     if case.startswith("a2a"):
-        assert collectives["forward"]["all_to_all"]["cp"]["count"] == LAYERS * 5
+        assert collectives["forward"]["all_to_all"]["cp"]["count"] == LAYERS * 2
     elif case == "async_tp_cp":  # the heads are split over tp: half the block per transfer
         assert collectives["forward"]["send_recv"]["cp"]["count"] == LAYERS * (cp - 1)
         assert collectives["forward"]["send_recv"]["cp"]["bytes"] == LAYERS * (cp - 1) * _kv_block_bytes(cp) // 2
@@ -175,11 +179,12 @@ def test_cp_composes(dist4, case):
         # All-to-alls inside each Ulysses pair, as all-to-all mode's; then a ring of 2 whose one
         # transfer carries the pair's block (S/2 tokens) of half the heads.
         forward, backward = collectives["forward"], collectives["backward"]
-        assert forward["all_to_all"]["cp/ulysses"] == {"count": LAYERS * 5,
+        assert forward["all_to_all"]["cp/ulysses"] == {"count": LAYERS * 2,
                                                        "bytes": LAYERS * _per_layer_all_to_all_bytes(4)}
         # Output gradient, output and log-sum-exp to heads, three gradients back (forward's
         # head-sharded q/k/v are reused, as in all-to-all mode).
-        assert backward["all_to_all"]["cp/ulysses"]["count"] == LAYERS * 6
+        assert backward["all_to_all"]["cp/ulysses"] == {
+            "count": LAYERS * 2, "bytes": LAYERS * _per_layer_all_to_all_bytes(4, backward=True)}
         block = _kv_block_bytes(2) // 2
         assert forward["send_recv"] == {"cp/ring": {"count": LAYERS, "bytes": LAYERS * block}}, forward
         assert backward["send_recv"] == {"cp/ring": {"count": 2 * LAYERS, "bytes": 2 * LAYERS * block}}, backward
@@ -514,8 +519,8 @@ def test_gpu_attention_kernels(dist2, family, model, style, keep_mask):
     assert set(result["ops"]["backward"]) == {backward_op}, result["ops"]
     collectives = result["summary"]["collectives"]
     if not ring:
-        assert collectives["forward"]["all_to_all"]["cp"]["count"] == LAYERS * 5
-        assert collectives["backward"]["all_to_all"]["cp"]["count"] == LAYERS * 6
+        assert collectives["forward"]["all_to_all"]["cp"]["count"] == LAYERS * 2
+        assert collectives["backward"]["all_to_all"]["cp"]["count"] == LAYERS * 2
     else:
         assert collectives["forward"]["send_recv"]["cp"] == {"count": LAYERS, "bytes": LAYERS * _kv_block_bytes(2)}
     assert result["summary"]["fallbacks"] == []
