@@ -48,25 +48,41 @@ def _joined(received: torch.Tensor, src_dim: int) -> torch.Tensor:
 def swap_sharded_dims(tensors: list[torch.Tensor], group: str, n: int, src_dim: int, dst_dim: int,
                       description: str) -> list[torch.Tensor]:
     """:func:`swap_sharded_dim` of several attention tensors ``[B, H, S, D]`` / ``[B, H, S]`` in as
-    few all-to-alls as their dtypes and ``[B, H, S]`` allow: those that share both travel
-    concatenated along their last dim (a ``[B, H, S]`` one as one more column), one all-to-all
-    each group. Each collective is a fixed latency before it is bandwidth; query, key and value
-    (or the three gradients) moving at once cost one."""
+    few all-to-alls as their ``[B, H, S]`` allow: those that share it travel concatenated along
+    their last dim (a ``[B, H, S]`` one as one more column), one all-to-all each group. A member of
+    another dtype travels as the bytes of its values, reinterpreted (a bit cast, never a
+    conversion) as columns of the group's dtype, so a bf16 output and its fp32 log-sum-exp move
+    together, exactly. Each collective is a fixed latency before it is bandwidth; query, key and
+    value (or the three gradients) moving at once cost one."""
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(tensors):
-        groups.setdefault((x.dtype, tuple(x.shape[:3])), []).append(i)
+        groups.setdefault(tuple(x.shape[:3]), []).append(i)
     moved: list = [None] * len(tensors)
     for members in groups.values():
-        if len(members) == 1:
-            (i,) = members
-            moved[i] = swap_sharded_dim(tensors[i], group, n, src_dim, dst_dim, description)
+        carrier = min((tensors[i].dtype for i in members), key=lambda d: d.itemsize)
+        riding = [i for i in members if tensors[i].dtype.itemsize % carrier.itemsize == 0]
+        for i in members:
+            if i not in riding or len(riding) == 1:
+                moved[i] = swap_sharded_dim(tensors[i], group, n, src_dim, dst_dim, description)
+        if len(riding) < 2:
             continue
-        columns = [tensors[i] if tensors[i].dim() == 4 else tensors[i].unsqueeze(-1) for i in members]
         with _annotated(description):
+            columns = [_as_columns(tensors[i], carrier) for i in riding]
             received = _exchanged(torch.cat(columns, dim=-1), group, n, dst_dim)
             # Split before joining: each join copies its piece whole and contiguous, as the kernels
             # (and the GPU ones' alignment rules) want it.
-            for i, piece in zip(members, received.split([c.shape[-1] for c in columns], dim=-1)):
-                piece = _joined(piece, src_dim).contiguous()
-                moved[i] = piece if tensors[i].dim() == 4 else piece.squeeze(-1)
+            for i, piece in zip(riding, received.split([c.shape[-1] for c in columns], dim=-1)):
+                moved[i] = _from_columns(_joined(piece, src_dim).contiguous(), tensors[i])
     return moved
+
+
+def _as_columns(x: torch.Tensor, carrier: torch.dtype) -> torch.Tensor:
+    """``x`` as ``[B, H, S, columns]`` of dtype ``carrier`` (its values' bytes when it is another)."""
+    x = x if x.dim() == 4 else x.unsqueeze(-1)
+    return x if x.dtype == carrier else x.contiguous().view(carrier)
+
+
+def _from_columns(columns: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_as_columns` for a tensor shaped and typed as ``like``."""
+    x = columns if columns.dtype == like.dtype else columns.view(like.dtype)
+    return x if like.dim() == 4 else x.squeeze(-1)

@@ -221,26 +221,36 @@ def test_ring_cp_with_a_pipeline(dist4):
     assert "all_reduce" not in stage0["stage0 backward (no sync)"]  # gradients reduced once per step
 
 
-def _bf16_fsdp_cp() -> None:
-    """FSDP (bf16 parameters, fp32 reduction) over dp_shard x cp with load-balanced ring attention
-    (fp32 merging and dK/dV accumulation) against one device computing in bf16 from the same fp32
-    master weights."""
+def _bf16_fsdp_cp(style: str = "ring") -> dict:
+    """FSDP (bf16 parameters, fp32 reduction) over dp_shard x cp with ``style`` (the load-balanced
+    ring: fp32 merging and dK/dV accumulation) against one device computing in bf16 from the same
+    fp32 master weights; returns the compile summary's collectives."""
     import copy
 
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
     master = build_model("llama", num_hidden_layers=LAYERS)
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    plan = _plan("ring", fully_shard=hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy))
+    plan = _plan(style, fully_shard=hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy))
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
     full = global_batch("llama", BATCH, SEQ, ignore_fraction=0.3)
     compute, ref_loss = bf16_reference_step(master, full)
     loss = model(**local_batch(full, mesh))["loss"]
     loss.backward()
     assert_matches_bf16_reference(model, loss, compute, ref_loss)
+    return model.compile_summary()["collectives"]
 
 
-def test_cp_bf16_mixed_precision_fsdp(dist4):
-    dist4.run(_bf16_fsdp_cp)
+@pytest.mark.parametrize("style", ["ring", "all_to_all"])
+def test_cp_bf16_mixed_precision_fsdp(dist4, style):
+    collectives = dist4.run(_bf16_fsdp_cp, style)[0]
+    if style == "all_to_all":
+        # The bf16 output and its fp32 log-sum-exp travel in one all-to-all (the latter's bytes as
+        # bf16 columns): two per direction per attention, as in fp32. Each rank's share is half the
+        # fp32 bytes for the D-sized tensors, the same for the log-sum-exp.
+        local = (BATCH // 2) * HEADS * (SEQ // 2)
+        for phase, d_sized in (("forward", 4), ("backward", 5)):
+            assert collectives[phase]["all_to_all"]["cp"] == {
+                "count": LAYERS * 2, "bytes": LAYERS * (d_sized * local * HEAD_DIM * 2 + local * FP32)}, collectives
 
 
 def _attention_flops_per_rank(style: str) -> float:
