@@ -4,7 +4,8 @@
 single-device numerics depend on all but the first, so they cannot be disabled:
 
 0. ``causal_mask`` (propagation/causal_mask.py, optional): attention reading a constant causal
-   mask (transformers' under export) computes with ``is_causal=True`` and no mask;
+   mask (transformers' under export) computes with ``is_causal=True`` and no mask, and one reading
+   a constant mask that hides nothing without it;
 1. ``loss_reduction`` (propagation/loss_reduction.py): mean token losses become ``sum / count``,
    so a sharded batch gives the global token mean;
 2. ``merge_boundaries`` (propagation/boundaries.py): plan boundaries that change nothing go, and

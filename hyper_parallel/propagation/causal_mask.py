@@ -18,7 +18,9 @@ buffer, user input, tangent) among their ancestors and no random op. It evaluate
 at compile time, on the CPU; when every entry is the one-device causal mask's (the ``tril`` of
 ``is_causal``: 0 or ``True`` on and below the diagonal, ``-inf``, ``finfo.min`` or ``False``
 above, the same for every batch row and head), the attention forward and backward nodes that read
-it are given ``is_causal=True`` and no mask, and the nodes that computed it are removed. Softmax
+it are given ``is_causal=True`` and no mask, and the nodes that computed it are removed. A mask
+that hides nothing (an encoder's, built from no padding: all zeros or ``True``) goes the same way,
+with ``is_causal`` left false. Softmax
 gives masked scores exactly zero weight either way (each causal row keeps its diagonal), so the
 result is what the mask computes up to the kernels' summation order. A mask that depends on an
 input (a padding ``attention_mask``, packed-sequence position ids) is left alone, as is one with more
@@ -66,43 +68,47 @@ def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
             readers.setdefault(bound.mask, []).append(node)
     rewritten = []
     for mask, nodes in readers.items():
-        if not _is_constant_causal(gm, mask, nodes[0]):
+        kind = _constant_kind(gm, mask, nodes[0])
+        if kind is None:
             continue
         for node in nodes:
             ops = family_of(node.target)
-            node.args, node.kwargs = with_arguments(node.target, node.args, node.kwargs, mask=None, is_causal=True)
+            node.args, node.kwargs = with_arguments(node.target, node.args, node.kwargs, mask=None,
+                                                    is_causal=kind == "causal")
             if node.target is ops.forward:
-                rewritten.append(node.name)
+                rewritten.append(f"{node.name} ({kind})")
         _erase_unused(gm.graph, mask)
     if rewritten:
-        log.info("causal_mask: %d attention node(s) read a constant causal mask; they compute with "
-                 "is_causal=True instead (%s)", len(rewritten), ", ".join(rewritten))
+        log.info("causal_mask: %d attention node(s) read a constant mask that is the causal one or "
+                 "hides nothing; they compute without it (%s)", len(rewritten), ", ".join(rewritten))
         recompile(gm)
     return rewritten
 
 
-def _is_constant_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> bool:
-    """Whether ``mask`` is a constant of the program equal everywhere to the causal mask of
-    ``attention``'s query and key lengths."""
+def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str | None:
+    """"causal" if ``mask`` is a constant of the program equal everywhere to the causal mask of
+    ``attention``'s query and key lengths, "unmasked" if it is one that hides nothing (zeros, or
+    ``True`` everywhere), else None."""
     nodes = constant_ancestors(mask)
     if nodes is None:
-        return False
+        return None
     shape = tuple(mask.meta["val"].shape)
     query = attention.meta["val"][0].shape[-2]
     key = family_of(attention.target).bind(attention.target, attention.args, attention.kwargs).key.meta["val"].shape[-2]
     if len(shape) < 2 or shape[-2:] != (query, key):
-        return False
+        return None
     value = evaluate(gm, nodes)
     if value is None:
-        return False
+        return None
     entries = math.prod(shape_of(value))
     if entries > MAX_CHECKED_ELEMENTS:
         log.info("causal_mask: the attention mask of %s is a constant of the program, but has %d distinct "
                  "entries (more than %d to check); it is kept as captured", attention.name, entries,
                  MAX_CHECKED_ELEMENTS)
-        return False
+        return None
     dtype = mask.meta["val"].dtype
     keys = torch.arange(key)
+    kinds = {"causal", "unmasked"}
     for start, stop, block in row_blocks(value, query):
         causal = keys <= torch.arange(start, stop).unsqueeze(-1)
         if dtype == torch.bool:
@@ -110,9 +116,13 @@ def _is_constant_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -
         else:
             visible = block == 0
             hidden = torch.isneginf(block) | (block <= torch.finfo(dtype).min)
-        if not bool((visible == causal).all() and (hidden == ~causal).all()):
-            return False
-    return True
+        if "causal" in kinds and not bool((visible == causal).all() and (hidden == ~causal).all()):
+            kinds.discard("causal")
+        if "unmasked" in kinds and not bool(visible.all()):
+            kinds.discard("unmasked")
+        if not kinds:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _erase_unused(graph: fx.Graph, mask: fx.Node) -> None:

@@ -43,14 +43,17 @@ def _tril(s: int) -> torch.Tensor:
     return torch.ones(s, s, dtype=torch.bool).tril()
 
 
-MASKS = {
-    "additive -inf": (lambda s: _additive(_tril(s)), True),
-    "additive finfo.min": (lambda s: _additive(_tril(s), torch.finfo(torch.float32).min), True),
-    "boolean": (_tril, True),
-    "triu -inf": (lambda s: torch.full((s, s), float("-inf")).triu(1), True),
-    "sliding window": (lambda s: _additive(_tril(s) & ~_tril(s).tril(-3)), False),
-    "shifted diagonal": (lambda s: _additive(torch.ones(s, s, dtype=torch.bool).tril(1)), False),
-    "non-zero bias": (lambda s: _additive(_tril(s)) + 0.5, False),
+MASKS = {  # name: (the mask for a sequence length, what the rewrite makes of it)
+    "additive -inf": (lambda s: _additive(_tril(s)), "causal"),
+    "additive finfo.min": (lambda s: _additive(_tril(s), torch.finfo(torch.float32).min), "causal"),
+    "boolean": (_tril, "causal"),
+    "triu -inf": (lambda s: torch.full((s, s), float("-inf")).triu(1), "causal"),
+    "zeros": (lambda s: torch.zeros(s, s), "unmasked"),
+    "all True": (lambda s: torch.ones(s, s, dtype=torch.bool), "unmasked"),
+    "sliding window": (lambda s: _additive(_tril(s) & ~_tril(s).tril(-3)), None),
+    "shifted diagonal": (lambda s: _additive(torch.ones(s, s, dtype=torch.bool).tril(1)), None),
+    "non-zero bias": (lambda s: _additive(_tril(s)) + 0.5, None),
+    "constant bias": (lambda s: torch.full((s, s), 0.5), None),
 }
 
 
@@ -68,17 +71,18 @@ def _captured(model, *args):
 
 @pytest.mark.parametrize("name", list(MASKS))
 def test_constant_masks(name):
-    """Every attention node (forward and backward) is rewritten exactly when the constant mask is
-    the one-device causal one, and the mask's computation goes with it."""
-    make_mask, causal = MASKS[name]
+    """Every attention node (forward and backward) loses its constant mask exactly when the mask
+    is the one-device causal one (then ``is_causal``) or hides nothing, and the mask's
+    computation goes with it."""
+    make_mask, kind = MASKS[name]
     captured = _captured(MaskedAttention(make_mask), torch.randn(2, SEQ, 12))
     rewritten = causal_mask.make_constant_causal_masks_causal(captured.gm)
     nodes = _attention_nodes(captured.gm)
     assert len(nodes) == 2
-    assert [_bound(n).is_causal for n in nodes] == [causal, causal]
-    assert [_bound(n).mask is None for n in nodes] == [causal, causal]
-    assert rewritten == ([nodes[0].name] if causal else [])
-    if causal:  # nothing computes a [seq, seq] value any more
+    assert [_bound(n).is_causal for n in nodes] == [kind == "causal"] * 2
+    assert [_bound(n).mask is None for n in nodes] == [kind is not None] * 2
+    assert rewritten == ([f"{nodes[0].name} ({kind})"] if kind else [])
+    if kind:  # nothing computes a [seq, seq] value any more
         squares = [n for n in captured.gm.graph.nodes
                    if isinstance(n.meta.get("val"), torch.Tensor) and tuple(n.meta["val"].shape[-2:]) == (SEQ, SEQ)]
         assert squares == []
@@ -112,6 +116,16 @@ def test_transformers_causal_mask_becomes_is_causal():
     assert len(causal_mask.make_constant_causal_masks_causal(captured.gm)) == 2
     nodes = _attention_nodes(captured.gm)
     assert len(nodes) == 4 and all(_bound(n).is_causal and _bound(n).mask is None for n in nodes)
+
+
+def test_transformers_encoder_mask_without_padding_goes():
+    """BERT without an attention mask: transformers' bidirectional mask hides nothing."""
+    model = build_model("hf:BertForMaskedLM", num_hidden_layers=1)
+    ids = torch.randint(0, 100, (2, SEQ))
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    (rewritten,) = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    assert rewritten.endswith("(unmasked)")
+    assert all(not _bound(n).is_causal and _bound(n).mask is None for n in _attention_nodes(captured.gm))
 
 
 def test_transformers_padding_mask_is_kept():
