@@ -20,14 +20,13 @@ at compile time, on the CPU; when every entry is the one-device causal mask's (t
 above, the same for every batch row and head), the attention forward and backward nodes that read
 it are given ``is_causal=True`` and no mask, and the nodes that computed it are removed. A mask
 that hides nothing (an encoder's, built from no padding: all zeros or ``True``) goes the same way,
-with ``is_causal`` left false. Softmax
-gives masked scores exactly zero weight either way (each causal row keeps its diagonal), so the
-result is what the mask computes up to the kernels' summation order. A mask that depends on an
-input (a padding ``attention_mask``, packed-sequence position ids) is left alone, as is one with more
-than ``MAX_CHECKED_ELEMENTS`` distinct entries (the INFO log names it). The evaluation holds the
-mask compressed along the dims it does not vary on and checks it a block of query rows at a time
-(``propagation/mask_evaluation.py``), so a 128k-token causal mask is checked without its 16 G
-entries in memory.
+with ``is_causal`` left false. Softmax gives masked scores exactly zero weight either way (each
+causal row keeps its diagonal), so the result is what the mask computes up to the kernels'
+summation order. A mask that depends on an input (a padding ``attention_mask``, packed-sequence
+position ids) is left alone, as is one with more than ``MAX_CHECKED_ELEMENTS`` distinct entries
+(the INFO log names it). The evaluation holds the mask compressed along the dims it does not vary
+on and checks it a block of query rows at a time (``propagation/mask_evaluation.py``), so a
+128k-token causal mask is checked without its 16 G entries in memory.
 
 Optional: ``parallelize(disable_passes=["causal_mask"])`` keeps every mask as captured.
 
