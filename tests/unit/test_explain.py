@@ -436,7 +436,8 @@ def test_hybrid_collectives_and_their_groups_in_the_simulated_step(tmp_path):
     assert report["plan"]["context_parallel"]["mode"] == "hybrid"
     fwd = report["collectives"]["forward"]
     rows = HEADS * (seq // cp)
-    assert fwd["all_to_all"]["cp/ulysses"] == {"count": 5, "bytes": 4 * rows * HEAD_DIM * BF16 + rows * FP32}
+    # Query, key and value in one all-to-all, the output with its log-sum-exp (as bf16 columns) in another.
+    assert fwd["all_to_all"]["cp/ulysses"] == {"count": 2, "bytes": 4 * rows * HEAD_DIM * BF16 + rows * FP32}
     block = 2 * (HEADS // u) * (seq // (cp // u)) * HEAD_DIM * BF16
     assert fwd["send_recv"] == {"cp/ring": {"count": cp // u - 1, "bytes": (cp // u - 1) * block}}
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
@@ -448,7 +449,8 @@ def test_hybrid_collectives_and_their_groups_in_the_simulated_step(tmp_path):
 def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys):
     """``--parallel dp_shard=2,cp=4 --cp-mode all_to_all`` (Ulysses) through the CLI. Per attention
     forward: query, key, value and output ``[local batch, heads, seq / cp, head dim]`` (bf16) and
-    the log-sum-exp (fp32, no head dim) each one all-to-all over cp. Key and value carry all 8
+    the log-sum-exp (fp32, no head dim) over cp, in two all-to-alls (query, key and value packed;
+    the output with the log-sum-exp's bytes as bf16 columns). Key and value carry all 8
     query heads, not the 2 key/value heads: the example Llama repeats them before attention. cp
     ranks share sequences: the global batch counts dp_shard only."""
     config = tmp_path / "small.json"
@@ -463,7 +465,7 @@ def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys
                                "tokens_per_step": 2 * batch * seq}
     fwd = report["collectives"]["forward"]
     rows = batch * HEADS * (seq // cp)
-    assert fwd["all_to_all"] == {"cp": {"count": 5, "bytes": 4 * rows * HEAD_DIM * BF16 + rows * FP32}}
+    assert fwd["all_to_all"] == {"cp": {"count": 2, "bytes": 4 * rows * HEAD_DIM * BF16 + rows * FP32}}
     assert "send_recv" not in fwd
     # FSDP over dp_shard x cp gathers on the flattened group, named by its axes.
     assert "dp_shard+cp" in fwd["all_gather"]
