@@ -55,7 +55,7 @@ class Bound:
     compute_lse: bool = True
 
 
-def _arguments(op, args: tuple, kwargs: dict) -> dict:
+def arguments_by_name(op, args: tuple, kwargs: dict) -> dict:
     """``op``'s arguments by schema name: positional, keyword, then defaults."""
     bound = {}
     for i, a in enumerate(op._schema.arguments):
@@ -71,7 +71,7 @@ def _arguments(op, args: tuple, kwargs: dict) -> dict:
 def with_arguments(op, args: tuple, kwargs: dict, **updates) -> tuple:
     """``op``'s (args, kwargs) with the arguments in ``updates`` replaced (``mask`` names the
     family's ``attn_mask`` or ``attn_bias``): positional ones positional, keyword-only ones keywords."""
-    a = _arguments(op, args, kwargs)
+    a = arguments_by_name(op, args, kwargs)
     updates = {("attn_mask" if "attn_mask" in a else "attn_bias") if k == "mask" else k: v for k, v in updates.items()}
     a.update(updates)
     schema = op._schema.arguments
@@ -87,7 +87,7 @@ class AttentionOps:
     forward = backward = None
 
     def bind(self, op, args: tuple, kwargs: dict) -> Bound:
-        a = _arguments(op, args, kwargs)
+        a = arguments_by_name(op, args, kwargs)
         if op is self.forward and a.get("return_debug_mask"):
             raise ValueError(f"context-parallel attention does not return the {self.name} attention kernel's "
                              "debug mask (return_debug_mask=True); call it without")

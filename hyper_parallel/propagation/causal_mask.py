@@ -43,7 +43,7 @@ import math
 import torch
 import torch.fx as fx
 
-from ..cp.attention_ops import family_of, with_arguments
+from ..cp.attention_ops import arguments_by_name, family_of, with_arguments
 from . import recompile
 from .mask_evaluation import constant_ancestors, evaluate, row_blocks, shape_of
 
@@ -55,16 +55,17 @@ MAX_CHECKED_ELEMENTS = 2 ** 34
 
 
 def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
-    """Rewrite the attention nodes reading a constant causal mask (module docstring); returns the
-    rewritten forward nodes' names."""
+    """Rewrite the attention nodes reading a constant causal mask, or one that hides nothing
+    (module docstring); returns the rewritten forward nodes as ``"<name> (causal|unmasked)"``."""
     readers: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
-        ops = family_of(node.target) if node.op == "call_function" else None
-        if ops is None:
+        if node.op != "call_function" or family_of(node.target) is None:
             continue
-        bound = ops.bind(node.target, node.args, node.kwargs)
-        if isinstance(bound.mask, fx.Node) and not bound.is_causal:
-            readers.setdefault(bound.mask, []).append(node)
+        # By name, not AttentionOps.bind: that refuses what only context parallelism cannot do.
+        a = arguments_by_name(node.target, node.args, node.kwargs)
+        mask = a.get("attn_mask", a.get("attn_bias"))
+        if isinstance(mask, fx.Node) and not a.get("is_causal"):
+            readers.setdefault(mask, []).append(node)
     rewritten = []
     for mask, nodes in readers.items():
         kind = _constant_kind(gm, mask, nodes[0])
@@ -93,7 +94,7 @@ def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str
         return None
     shape = tuple(mask.meta["val"].shape)
     query = attention.meta["val"][0].shape[-2]
-    key = family_of(attention.target).bind(attention.target, attention.args, attention.kwargs).key.meta["val"].shape[-2]
+    key = arguments_by_name(attention.target, attention.args, attention.kwargs)["key"].meta["val"].shape[-2]
     if len(shape) < 2 or shape[-2:] != (query, key):
         return None
     value = evaluate(gm, nodes)
