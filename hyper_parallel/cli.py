@@ -8,8 +8,8 @@ Subcommands:
       hyper-parallel explain --model example --config llama3-70b --parallel dp_shard=-1,tp=8 \\
           --world-size 1024 --plan fsdp+tp --hardware h100
 
-  With a context-parallel axis the sequence is sharded over ``cp`` (ring attention, or Ulysses
-  with ``--cp-mode all_to_all``); e.g. Llama 3 8B at 128k tokens, which fits an H100 only with
+  With a context-parallel axis the sequence is sharded over ``cp`` (ring attention, K/V gathered
+  with ``--cp-mode all_gather``, or Ulysses with ``--cp-mode all_to_all``); e.g. Llama 3 8B at 128k tokens, which fits an H100 only with
   cp (the same 64 ranks as ``dp_shard=64`` do not fit)::
 
       hyper-parallel explain --config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 \\
@@ -47,7 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "process-group backend, meta tensors: no memory, no hardware) and print one rank's memory, "
         "collectives per step, whether it fits the device, and the cost model's step time and MFU.",
         epilog="Context parallelism: --parallel dp_shard=8,cp=8 shards each sequence over 8 ranks (the presets add "
-        "ring attention, or Ulysses with --cp-mode all_to_all). Example: Llama 3 8B at 128k tokens fits an "
+        "ring attention, all-gather attention with --cp-mode all_gather, or Ulysses with --cp-mode all_to_all). Example: Llama 3 8B at 128k tokens fits an "
         "H100 with cp (--config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 --world-size 64 "
         "--recompute full: peak about 41 GiB) and not without it (--parallel dp_shard=64: about 288 GiB).",
     )
@@ -76,8 +76,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     "default: 8192")
     ex.add_argument("--cp-mode", default="ring", choices=CP_MODES,
                     help="attention of the plan presets when --parallel has cp > 1: ring (K/V blocks around the "
-                    "cp ring, load-balanced causal chunks) or all_to_all (Ulysses: cp "
-                    "must divide the heads); default: ring")
+                    "cp ring, load-balanced causal chunks), all_gather (the same, K/V gathered once per "
+                    "attention) or all_to_all (Ulysses: cp must divide the heads); default: ring")
     ex.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                     help="compute dtype (bf16 with FSDP: fp32 master weights, fp32 reduction); default: bf16")
     ex.add_argument("--recompute", default="none", choices=("none", "selective", "full"),

@@ -17,8 +17,8 @@ reports:
   with MFU and tokens per second per device.
 
 Context parallelism (``parallel="...,cp=N"``): the plan presets put a ``context_parallel`` entry on
-the attention modules (load-balanced ring attention by default, ``cp_mode="all_to_all"`` for
-Ulysses). Each rank is compiled for its slice of the sequence, ``[local_batch, seq_len / cp]``
+the attention modules (load-balanced ring attention by default, ``cp_mode="all_gather"`` for its
+blocks gathered at once, ``cp_mode="all_to_all"`` for Ulysses). Each rank is compiled for its slice of the sequence, ``[local_batch, seq_len / cp]``
 tokens (``seq_len`` stays the global sequence length), so saved activations per rank shrink by
 about ``cp``; cp ranks share sequences, so ``global_batch`` and ``tokens_per_step`` count only the
 data-parallel axes (``dp_replicate``, ``dp_shard``, ``ep``). Ring transfers appear as
@@ -199,9 +199,9 @@ def explain(
     ``seq_len`` tokens per data-parallel rank; ``dtype``: "bf16" (FSDP presets: bf16 compute over
     fp32 master weights with fp32 gradient reduction; otherwise bf16 parameters) or "fp32";
     ``num_layers`` overrides the config's ``num_hidden_layers``; ``cp_mode``: "ring" (load-balanced
-    ring attention, the default) or "all_to_all" (Ulysses), the attention of a preset plan when
-    ``parallel`` has ``cp`` > 1 (each rank then holds ``seq_len / cp`` tokens of each of its
-    ``local_batch`` sequences); ``trace_path``: also write the
+    ring attention, the default), "all_gather" (the same, K/V gathered) or "all_to_all" (Ulysses),
+    the attention of a preset plan when ``parallel`` has ``cp`` > 1 (each rank then holds
+    ``seq_len / cp`` tokens of each of its ``local_batch`` sequences); ``trace_path``: also write the
     simulated step as a Chrome trace JSON there (open it in Perfetto); ``dump_dir``: write the
     compile's dumps there as ``parallelize(dump_dir=)`` does, with the step trace of ``hardware``
     (``hyper-parallel report DUMP_DIR`` turns them into a page); ``repeated_blocks``: as
@@ -231,8 +231,8 @@ def explain(
         fields["num_hidden_layers"] = num_layers
     degrees = presets.parse_parallel(parallel) if isinstance(parallel, str) else dict(parallel)
     if cp_mode not in presets.CP_MODES:
-        raise ValueError(f"unknown cp mode {cp_mode!r}; choose {' or '.join(presets.CP_MODES)}")
-    if cp_mode == "ring" and degrees.get("cp", 1) > 1:
+        raise ValueError(f"unknown cp mode {cp_mode!r}; choose one of {', '.join(presets.CP_MODES)}")
+    if cp_mode in ("ring", "all_gather") and degrees.get("cp", 1) > 1:
         # All of cp is ring attention: ParallelDims then checks no head divisibility for it.
         degrees.setdefault("ulysses_degree", 1)
 
@@ -342,6 +342,7 @@ def _context_parallel(pmodel) -> dict | None:
         return None
     return {"axis": context.axis, "degree": context.degree, "mode": context.mode, "ulysses": context.ulysses,
             "load_balance": context.balanced, "asynchronous": context.asynchronous,
+            "kv_exchange": context.kv_exchange if context.mode != "all_to_all" else None,
             "modules": len(context.modules)}
 
 
@@ -435,11 +436,12 @@ def _context_label(context: dict) -> str:
         return f"all-to-all attention over {context['axis']}={context['degree']}"
     how = ["load-balanced" if context["load_balance"] else "not load-balanced"]
     how += ["async"] if context["asynchronous"] else []
+    kind = "all-gather attention" if context.get("kv_exchange") == "all_gather" else "ring attention"
     if context["mode"] == "hybrid":
         u = context["ulysses"]
-        return (f"ring attention over {context['degree'] // u} groups of {u} all-to-all ranks, "
+        return (f"{kind} over {context['degree'] // u} groups of {u} all-to-all ranks, "
                 f"{context['axis']}={context['degree']} ({', '.join(how)})")
-    return f"ring attention over {context['axis']}={context['degree']} ({', '.join(how)})"
+    return f"{kind} over {context['axis']}={context['degree']} ({', '.join(how)})"
 
 
 def format_report(report: dict) -> str:

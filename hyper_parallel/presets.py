@@ -20,7 +20,8 @@ Llama's, its MoE's and HF Llama's): the sequence is sharded over ``cp`` and, wit
 the weights over ``dp_shard`` x ``cp`` (torchtitan's ``dp_shard_cp``). ``cp_mode`` (``--cp-mode``)
 picks its attention: ``"ring"`` (default; ``hp.ContextParallel(mode="ring", load_balance=True)``,
 K/V blocks passed around the cp ring, causal work balanced over the cp ranks; the sequence must
-cut in ``2·cp`` chunks) or ``"all_to_all"`` (Ulysses: cp must divide the heads). A Ulysses degree
+cut in ``2·cp`` chunks), ``"all_gather"`` (the same blocks and balance, K/V all-gathered once per
+attention) or ``"all_to_all"`` (Ulysses: cp must divide the heads). A Ulysses degree
 between 1 and cp (``--parallel cp=8,ulysses_degree=2``) gives the hybrid in either mode: all-to-all
 inside groups of that many cp ranks, ring attention across the groups. A plan file chooses its own
 context parallelism.
@@ -80,7 +81,7 @@ PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp", "tp+sp", "fsdp+tp+sp")
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
 _DEGREE_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate"}
 SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "ulysses_degree")
-CP_MODES = ("ring", "all_to_all")  # --cp-mode: hp.ContextParallel(mode=...) of the presets' cp entry
+CP_MODES = ("ring", "all_gather", "all_to_all")  # --cp-mode: hp.ContextParallel(mode=...) of the presets' cp entry
 # The modules a preset's context_parallel entry names (the example Llama / MoE and HF Llama).
 ATTENTION_MODULES = "model.layers.*.self_attn"
 
@@ -177,13 +178,13 @@ def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
     returning one) for a mesh of ``mesh_axes`` (axis name -> size) and a model of ``config``.
     ``mixed_precision``: FSDP gathers bf16 parameters and reduces fp32 gradients (fp32 masters).
     ``recompute``: "none", "selective" or "full", applied to every decoder layer.
-    ``cp_mode``: "ring" or "all_to_all", the attention of a preset's
+    ``cp_mode``: "ring", "all_gather" or "all_to_all", the attention of a preset's
     ``context_parallel`` entry when ``mesh_axes`` has a ``cp`` axis (a plan file chooses its own);
     ``ulysses_degree`` (ParallelDims'), when given, the entry's Ulysses degree."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
     if cp_mode not in CP_MODES:
-        raise ValueError(f"--cp-mode {cp_mode!r}: choose {' or '.join(CP_MODES)}")
+        raise ValueError(f"--cp-mode {cp_mode!r}: choose one of {', '.join(CP_MODES)}")
     name = str(spec).strip()
     if name.lower() in PLAN_PRESETS:
         choice = _preset(name.lower(), mesh_axes, config, mixed_precision, cp_mode, ulysses_degree)
@@ -258,21 +259,27 @@ def _context_style(cp_mode: str, ulysses_degree: int | None = None):
     (``ulysses_degree`` between 1 and cp) ring attention over groups of Ulysses ranks."""
     from .cp import ContextParallel
 
-    if cp_mode == "ring":
-        return ContextParallel(mode="ring", load_balance=True, ulysses_degree=ulysses_degree)
+    if cp_mode in ("ring", "all_gather"):
+        return ContextParallel(mode=cp_mode, load_balance=True, ulysses_degree=ulysses_degree)
     return ContextParallel(mode="all_to_all", ulysses_degree=ulysses_degree)
 
 
 def _context_note(cp_mode: str, cp: int, ulysses_degree: int | None = None) -> str:
     if ulysses_degree is not None and 1 < ulysses_degree < cp and cp % ulysses_degree == 0:
         ring = cp // ulysses_degree
+        across = (f"all-gather attention over the {ring} groups (their K/V blocks of 1/{ulysses_degree} of the "
+                  "heads gathered once per attention forward)" if cp_mode == "all_gather" else
+                  f"ring attention over the {ring} groups ({ring - 1} K/V transfer{'s' if ring > 2 else ''} of "
+                  f"1/{ulysses_degree} of the heads per attention forward)")
         return (f"context parallelism: the sequence sharded over cp={cp}; all-to-all (Ulysses) inside "
-                f"groups of {ulysses_degree} cp ranks, ring attention over the {ring} groups ({ring - 1} "
-                f"K/V transfer{'s' if ring > 2 else ''} of 1/{ulysses_degree} of the heads per attention "
-                "forward), load-balanced causal chunks")
+                f"groups of {ulysses_degree} cp ranks, {across}, load-balanced causal chunks")
     if cp_mode == "ring":
         return (f"context parallelism: the sequence sharded over cp={cp}; ring attention ({cp - 1} K/V "
                 f"transfer{'s' if cp > 2 else ''} to the next cp rank per attention forward), load-balanced "
+                "causal chunks")
+    if cp_mode == "all_gather":
+        return (f"context parallelism: the sequence sharded over cp={cp}; all-gather attention (every cp "
+                "rank's K/V gathered once per attention forward, dK/dV reduce-scattered), load-balanced "
                 "causal chunks")
     return (f"context parallelism: the sequence sharded over cp={cp}; all-to-all (Ulysses) attention, "
             f"heads split over cp around each attention")

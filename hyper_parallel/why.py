@@ -94,6 +94,9 @@ def reason(node: torch.fx.Node) -> str:
         return why + recomputed
     ring = node.meta.get(meta.CP_RING)
     if ring is not None:
+        if ring.get("exchange") == "all_gather":
+            what = "every rank's K/V block gathered" if ring["moves"] == "kv" else "dK/dV shares home"
+            return f"context parallel: all-gather attention {ring['attention']}, {what}" + recomputed
         return (f"context parallel: ring attention {ring['attention']}, {ring['moves']} block of step "
                 f"{ring['step']} to the next rank") + recomputed
     if meta.FSDP_PARAM in node.meta:

@@ -11,6 +11,7 @@ kernel family (``cp/attention_ops.py``):
 
 * ring mode (``hp.ContextParallel(mode="ring")``): ``cp/ring.py``, K/V blocks passed around the cp
   ring and merged by log-sum-exp, optionally in the load-balanced order of ``cp/load_balance.py``;
+  all-gather mode (``mode="all_gather"``) is the same computation with every block gathered at once;
 
 * the hybrid (``ulysses_degree`` between 1 and cp): ``cp/hybrid.py``, an all-to-all inside each
   group of Ulysses ranks, then ring attention across the groups;
@@ -73,7 +74,7 @@ def local_kernel(op, layout, context=None, name: str = ""):
             f"attention's sequence is sharded over several mesh axes {names}; context parallelism "
             "shards it over one: give the context_parallel entries one axis"
         )
-    ring_modes = {"ring": ring_kernels, "hybrid": hybrid_kernels}
+    ring_modes = {"ring": ring_kernels, "all_gather": ring_kernels, "hybrid": hybrid_kernels}
     if context is not None and context.mode in ring_modes:
         forward, backward = ring_modes[context.mode](axes[0], context, name, ops)
         kernel = forward if op is ops.forward else backward

@@ -22,6 +22,7 @@ parts are: each head of a group sees the group's whole block, and the ring merge
 
 Heads need only divide by ``u``, and the ring carries ``1/u`` of the bytes pure ring attention
 would; the all-to-alls stay inside groups of ``u`` consecutive ranks (one node's fast links).
+With ``mode="all_gather"`` the ring part gathers the groups' blocks at once (cp/ring.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
         one entry per head keeps this rank's heads (its index in the Ulysses group), a broadcast
         one stays whole."""
         r = compat.spec_of(query).mesh.get_local_rank(axis)
-        ring = Ring(context.ring_group, context.ring, r // u, context.balanced, context.asynchronous, name)
+        ring = Ring(context.ring_group, context.ring, r // u, context.balanced, context.asynchronous, name,
+                    context.gathers)
         mask = compat.local_of(attn_mask) if attn_mask is not None else None
         if mask is not None and mask.dim() >= 4 and mask.shape[-3] > 1:
             share = query.shape[HEADS] // u

@@ -68,7 +68,7 @@ def _reorder(x: torch.Tensor, dim: int, seq_len: int, order: list[int]) -> torch
         raise ValueError(
             f"load-balanced context parallelism must reorder a tensor of shape {list(x.shape)} whose "
             f"dim {dim} ({size}) does not hold whole sequences of {seq_len} tokens (it is also sharded "
-            "over another mesh axis); use hp.ContextParallel(mode='ring', load_balance=False)"
+            "over another mesh axis); use load_balance=False in the hp.ContextParallel entry"
         )
     grouped = x.unflatten(dim, (size // seq_len, pieces, seq_len // pieces))
     return torch.stack([grouped.select(dim + 1, i) for i in order], dim=dim + 1).flatten(dim, dim + 2)

@@ -27,7 +27,7 @@ from .style import ContextParallel
 class ContextPlan:
     axis: str
     degree: int
-    mode: str  # "ring" | "all_to_all" | "hybrid" (ring attention over groups of Ulysses ranks)
+    mode: str  # "ring" | "all_gather" | "all_to_all" | "hybrid" (ring attention over groups of Ulysses ranks)
     load_balance: bool  # ring part: the sequence in 2·ring chunks, ring rank i holding i and 2·ring−1−i
     asynchronous: bool  # ring part: each K/V transfer overlaps the current block (ring_overlap pass)
     modules: tuple[str, ...]  # attention module FQNs the entries matched
@@ -37,6 +37,14 @@ class ContextPlan:
     # ranks ``ulysses`` apart form the ring.
     ulysses_group: str | None = None
     ring_group: str | None = None
+    # How the ring part's K/V blocks reach every rank: "ring" (passed on, cp − 1 transfers) or
+    # "all_gather" (one gather; dK/dV home in one reduce-scatter).
+    kv_exchange: str = "ring"
+
+    @property
+    def gathers(self) -> bool:
+        """Whether the ring part all-gathers K/V instead of passing blocks around."""
+        return self.kv_exchange == "all_gather"
 
     @property
     def ring(self) -> int:
@@ -96,18 +104,19 @@ def resolve_context_parallel(
                     + (f"{first.axis}={degree}" if ulysses == degree else f"ulysses_degree={ulysses}")
                     + " does not divide; all-to-all context parallelism gives each rank heads / "
                     f"{'cp' if ulysses == degree else 'ulysses_degree'} of them: use a degree that divides "
-                    f"{count}, or ring attention (mode='ring', or a smaller ulysses_degree)"
+                    f"{count}, or ring attention (mode='ring' or 'all_gather', or a smaller ulysses_degree)"
                 )
-    mode = "all_to_all" if ulysses == degree else "ring" if ulysses == 1 else "hybrid"
+    kv_exchange = "all_gather" if first.mode == "all_gather" else "ring"
+    mode = "all_to_all" if ulysses == degree else kv_exchange if ulysses == 1 else "hybrid"
     if degree == 1:
         mode = first.mode
     return ContextPlan(first.axis, degree, mode, first.load_balance, first.asynchronous, tuple(fqns), source,
-                       ulysses=ulysses)
+                       ulysses=ulysses, kv_exchange=kv_exchange)
 
 
 def _ulysses_degree(style: ContextParallel, degree: int, source: str) -> int:
     """The ranks of the cp axis that swap heads and sequence: the style's ``ulysses_degree``, else
-    all of them (all-to-all mode) or none (ring)."""
+    all of them (all-to-all mode) or none (ring and all-gather modes)."""
     if style.ulysses_degree is None:
         return degree if style.mode == "all_to_all" else 1
     if degree % style.ulysses_degree:

@@ -26,6 +26,15 @@ send/recv pair. Each is tagged ``hp_cp_ring`` (attention node, what moves, step;
 plan asked for overlap), so ``debug.collectives`` counts it as a ``send_recv`` and the
 ``ring_overlap`` pass can sink its wait past the current block's attention (AsyncContextParallel).
 As lowered, every transfer is waited for at once.
+
+All-gather exchange (``hp.ContextParallel(mode="all_gather")``, Llama 3's context parallelism and
+torch's default ``rotate_method``): the same blocks in the same order, merged the same way, but
+every rank's K/V block arrives in one ``all_gather_into_tensor`` per attention instead of ``cp − 1``
+transfers; backward gathers them again (nothing but the local block is saved) and returns every
+block's dK/dV share to its owner with one ``reduce_scatter_tensor`` (fp32 for half precision, as
+the ring's accumulators). Fewer, larger collectives, so fewer synchronisations; the price is the
+``cp`` gathered blocks alive during one attention, where the ring holds two. The rank's own block
+needs nothing from the gather, so with overlap its wait sinks past that block's attention.
 """
 
 from __future__ import annotations
@@ -47,15 +56,22 @@ class Ring:
     this one at ``rank`` (the cp axis itself in ring mode: :meth:`on_axis`; the hybrid's ring
     sub-group, cp/hybrid.py)."""
 
-    def __init__(self, group: str, n: int, rank: int, balanced: bool, overlap: bool, name: str):
+    def __init__(self, group: str, n: int, rank: int, balanced: bool, overlap: bool, name: str,
+                 gather: bool = False):
         self.group, self.n, self.rank = group, n, rank
         self.balanced, self.overlap, self.name = balanced, overlap, name
+        self.gather = gather  # K/V all-gathered and dK/dV reduce-scattered instead of passed around
 
     @classmethod
-    def on_axis(cls, mesh, axis: int, balanced: bool, overlap: bool, name: str) -> "Ring":
+    def on_axis(cls, mesh, axis: int, balanced: bool, overlap: bool, name: str, gather: bool = False) -> "Ring":
         """The ring of every rank of mesh axis ``axis``, in its rank order."""
         return cls(mesh.get_group(axis).group_name, mesh.size(axis), mesh.get_local_rank(axis),
-                   balanced, overlap, name)
+                   balanced, overlap, name, gather)
+
+    def _tag(self, what: str, step: int) -> dict:
+        exchange = "all_gather" if self.gather else "ring"
+        return {meta.CP_RING: {"attention": self.name, "moves": what, "step": step, "overlap": self.overlap,
+                               "exchange": exchange}}
 
     def source(self, step: int) -> int:
         """The rank whose K/V block this rank holds at ``step``."""
@@ -66,16 +82,44 @@ class Ring:
         rows = x.shape[0]
         send = [rows if p == (self.rank + 1) % self.n else 0 for p in range(self.n)]
         recv = [rows if p == (self.rank - 1) % self.n else 0 for p in range(self.n)]
-        tag = {meta.CP_RING: {"attention": self.name, "moves": what, "step": step, "overlap": self.overlap}}
-        with fx_traceback.annotate(tag):
+        with fx_traceback.annotate(self._tag(what, step)):
             sent = c10d.all_to_all_single(x.contiguous(), recv, send, self.group)
             return c10d.wait_tensor(sent)
 
     def pack(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Key and value stacked, to travel as one block (tagged, so CSE keeps backward's own)."""
-        with fx_traceback.annotate({meta.CP_RING: {"attention": self.name, "moves": "kv", "step": 0,
-                                                   "overlap": self.overlap}}):
+        with fx_traceback.annotate(self._tag("kv", 0)):
             return torch.stack([k, v])
+
+    def kv_blocks(self, kv: torch.Tensor):
+        """``(step, source, block)`` for every rank's stacked K/V block, this rank's own first and
+        then ``source(step)``'s. Ring exchange: the next block's transfer is issued before the
+        current one is handed out (the ``ring_overlap`` pass sinks its wait past the block's
+        attention). All-gather exchange: one gather, issued before the own block."""
+        if self.gather:
+            everyone = self._all_gather(kv) if self.n > 1 else None
+            for step in range(self.n):
+                source = self.source(step)
+                # Sliced when used, so the gather's first reader comes after the own block's attention.
+                yield step, source, kv if step == 0 else everyone.narrow(0, source * len(kv), len(kv))
+            return
+        for step in range(self.n):
+            following = self.shift(kv, "kv", step + 1) if step + 1 < self.n else None
+            yield step, self.source(step), kv
+            kv = following
+
+    def _all_gather(self, kv: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``kv`` concatenated along dim 0 in group order."""
+        with fx_traceback.annotate(self._tag("kv", 1)):
+            return c10d.wait_tensor(c10d.all_gather_into_tensor(kv.contiguous(), self.n, self.group))
+
+    def reduce_scatter(self, shares: list[torch.Tensor]) -> torch.Tensor:
+        """``shares[s]`` (this rank's share of rank ``s``'s dK/dV) summed over the ranks: this
+        rank's own dK/dV."""
+        stacked = torch.cat(shares)
+        with fx_traceback.annotate(self._tag("dkv", self.n)):
+            mine = c10d.reduce_scatter_tensor(stacked, "sum", self.n, self.group)
+            return c10d.wait_tensor(mine)
 
     def ranges(self, rank: int, length: int) -> list[tuple[int, int]]:
         """Global token ranges of ``rank``'s local sequence (``length`` tokens), in local order."""
@@ -157,10 +201,7 @@ def forward(ring: Ring, ops: AttentionOps, q, k, v, is_causal: bool, mask, scale
     length = q.shape[SEQ]
     acc = _accumulate_dtype(q.dtype)
     out = lse = others = None
-    kv = ring.pack(k, v)
-    for step in range(ring.n):
-        source = ring.source(step)
-        following = ring.shift(kv, "kv", step + 1) if step + 1 < ring.n else None
+    for _, source, kv in ring.kv_blocks(ring.pack(k, v)):
         for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
             o, l, extra = ops.block_forward(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal,
@@ -174,8 +215,6 @@ def forward(ring: Ring, ops: AttentionOps, q, k, v, is_causal: bool, mask, scale
                 out, lse = full, torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
                 others = extra
             out, lse = _merge(out, lse, rows, o, l)
-        if following is not None:
-            kv = following
     # A row no key is visible to (only under an explicit mask): 0 and lse 0, as the one-device kernel.
     lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return out.to(q.dtype), lse, others
@@ -187,12 +226,10 @@ def backward(ring: Ring, ops: AttentionOps, grad_out, q, k, v, out, lse, is_caus
     length = q.shape[SEQ]
     acc = _accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = ring.pack(k, v)
     own = travelling = None
-    for step in range(ring.n):
-        source = ring.source(step)
-        following = ring.shift(kv, "kv", step + 1) if step + 1 < ring.n else None
-        arrived = ring.shift(travelling, "dkv", step) if step >= 2 else None
+    shares = [None] * ring.n  # all-gather exchange: this rank's dK/dV share of each rank's block
+    for step, source, kv in ring.kv_blocks(ring.pack(k, v)):
+        arrived = ring.shift(travelling, "dkv", step) if step >= 2 and not ring.gather else None
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
         for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
@@ -202,13 +239,15 @@ def backward(ring: Ring, ops: AttentionOps, grad_out, q, k, v, out, lse, is_caus
             dq = _splice(dq, rows, _rows(dq, rows) + gq.to(acc))
             kv_seq = SEQ + 1  # key and value stacked in front
             dkv = _splice(dkv, keys, _rows(dkv, keys, kv_seq) + torch.stack([gk, gv]).to(acc), kv_seq)
-        if step == 0:
+        if ring.gather:
+            shares[source] = dkv
+        elif step == 0:
             own = dkv
         else:
             travelling = dkv if arrived is None else arrived + dkv
-        if following is not None:
-            kv = following
-    if ring.n > 1:
+    if ring.gather:
+        own = ring.reduce_scatter(shares) if ring.n > 1 else shares[0]
+    elif ring.n > 1:
         own = own + ring.shift(travelling, "dkv", ring.n)
     return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
@@ -236,7 +275,8 @@ def ring_kernels(axis: int, context, name: str, ops: AttentionOps):
     local tensors."""
 
     def ring_of(x):
-        return Ring.on_axis(compat.spec_of(x).mesh, axis, context.balanced, context.asynchronous, name)
+        return Ring.on_axis(compat.spec_of(x).mesh, axis, context.balanced, context.asynchronous, name,
+                            context.gathers)
 
     def fwd(*args, **kwargs):
         call = ops.bind(ops.forward, args, kwargs)

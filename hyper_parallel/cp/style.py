@@ -17,6 +17,11 @@ Modes:
   any cp degree (``cp/ring.py``). With ``load_balance=True`` (default) the sequence is cut in
   ``2·cp`` chunks and rank r computes with chunks r and 2·cp−1−r, so a causal mask costs every rank
   the same (``cp/load_balance.py``); the compiled program reorders the tokens itself.
+* ``"all_gather"``: ring attention's blocks, load balancing and merge, but every rank's K/V block
+  arrives in one all-gather per attention and dK/dV go home in one reduce-scatter (Llama 3's
+  context parallelism; torch's default ``rotate_method``): 1 collective per attention forward and 2
+  backward whatever the degree, for ``cp`` K/V blocks alive during each attention. Suits
+  grouped-query attention, whose K/V are a fraction of the activations.
 
 Both together (``ulysses_degree``, as ParallelDims' field: the Ulysses degree inside ``cp``): the
 cp ranks form groups of ``ulysses_degree`` consecutive ranks that swap heads and sequence by
@@ -26,7 +31,8 @@ all-to-all, and ``cp / ulysses_degree`` such groups run ring attention on what t
 ``cp`` for all-to-all, 1 for ring); ``load_balance`` and overlap apply to the ring part.
 
 ``AsyncContextParallel`` is ring mode with each K/V transfer overlapping the current block's
-attention (the ``ring_overlap`` pass). In every mode each rank passes its contiguous slice of the
+attention (the ``ring_overlap`` pass); with ``mode="all_gather"`` the gather overlaps the rank's
+own block. In every mode each rank passes its contiguous slice of the
 sequence (``hp.shard_sequence``) and gets its slice of sequence-shaped outputs back.
 """
 
@@ -37,15 +43,15 @@ from typing import Any
 
 __all__ = ["AsyncContextParallel", "ContextParallel", "parse_context_style"]
 
-MODES = ("all_to_all", "ring")
+MODES = ("all_to_all", "ring", "all_gather")
 
 
 @dataclass(frozen=True)
 class ContextParallel:
     """Shard the sequence over ``axis`` (default ``"cp"``); attention in ``mode``.
 
-    ``load_balance`` (ring mode): the sequence in 2·cp chunks, rank r computing with chunks r and
-    2·cp−1−r, so causal attention costs every rank the same. ``ulysses_degree``: the cp ranks
+    ``load_balance`` (ring and all-gather modes): the sequence in 2·cp chunks, rank r computing
+    with chunks r and 2·cp−1−r, so causal attention costs every rank the same. ``ulysses_degree``: the cp ranks
     that swap heads and sequence by all-to-all (None: all of cp in all-to-all mode, 1 in ring
     mode); between 1 and cp, ring attention runs over the ``cp / ulysses_degree`` groups."""
 

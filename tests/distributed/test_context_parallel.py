@@ -1,9 +1,9 @@
 """Context parallelism: the sequence sharded over ``cp``, attention made exact around it.
 
-Both modes: all-to-all (``hp.ContextParallel()``: heads and sequence swapped around each
-attention) and ring (``hp.ContextParallel(mode="ring")``: K/V blocks around the cp ring, with and
+Every mode: all-to-all (``hp.ContextParallel()``: heads and sequence swapped around each
+attention), ring (``hp.ContextParallel(mode="ring")``: K/V blocks around the cp ring, with and
 without the load-balanced causal order; ``hp.AsyncContextParallel()``: each transfer overlapping
-the current block). Parity with one device (loss and every gradient, 3 SGD steps, padded labels)
+the current block) and all-gather (``mode="all_gather"``: the ring's blocks gathered at once). Parity with one device (loss and every gradient, 3 SGD steps, padded labels)
 for the example Llama and HF Llama, alone and composed with data parallelism, FSDP (fp32 and bf16),
 tensor parallelism and a pipeline; the collectives counted and read from the programs; the
 per-rank attention work; errors."""
@@ -24,6 +24,10 @@ STYLES = {
     "ring_flat": hp.ContextParallel(mode="ring", load_balance=False),
     "async": hp.AsyncContextParallel(),
     "hybrid": hp.AsyncContextParallel(ulysses_degree=2),  # cp=4: 2 Ulysses groups of 2 on a ring of 2
+    "gather": hp.ContextParallel(mode="all_gather"),
+    "gather_flat": hp.ContextParallel(mode="all_gather", load_balance=False),
+    "async_gather": hp.AsyncContextParallel(mode="all_gather"),
+    "hybrid_gather": hp.ContextParallel(mode="all_gather", ulysses_degree=2),
 }
 BATCH, SEQ, HEADS, HEAD_DIM, LAYERS, FP32 = 4, 16, 4, 16, 2, 4
 c10d = torch.ops._c10d_functional
@@ -52,6 +56,24 @@ def _kv_block_bytes(cp: int, batch: int = BATCH) -> int:
     return 2 * batch * HEADS * (SEQ // cp) * HEAD_DIM * FP32
 
 
+def _check_gathered_blocks(collectives: dict, cp: int, batch: int = BATCH, axis: str = "cp",
+                           heads_share: int = 1) -> None:
+    """All-gather mode, per attention: forward gathers every rank's K/V block once (this rank
+    sends its block), backward gathers them again and reduce-scatters the dK/dV shares (this rank
+    sends its fp32 share of every rank's block): 1 + 2 collectives whatever ``cp``. Forward's
+    other gather on the cp axis is the labels' one-token shift (integers, not activations)."""
+    block = _kv_block_bytes(cp, batch) // heads_share
+    forward, backward = collectives["forward"], collectives["backward"]
+    labels = forward["all_gather"].get("cp", {"count": 0, "bytes": 0})
+    if axis == "cp":
+        labels = {"count": labels["count"] - LAYERS, "bytes": labels["bytes"] - LAYERS * block}
+    assert labels["count"] <= 1 and labels["bytes"] <= BATCH * SEQ * 8, forward
+    assert forward["all_gather"][axis]["count"] == LAYERS + (labels["count"] if axis == "cp" else 0)
+    assert backward["all_gather"][axis] == {"count": LAYERS, "bytes": LAYERS * block}, backward
+    assert backward["reduce_scatter"][axis] == {"count": LAYERS, "bytes": LAYERS * cp * block}, backward
+    assert "send_recv" not in forward and "send_recv" not in backward
+
+
 def _check_ring_transfers(collectives: dict, cp: int, batch: int = BATCH) -> None:
     """Per attention, (cp-1) K/V blocks forward; backward the K/V blocks again and (cp-1) dK/dV
     accumulators: exactly these sends, with these bytes."""
@@ -64,12 +86,14 @@ def _check_ring_transfers(collectives: dict, cp: int, batch: int = BATCH) -> Non
 @pytest.mark.parametrize("model,style", [
     ("llama", "all_to_all"), ("hf:LlamaForCausalLM", "all_to_all"),
     ("llama", "ring"), ("llama", "ring_flat"), ("hf:LlamaForCausalLM", "async"),
+    ("hf:LlamaForCausalLM", "gather"),
 ])
 def test_cp2_parity_and_collectives(dist2, model, style):
     """All-to-all mode, per attention: forward moves query, key, value to head-sharded and output
     and log-sum-exp back (5 all-to-alls); backward the output gradient, output and log-sum-exp to
     heads and the three gradients back (6; forward's head-sharded q/k/v are reused). Ring mode:
-    one K/V block forward, a K/V block and a dK/dV accumulator backward. Nothing else crosses cp
+    one K/V block forward, a K/V block and a dK/dV accumulator backward; all-gather mode one gather
+    forward, one gather and one reduce-scatter backward. Nothing else crosses cp
     but the labels' one-token shift (an all-gather of the integer labels), the loss's sum and token
     count, the parameters' gradients and, with load balancing, the reordering of the inputs and the
     logits between the user's sequence order and the balanced one."""
@@ -82,6 +106,10 @@ def test_cp2_parity_and_collectives(dist2, model, style):
         assert backward["all_to_all"]["cp"] == {"count": LAYERS * 2,
                                                 "bytes": LAYERS * _per_layer_all_to_all_bytes(2, backward=True)}
         assert "send_recv" not in forward
+    elif style == "gather":
+        _check_gathered_blocks(collectives, 2)
+        assert forward["all_to_all"]["cp"]["count"] == 2  # balanced order: ids and labels in, logits out
+        return
     else:
         _check_ring_transfers(collectives, 2)
         balanced = style != "ring_flat"
@@ -117,6 +145,10 @@ def _attention_schedule(style: str) -> dict[str, list[str]]:
                 events.append("attention")
             elif node.target is c10d.all_to_all_single.default:
                 events.append(f"send {node.meta[meta.CP_RING]['moves']}" if meta.CP_RING in node.meta else "a2a")
+            elif node.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default):
+                if meta.CP_RING in node.meta:
+                    verb = "gather" if node.target is c10d.all_gather_into_tensor.default else "scatter"
+                    events.append(f"{verb} {node.meta[meta.CP_RING]['moves']}")
             elif node.target is c10d.wait_tensor.default and meta.CP_RING in node.args[0].meta:
                 events.append(f"wait {node.args[0].meta[meta.CP_RING]['moves']}")
         schedules[phase] = [e for e in events if e != "a2a" or style == "all_to_all"]
@@ -141,6 +173,17 @@ def test_async_ring_transfers_overlap_the_current_block(dist2):
     assert overlapped["backward"] == ["send kv", "attention", "wait kv", "attention", "send dkv", "wait dkv"] * LAYERS
 
 
+def test_async_all_gather_overlaps_the_own_block(dist2):
+    """All-gather mode gathers every block before the rank's own block's attention; with
+    AsyncContextParallel the wait sinks past that attention (it needs only local K/V), forward
+    and backward; backward's dK/dV shares go home in one reduce-scatter after the last block."""
+    sync, overlapped = dist2.run(_attention_schedule, "gather")[0], dist2.run(_attention_schedule, "async_gather")[0]
+    assert sync["forward"] == ["gather kv", "wait kv", "attention", "attention"] * LAYERS
+    assert overlapped["forward"] == ["gather kv", "attention", "wait kv", "attention"] * LAYERS
+    assert overlapped["backward"] == ["gather kv", "attention", "wait kv", "attention", "scatter dkv",
+                                      "wait dkv"] * LAYERS
+
+
 def test_async_ring_without_ring_overlap_gives_the_same_numbers(dist2):
     """The ring_overlap pass only moves waits: disabled, the async plan still matches one device."""
     dist2.run(run_parity, "llama", _plan("async"), (2,), ("cp",), ignore_fraction=0.3, steps=2,
@@ -155,6 +198,11 @@ CASES = {
     "ring_fsdp_cp": ("llama", _plan("ring", fully_shard={"units": ["model.layers.*", ""]}), (2, 2), ("dp_shard", "cp")),
     "async_tp_cp": ("llama", _plan("async", **llama_tp_plan()), (2, 2), ("cp", "tp")),
     "hybrid_cp4_hf": ("hf:LlamaForCausalLM", _plan("hybrid"), (4,), ("cp",)),
+    "gather_cp4": ("llama", _plan("async_gather"), (4,), ("cp",)),
+    "gather_flat_cp4": ("llama", _plan("gather_flat"), (4,), ("cp",)),
+    "gather_fsdp_cp_hf": ("hf:LlamaForCausalLM", _plan("gather", fully_shard={"units": ["model.layers.*", ""]}),
+                          (2, 2), ("dp_shard", "cp")),
+    "hybrid_gather_cp4": ("llama", _plan("hybrid_gather"), (4,), ("cp",)),
 }
 
 
@@ -189,6 +237,20 @@ def test_cp_composes(dist4, case):
         assert forward["send_recv"] == {"cp/ring": {"count": LAYERS, "bytes": LAYERS * block}}, forward
         assert backward["send_recv"] == {"cp/ring": {"count": 2 * LAYERS, "bytes": 2 * LAYERS * block}}, backward
         assert forward["all_to_all"]["cp"]["count"] == 2  # ids and labels (stacked) in, logits out
+    elif case == "hybrid_gather_cp4":  # the ring of 2 Ulysses pairs gathers the pairs' blocks
+        _check_gathered_blocks(collectives, 2, axis="cp/ring", heads_share=2)
+    elif case == "gather_fsdp_cp_hf":
+        # FSDP gathers and reduce-scatters each unit over dp_shard and then cp: what cp has beyond
+        # dp_shard's count is attention's (and the labels' shift).
+        extra = {(phase, kind): collectives[phase][kind]["cp"]["count"] - collectives[phase][kind]["dp_shard"]["count"]
+                 for phase, kind in (("forward", "all_gather"), ("backward", "all_gather"),
+                                     ("backward", "reduce_scatter"))}
+        assert extra == {("forward", "all_gather"): LAYERS + 1, ("backward", "all_gather"): LAYERS,
+                         ("backward", "reduce_scatter"): LAYERS}, collectives
+    elif case.startswith("gather"):
+        # Unbalanced, rank 0's queries see no other rank's keys: it reads nothing it gathers, and
+        # still gathers (and sends its zero shares home) as every rank must.
+        _check_gathered_blocks(collectives, cp, batch)
     else:
         _check_ring_transfers(collectives, cp, batch)
     if case == "ring_fsdp_cp":
@@ -240,7 +302,7 @@ def _bf16_fsdp_cp(style: str = "ring") -> dict:
     return model.compile_summary()["collectives"]
 
 
-@pytest.mark.parametrize("style", ["ring", "all_to_all"])
+@pytest.mark.parametrize("style", ["ring", "all_to_all", "gather"])
 def test_cp_bf16_mixed_precision_fsdp(dist4, style):
     collectives = dist4.run(_bf16_fsdp_cp, style)[0]
     if style == "all_to_all":
@@ -315,12 +377,12 @@ def test_errors_name_the_entry_and_the_fix(dist2):
     assert errors["shard"].startswith("ValueError: shard_sequence: dim 1"), errors
 
 
-def _ring_kernel_against_whole_sequence(balanced: bool, family: str = "cpu_flash") -> dict:
+def _ring_kernel_against_whole_sequence(balanced: bool, family: str = "cpu_flash", gather: bool = False) -> dict:
     """cp/ring.py's kernels run eagerly on this rank's tokens (real transfers) against the one-device
     kernel on the whole sequence: causal, and an explicit additive mask under which some query rows
     see none of another rank's keys and one row sees no key at all (for the kernel families that
     take a mask). ``family``: the SDPA kernels each block runs (cp/attention_ops.py; the GPU ones
-    emulated on CPU)."""
+    emulated on CPU); ``gather``: K/V all-gathered (mode="all_gather") instead of passed around."""
     from hyper_parallel.cp.attention_ops import FAMILIES
     from hyper_parallel.cp.load_balance import permute
     from hyper_parallel.cp.ring import Ring, backward, forward
@@ -330,7 +392,7 @@ def _ring_kernel_against_whole_sequence(balanced: bool, family: str = "cpu_flash
     ops = next(f for f in FAMILIES if f.name == family)
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
-    ring = Ring.on_axis(mesh, 0, balanced=balanced, overlap=False, name="sdpa")
+    ring = Ring.on_axis(mesh, 0, balanced=balanced, overlap=False, name="sdpa", gather=gather)
     n, length = 2, 8
     seq = n * length
     g = torch.Generator().manual_seed(0)
@@ -364,18 +426,19 @@ def _errors_against_one_device(q, k, v, grad, cases, blockwise, mine) -> dict:
     return errors
 
 
-@pytest.mark.parametrize("balanced,family", [
-    (True, "cpu_flash"), (False, "cpu_flash"), (True, "flash"), (True, "efficient"), (False, "cudnn"),
+@pytest.mark.parametrize("balanced,family,gather", [
+    (True, "cpu_flash", False), (False, "cpu_flash", False), (True, "flash", False), (True, "efficient", False),
+    (False, "cudnn", False), (True, "cpu_flash", True), (False, "efficient", True),
 ])
-def test_ring_kernel_matches_the_whole_sequence(dist2, balanced, family):
+def test_ring_kernel_matches_the_whole_sequence(dist2, balanced, family, gather):
     """Every SDPA kernel family (the GPU ones emulated on CPU: their log-sum-exp is float32, so
-    fp64 inputs agree to float32's precision only)."""
+    fp64 inputs agree to float32's precision only), K/V passed around the ring or gathered."""
     bound = 1e-12 if family == "cpu_flash" else 1e-5
-    for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced, family)):
+    for rank, errors in enumerate(dist2.run(_ring_kernel_against_whole_sequence, balanced, family, gather)):
         assert max(errors.values()) < bound, (rank, errors)
 
 
-def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
+def _hybrid_kernel_against_whole_sequence(balanced: bool, kv_exchange: str = "ring") -> dict:
     """cp/hybrid.py's kernels on cp=4 as 2 Ulysses groups of 2 on a ring of 2, eagerly on this
     rank's tokens (real all-to-alls and transfers), against the one-device kernel on the whole
     sequence: causal, and an additive mask with one entry per head."""
@@ -386,7 +449,8 @@ def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
     from hyper_parallel.cp.resolve import ContextPlan, attach_context_groups
 
     mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
-    context = attach_context_groups(ContextPlan("cp", 4, "hybrid", balanced, False, (), "test", ulysses=2), mesh)
+    context = attach_context_groups(ContextPlan("cp", 4, "hybrid", balanced, False, (), "test", ulysses=2,
+                                                kv_exchange=kv_exchange), mesh)
     from hyper_parallel.cp.attention_ops import CpuFlash
 
     forward, backward = hybrid_kernels(0, context, "sdpa", CpuFlash())
@@ -416,9 +480,9 @@ def _hybrid_kernel_against_whole_sequence(balanced: bool) -> dict:
     return _errors_against_one_device(q, k, v, grad, (("causal", True, None), ("mask", False, mask)), blockwise, mine)
 
 
-@pytest.mark.parametrize("balanced", [True, False])
-def test_hybrid_kernel_matches_the_whole_sequence(dist4, balanced):
-    for rank, errors in enumerate(dist4.run(_hybrid_kernel_against_whole_sequence, balanced)):
+@pytest.mark.parametrize("balanced,kv_exchange", [(True, "ring"), (False, "ring"), (True, "all_gather")])
+def test_hybrid_kernel_matches_the_whole_sequence(dist4, balanced, kv_exchange):
+    for rank, errors in enumerate(dist4.run(_hybrid_kernel_against_whole_sequence, balanced, kv_exchange)):
         assert max(errors.values()) < 1e-12, (rank, errors)
 
 

@@ -25,7 +25,7 @@ def test_styles_and_dict_form():
     assert ParallelPlan(context_parallel={ATTENTION: "async_context_parallel"}).context_parallel[ATTENTION].asynchronous
     merged = merge_plans({"context_parallel": {ATTENTION: hp.ContextParallel()}}, {"fully_shard": {"units": [""]}})
     assert merged.context_parallel == {ATTENTION: hp.ContextParallel()}
-    with pytest.raises(ValueError, match=r"mode is one of \['all_to_all', 'ring'\]"):
+    with pytest.raises(ValueError, match=r"mode is one of \['all_to_all', 'ring', 'all_gather'\]"):
         hp.ContextParallel(mode="ulysses")
     with pytest.raises(TypeError, match=r"context_parallel\['x'\]: expected hp.ContextParallel\(\)"):
         ParallelPlan(context_parallel={"x": 3})
@@ -90,6 +90,11 @@ def test_ulysses_degree_gives_the_hybrid():
     assert context(hp.ContextParallel(mode="ring")).ulysses == 1
     assert context(hp.ContextParallel(ulysses_degree=1)).mode == "ring"
     assert context(hp.ContextParallel(mode="ring", ulysses_degree=4), cp=4).mode == "all_to_all"
+    gathered = context(hp.ContextParallel(mode="all_gather"))
+    assert (gathered.mode, gathered.ulysses, gathered.gathers, gathered.balanced) == ("all_gather", 1, True, True)
+    hybrid_gather = context(hp.ContextParallel(mode="all_gather", ulysses_degree=2))
+    assert (hybrid_gather.mode, hybrid_gather.gathers, hybrid_gather.ring) == ("hybrid", True, 4)
+    assert not hybrid.gathers
     assert not context(hp.ContextParallel(ulysses_degree=4), cp=4).balanced  # no ring to balance
     with pytest.raises(ValueError, match=r"ulysses_degree=3 does not divide cp=8; .* pick one of \[1, 2, 4, 8\]"):
         context(hp.ContextParallel(ulysses_degree=3))

@@ -416,8 +416,13 @@ def test_presets_add_context_parallel_on_a_cp_mesh():
     ulysses = presets.build_plan("fsdp+tp", {"dp_shard": 2, "cp": 2, "tp": 2}, {}, cp_mode="all_to_all")
     assert ulysses.plan["context_parallel"] == {attention: hp.ContextParallel(mode="all_to_all")}
     assert "context_parallel" not in presets.build_plan("fsdp", {"dp_shard": 8}, {}).plan
-    with pytest.raises(ValueError, match=r"--cp-mode 'ulysses': choose ring or all_to_all"):
+    with pytest.raises(ValueError, match=r"--cp-mode 'ulysses': choose one of ring, all_gather, all_to_all"):
         presets.build_plan("fsdp", {"dp_shard": 2, "cp": 4}, {}, cp_mode="ulysses")
+    gathered = presets.build_plan("fsdp", {"dp_shard": 2, "cp": 4}, {}, cp_mode="all_gather")
+    assert gathered.plan["context_parallel"] == {attention: hp.ContextParallel(mode="all_gather")}
+    assert "all-gather attention (every cp rank's K/V gathered once" in gathered.notes[0]
+    hybrid_gather = presets.build_plan("fsdp", {"dp_shard": 2, "cp": 8}, {}, cp_mode="all_gather", ulysses_degree=2)
+    assert "all-gather attention over the 4 groups" in hybrid_gather.notes[0]
     hybrid = presets.build_plan("fsdp", {"dp_shard": 2, "cp": 8}, {}, ulysses_degree=2)
     assert hybrid.plan["context_parallel"] == {attention: hp.ContextParallel(mode="ring", ulysses_degree=2)}
     assert "all-to-all (Ulysses) inside groups of 2 cp ranks, ring attention over the 4 groups" in hybrid.notes[0]
@@ -460,7 +465,8 @@ def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys
                  "--seq-len", str(seq), "--local-batch", str(batch), "--cp-mode", "all_to_all", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["plan"]["context_parallel"] == {"axis": "cp", "degree": cp, "mode": "all_to_all", "ulysses": cp,
-                                                  "load_balance": False, "asynchronous": False, "modules": 1}
+                                                  "load_balance": False, "asynchronous": False, "kv_exchange": None,
+                                                  "modules": 1}
     assert report["batch"] == {"local_batch": batch, "seq_len": seq, "global_batch": 2 * batch,
                                "tokens_per_step": 2 * batch * seq}
     fwd = report["collectives"]["forward"]
@@ -523,6 +529,25 @@ def test_ring_transfers_are_priced_and_overlapped_in_the_simulated_step(tmp_path
             for t in transfers)
     assert overlapped == {"AsyncContextParallel()": layers * (cp - 1), "ContextParallel(mode='ring')": 0}
     assert exposed["AsyncContextParallel()"] < exposed["ContextParallel(mode='ring')"]
+
+
+def test_all_gather_attention_is_counted_and_named():
+    """``--cp-mode all_gather`` on dp_shard=2 x cp=4 (2 layers): per attention forward one gather of
+    every cp rank's key and value (this rank sends its bf16 block, ``2 x heads x seq / cp x head
+    dim``), backward one more and one reduce-scatter of this rank's fp32 dK/dV shares of all cp
+    blocks; no ring transfer. The report names the mode."""
+    layers, seq, cp = 2, 1024, 4
+    report = explain(config={**SMALL, "num_hidden_layers": layers}, parallel=f"dp_shard=2,cp={cp}", world_size=8,
+                     seq_len=seq, cp_mode="all_gather")
+    block = 2 * HEADS * (seq // cp) * HEAD_DIM * BF16
+    labels = (seq // cp) * 8  # the labels' one-token shift: int64 labels of this rank's tokens
+    forward, backward = report["collectives"]["forward"], report["collectives"]["backward"]
+    assert forward["all_gather"]["cp"] == {"count": layers + 1, "bytes": layers * block + labels}
+    assert backward["all_gather"]["cp"] == {"count": layers, "bytes": layers * block}
+    assert backward["reduce_scatter"]["cp"] == {"count": layers, "bytes": layers * cp * 2 * block}  # fp32 shares
+    assert "send_recv" not in forward and "send_recv" not in backward
+    assert report["plan"]["context_parallel"]["kv_exchange"] == "all_gather"
+    assert "all-gather attention over cp=4 (load-balanced)" in format_report(report)
 
 
 def test_llama3_8b_at_128k_tokens_fits_an_h100_only_with_cp():
