@@ -10,8 +10,11 @@ interleaved step by step in the same run:
   loss is the global token mean and the gradients equal one device's. ``--mode``: ``ring``
   (``hp.ContextParallel(mode="ring")``, load-balanced causal chunks unless ``--no-load-balance``,
   the default), ``async`` (``hp.AsyncContextParallel()``: each K/V transfer overlapping the current
-  block's attention) or ``all_to_all`` (``hp.ContextParallel(mode="all_to_all")``, Ulysses; cp must
-  divide the heads and key/value heads). ``--ulysses-degree u`` (1 < u < cp) runs the hybrid in any
+  block's attention), ``all_gather`` (``hp.ContextParallel(mode="all_gather")``: the ring's blocks,
+  K/V all-gathered once per attention as torch's default), ``async_gather``
+  (``hp.AsyncContextParallel(mode="all_gather")``: the gather overlapping the own block) or
+  ``all_to_all`` (``hp.ContextParallel(mode="all_to_all")``, Ulysses; cp must divide the heads and
+  key/value heads). ``--ulysses-degree u`` (1 < u < cp) runs the hybrid in any
   mode: all-to-all inside groups of u ranks, ring attention across the cp / u groups.
 
 * baseline, the same model *without* context parallelism at the same tokens per rank: data
@@ -85,14 +88,15 @@ from _harness import (add_model_args, build_model, count_collectives, hp_collect
                       print_collective_rows, print_time_rows, step, time_side_by_side)
 
 ATTENTION = "model.layers.*.self_attn"
-MODES = ("ring", "async", "all_to_all")
+MODES = ("ring", "async", "all_gather", "async_gather", "all_to_all")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cp", type=int, default=2, help="context-parallel degree = processes (default 2)")
     p.add_argument("--mode", choices=MODES, default="ring",
-                   help="ring: ContextParallel(mode='ring'); async: AsyncContextParallel(); "
+                   help="ring: ContextParallel(mode='ring'); async: AsyncContextParallel(); all_gather: "
+                        "ContextParallel(mode='all_gather'); async_gather: AsyncContextParallel(mode='all_gather'); "
                         "all_to_all: ContextParallel(mode='all_to_all') (Ulysses). Default ring")
     p.add_argument("--no-load-balance", action="store_true",
                    help="ring / async: load_balance=False (contiguous chunks; causal work unbalanced)")
@@ -121,9 +125,10 @@ def cp_style(args):
     u = args.ulysses_degree
     if args.mode == "all_to_all":
         return hp.ContextParallel(mode="all_to_all", load_balance=not args.no_load_balance, ulysses_degree=u)
-    if args.mode == "async":
-        return hp.AsyncContextParallel(load_balance=not args.no_load_balance, ulysses_degree=u)
-    return hp.ContextParallel(mode="ring", load_balance=not args.no_load_balance, ulysses_degree=u)
+    if args.mode in ("async", "async_gather"):
+        mode = "all_gather" if args.mode == "async_gather" else "ring"
+        return hp.AsyncContextParallel(mode=mode, load_balance=not args.no_load_balance, ulysses_degree=u)
+    return hp.ContextParallel(mode=args.mode, load_balance=not args.no_load_balance, ulysses_degree=u)
 
 
 def try_torch_context_parallel(ref, ids, world: int) -> dict:
