@@ -222,7 +222,8 @@ class _LocalInterpreter:
             if node.target in (EXPERTS, EXPERTS_BACKWARD):
                 return self.expert_region(node, args, layout)
             # Ops our own rules shard where DTensor's kernels cannot (vocab-parallel loss).
-            kernel = rules.local_kernel(node.target, node.args, layout, self.context, node.name) or node.target
+            kernel = rules.local_kernel(node.target, node.args, layout, self.context, node.name,
+                                        mask_within_causal=node.meta.get(meta.MASK_WITHIN_CAUSAL, False)) or node.target
             out = kernel(*args, **kwargs)
         _check_agrees(node, out, layout.output)
         return out

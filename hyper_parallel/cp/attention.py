@@ -57,11 +57,13 @@ def sequence_axes(spec) -> tuple[int, ...]:
     )
 
 
-def local_kernel(op, layout, context=None, name: str = ""):
+def local_kernel(op, layout, context=None, name: str = "", mask_within_causal: bool = False):
     """The local kernel for ``op`` when propagation chose sequence sharding, else None: ring
     attention (``cp/ring.py``) when ``context`` (the ``ContextPlan``) asks for it, else the
     all-to-all kernel below. ``op`` is any SDPA forward or backward op (``cp/attention_ops.py``);
-    ``name`` is the node's, for the ring's tags and messages."""
+    ``name`` is the node's, for the ring's tags and messages; ``mask_within_causal``: its mask
+    hides every key after its query (``propagation/causal_mask.py``), so the ring skips those
+    blocks."""
     ops = family_of(op)
     if ops is None or not layout.inputs:
         return None
@@ -76,7 +78,7 @@ def local_kernel(op, layout, context=None, name: str = ""):
         )
     ring_modes = {"ring": ring_kernels, "all_gather": ring_kernels, "hybrid": hybrid_kernels}
     if context is not None and context.mode in ring_modes:
-        forward, backward = ring_modes[context.mode](axes[0], context, name, ops)
+        forward, backward = ring_modes[context.mode](axes[0], context, name, ops, mask_within_causal)
         kernel = forward if op is ops.forward else backward
     else:
         kernel = functools.partial(_ulysses_forward if op is ops.forward else _ulysses_backward, ops, axes, name)

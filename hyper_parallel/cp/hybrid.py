@@ -35,10 +35,11 @@ from .ring import Ring, backward, check_dropout, check_mask_gradient, forward
 SEQ, HEADS = 2, 1  # of [B, H, S, D] (query, key, value, output) and [B, H, S] (log-sum-exp)
 
 
-def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
+def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps, mask_within_causal: bool = False):
     """The forward and backward local kernels lowering calls with the node's arguments as
     DTensors (cp/attention.py): mesh axis ``axis`` is the cp axis of ``context`` (the ContextPlan,
-    with its groups attached); ``ops`` is the SDPA family that computes each block."""
+    with its groups attached); ``ops`` is the SDPA family that computes each block;
+    ``mask_within_causal``: the mask hides every key after its query (cp/ring.py)."""
     u = context.ulysses
 
     def placed(query, attn_mask):
@@ -67,7 +68,7 @@ def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
         check_dropout(call.dropout_p, name)
         ring, mask = placed(call.query, call.mask)
         q, k, v = to_heads(*(compat.local_of(x) for x in (call.query, call.key, call.value)))
-        out, lse, others = forward(ring, ops, q, k, v, call.is_causal, mask, call.scale)
+        out, lse, others = forward(ring, ops, q, k, v, call.is_causal, mask, call.scale, mask_within_causal)
         out, lse = to_sequence(out, lse)
         return ops.forward_outputs(out, lse, others, (out.shape[SEQ], out.shape[SEQ]), call.compute_lse)
 
@@ -82,7 +83,8 @@ def hybrid_kernels(axis: int, context, name: str, ops: AttentionOps):
         q, k, v = to_heads(q, k, v)  # as forward moved them: CSE merges the two
         grad_out, out, lse = to_heads(grad_out, out, lse)
         rng = local_rng(call.rng)
-        grads = backward(ring, ops, grad_out, q, k, v, out, lse, call.is_causal, mask, call.scale, rng)
+        grads = backward(ring, ops, grad_out, q, k, v, out, lse, call.is_causal, mask, call.scale, rng,
+                         mask_within_causal)
         return ops.backward_outputs(*to_sequence(*grads))
 
     return fwd, bwd

@@ -195,17 +195,26 @@ def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def forward(ring: Ring, ops: AttentionOps, q, k, v, is_causal: bool, mask, scale):
+def _skips_later_blocks(is_causal: bool, mask, mask_within_causal: bool) -> bool:
+    """Whether every key after its query is hidden: ``is_causal``, or a mask that hides them
+    (``mask_within_causal``; the kernel then applies the mask's slice, not ``is_causal``)."""
+    return (is_causal and mask is None) or (mask is not None and mask_within_causal)
+
+
+def forward(ring: Ring, ops: AttentionOps, q, k, v, is_causal: bool, mask, scale, mask_within_causal: bool = False):
     """Local output, log-sum-exp ``[B, H, S]`` and the first block call's other outputs (the
-    family's RNG state, ``cp/attention_ops.py``) of this rank's queries against the whole sequence."""
+    family's RNG state, ``cp/attention_ops.py``) of this rank's queries against the whole sequence.
+    ``mask_within_causal``: ``mask`` hides every key after its query, so blocks wholly after the
+    queries are skipped (``propagation/causal_mask.py``)."""
     length = q.shape[SEQ]
     acc = _accumulate_dtype(q.dtype)
     out = lse = others = None
+    skipping = _skips_later_blocks(is_causal, mask, mask_within_causal)
     for _, source, kv in ring.kv_blocks(ring.pack(k, v)):
-        for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
+        for rows, keys, causal in ring.blocks(source, length, skipping):
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
-            o, l, extra = ops.block_forward(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal,
-                                            block_mask, scale)
+            o, l, extra = ops.block_forward(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
+                                            causal and block_mask is None, block_mask, scale)
             o, l = o.to(acc), l.to(acc)
             if block_mask is not None:  # rows this block masks entirely add nothing
                 hidden = torch.isneginf(block_mask).all(-1).expand_as(l)
@@ -220,10 +229,12 @@ def forward(ring: Ring, ops: AttentionOps, q, k, v, is_causal: bool, mask, scale
     return out.to(q.dtype), lse, others
 
 
-def backward(ring: Ring, ops: AttentionOps, grad_out, q, k, v, out, lse, is_causal: bool, mask, scale, rng=()):
+def backward(ring: Ring, ops: AttentionOps, grad_out, q, k, v, out, lse, is_causal: bool, mask, scale, rng=(),
+             mask_within_causal: bool = False):
     """dQ, dK, dV of this rank's blocks (each rank's dK/dV complete after the ring closes);
     ``lse`` is ``[B, H, S]``, ``rng`` the RNG state the family's backward takes."""
     length = q.shape[SEQ]
+    skipping = _skips_later_blocks(is_causal, mask, mask_within_causal)
     acc = _accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     own = travelling = None
@@ -231,11 +242,11 @@ def backward(ring: Ring, ops: AttentionOps, grad_out, q, k, v, out, lse, is_caus
     for step, source, kv in ring.kv_blocks(ring.pack(k, v)):
         arrived = ring.shift(travelling, "dkv", step) if step >= 2 and not ring.gather else None
         dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        for rows, keys, causal in ring.blocks(source, length, is_causal and mask is None):
+        for rows, keys, causal in ring.blocks(source, length, skipping):
             block_mask = _mask_block(mask, ring, source, length, rows, keys)
             gq, gk, gv = ops.block_backward(
                 _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
-                _rows(out, rows), _rows(lse, rows), causal, block_mask, scale, rng)
+                _rows(out, rows), _rows(lse, rows), causal and block_mask is None, block_mask, scale, rng)
             dq = _splice(dq, rows, _rows(dq, rows) + gq.to(acc))
             kv_seq = SEQ + 1  # key and value stacked in front
             dkv = _splice(dkv, keys, _rows(dkv, keys, kv_seq) + torch.stack([gk, gv]).to(acc), kv_seq)
@@ -268,7 +279,7 @@ def check_dropout(dropout_p, name: str) -> None:
             "dropout to 0 or use hp.ContextParallel(mode='all_to_all')")
 
 
-def ring_kernels(axis: int, context, name: str, ops: AttentionOps):
+def ring_kernels(axis: int, context, name: str, ops: AttentionOps, mask_within_causal: bool = False):
     """The forward and backward local kernels lowering calls with the node's arguments as
     DTensors (cp/attention.py): ring attention over mesh axis ``axis`` as ``context`` (the
     ContextPlan) asks, computed with the SDPA family ``ops``; they return the op's outputs as
@@ -283,7 +294,8 @@ def ring_kernels(axis: int, context, name: str, ops: AttentionOps):
         check_dropout(call.dropout_p, name)
         q, k, v = (compat.local_of(x) for x in (call.query, call.key, call.value))
         mask = compat.local_of(call.mask) if call.mask is not None else None
-        out, lse, others = forward(ring_of(call.query), ops, q, k, v, call.is_causal, mask, call.scale)
+        out, lse, others = forward(ring_of(call.query), ops, q, k, v, call.is_causal, mask, call.scale,
+                                   mask_within_causal)
         return ops.forward_outputs(out, lse, others, (q.shape[SEQ], k.shape[SEQ]), call.compute_lse)
 
     def bwd(*args, **kwargs):
@@ -294,7 +306,8 @@ def ring_kernels(axis: int, context, name: str, ops: AttentionOps):
         lse = ops.lse_tokens(compat.local_of(call.lse), local[1].shape[SEQ])
         mask = compat.local_of(call.mask) if call.mask is not None else None
         rng = local_rng(call.rng)
-        grads = backward(ring_of(call.query), ops, *local, lse, call.is_causal, mask, call.scale, rng)
+        grads = backward(ring_of(call.query), ops, *local, lse, call.is_causal, mask, call.scale, rng,
+                         mask_within_causal)
         return ops.backward_outputs(*grads)
 
     return fwd, bwd

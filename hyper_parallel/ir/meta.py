@@ -47,8 +47,13 @@ SWAP_TO_HOST, SWAP_TO_DEVICE = "to_host", "to_device"
 EXPERT_CHUNK = "hp_expert_chunk"  # "<experts module fqn>#<chunk>" on the nodes of one token chunk
 
 # --- context parallelism (cp/ring.py; passes/ring_overlap.py, passes/cse.py, debug.py) -----------
-# {"attention": node, "moves": "kv" | "dkv", "step": t, "overlap": bool} on a ring transfer
+# {"attention": node, "moves": "kv" | "dkv", "step": t, "overlap": bool, "exchange": "ring" |
+# "all_gather"} on a ring transfer
 CP_RING = "hp_cp_ring"
+# True on an attention node (forward and backward) whose explicit mask reads an input but hides
+# every key after its query: a causal mask and'ed with a padding mask (propagation/causal_mask.py).
+# Ring attention then skips the K/V blocks after the queries as for is_causal (cp/ring.py).
+MASK_WITHIN_CAUSAL = "hp_mask_within_causal"
 
 # --- gradient and gather fusion (passes/bucketing.py) ---------------------------------------------
 BUCKET = "hp_bucket"  # "<unit> <phase> <kind> (<n> params)" on fused collectives
@@ -64,7 +69,7 @@ COPIED_BY_LOWERING = (
 ALL_KEYS = (
     LAYOUT, LOSS_MEAN, PLAN_ENTRY, FALLBACK, BOUNDARY_CHANGE, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD,
     SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK,
-    CP_RING,
+    CP_RING, MASK_WITHIN_CAUSAL,
 )
 
 

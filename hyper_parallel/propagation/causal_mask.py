@@ -28,11 +28,19 @@ position ids) is left alone, as is one with more than ``MAX_CHECKED_ELEMENTS`` d
 on and checks it a block of query rows at a time (``propagation/mask_evaluation.py``), so a
 128k-token causal mask is checked without its 16 G entries in memory.
 
-Optional: ``parallelize(disable_passes=["causal_mask"])`` keeps every mask as captured.
+A boolean mask that reads an input but is the ``and`` of such a constant causal mask with anything
+(transformers' mask when an ``attention_mask`` is passed: causal ``&`` padding) stays, but hides
+every key after its query. Its attention nodes are marked ``hp_mask_within_causal``, and ring
+attention skips the K/V blocks whose keys all follow the queries, as under ``is_causal``, applying
+the mask's slice in the others (``cp/ring.py``): without it a padded batch costs the ring twice the
+causal work and load balancing evens nothing.
+
+Optional: ``parallelize(disable_passes=["causal_mask"])`` keeps every mask as captured and marks
+none.
 
 Reads: the SDPA forward and backward nodes of the four kernel families (``cp/attention_ops.py``)
-and their masks' ancestors. Writes: those nodes' ``is_causal`` and mask arguments; erases the mask
-computations no other node reads.
+and their masks' ancestors. Writes: those nodes' ``is_causal`` and mask arguments, or their
+``hp_mask_within_causal``; erases the mask computations no other node reads.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import torch
 import torch.fx as fx
 
 from ..cp.attention_ops import arguments_by_name, family_of, with_arguments
+from ..ir import meta
 from . import recompile
 from .mask_evaluation import constant_ancestors, evaluate, row_blocks, shape_of
 
@@ -70,6 +79,10 @@ def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
     for mask, nodes in readers.items():
         kind = _constant_kind(gm, mask, nodes[0])
         if kind is None:
+            if _within_causal(gm, mask, nodes[0]):
+                for node in nodes:
+                    node.meta[meta.MASK_WITHIN_CAUSAL] = True
+                rewritten += [f"{n.name} (mask within causal)" for n in nodes if n.target is family_of(n.target).forward]
             continue
         for node in nodes:
             ops = family_of(node.target)
@@ -80,22 +93,26 @@ def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
         _erase_unused(gm.graph, mask)
     if rewritten:
         log.info("causal_mask: %d attention node(s) read a constant mask that is the causal one or "
-                 "hides nothing; they compute without it (%s)", len(rewritten), ", ".join(rewritten))
+                 "hides nothing (they compute without it), or a mask within the causal one (ring "
+                 "attention skips its later blocks): %s", len(rewritten), ", ".join(rewritten))
         recompile(gm)
     return rewritten
 
 
-def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str | None:
-    """"causal" if ``mask`` is a constant of the program equal everywhere to the causal mask of
-    ``attention``'s query and key lengths, "unmasked" if it is one that hides nothing (zeros, or
-    ``True`` everywhere), else None."""
+def _lengths(attention: fx.Node) -> tuple[int, int]:
+    """``attention``'s query and key lengths."""
+    key = arguments_by_name(attention.target, attention.args, attention.kwargs)["key"].meta["val"].shape[-2]
+    return attention.meta["val"][0].shape[-2], key
+
+
+def _constant_value(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node):
+    """``mask``'s compile-time value (mask_evaluation's compressed or lazy form) when it is a
+    constant of the program shaped for ``attention`` and small enough to check, else None."""
     nodes = constant_ancestors(mask)
     if nodes is None:
         return None
     shape = tuple(mask.meta["val"].shape)
-    query = attention.meta["val"][0].shape[-2]
-    key = arguments_by_name(attention.target, attention.args, attention.kwargs)["key"].meta["val"].shape[-2]
-    if len(shape) < 2 or shape[-2:] != (query, key):
+    if len(shape) < 2 or shape[-2:] != _lengths(attention):
         return None
     value = evaluate(gm, nodes)
     if value is None:
@@ -106,6 +123,61 @@ def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str
                  "entries (more than %d to check); it is kept as captured", attention.name, entries,
                  MAX_CHECKED_ELEMENTS)
         return None
+    return value
+
+
+# Ops through which a boolean mask keeps its entries' meaning, and those that and two masks.
+_SAME_ENTRIES = (torch.ops.aten.expand.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default)
+_AND = (torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.logical_and.default)
+
+
+def _scalar(gm: fx.GraphModule, x) -> float | None:
+    """``x`` (a number, or a one-element constant of the program) as a float, else None."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    nodes = constant_ancestors(x) if isinstance(x, fx.Node) and x.meta["val"].numel() == 1 else None
+    value = evaluate(gm, nodes) if nodes is not None else None
+    return float(value.reshape(())) if isinstance(value, torch.Tensor) else None
+
+
+def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> bool:
+    """Whether ``mask`` (computed from inputs) hides every key after its query. A boolean mask
+    does when it is an ``and`` (through expands and copies) of masks one of which does, or a
+    constant of the program with each entry above the diagonal ``False``; an additive one when it
+    is ``where(m, 0, -inf or finfo.min)`` of a boolean ``m`` that does (transformers' form)."""
+    dtype = mask.meta["val"].dtype
+    if tuple(mask.meta["val"].shape[-2:]) != _lengths(attention):
+        return False
+    if dtype.is_floating_point and mask.op == "call_function" and mask.target is torch.ops.aten.where.self:
+        condition, visible, hidden = mask.args
+        hidden = _scalar(gm, hidden)
+        return (isinstance(condition, fx.Node) and _scalar(gm, visible) == 0.0 and hidden is not None
+                and (math.isinf(hidden) and hidden < 0 or hidden <= torch.finfo(dtype).min)
+                and _within_causal(gm, condition, attention))
+    if dtype != torch.bool:
+        return False
+    if mask.op == "call_function" and mask.target in _SAME_ENTRIES:
+        source = mask.args[0]
+        return isinstance(source, fx.Node) and source.meta["val"].dim() >= 2 and _within_causal(gm, source, attention)
+    if mask.op == "call_function" and mask.target in _AND:
+        return any(isinstance(a, fx.Node) and a.meta["val"].dim() >= 2 and _within_causal(gm, a, attention)
+                   for a in mask.args[:2])
+    value = _constant_value(gm, mask, attention)
+    if value is None:
+        return False
+    keys = torch.arange(_lengths(attention)[1])
+    return all(not bool((block & (keys > torch.arange(start, stop).unsqueeze(-1))).any())
+               for start, stop, block in row_blocks(value, _lengths(attention)[0]))
+
+
+def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str | None:
+    """"causal" if ``mask`` is a constant of the program equal everywhere to the causal mask of
+    ``attention``'s query and key lengths, "unmasked" if it is one that hides nothing (zeros, or
+    ``True`` everywhere), else None."""
+    value = _constant_value(gm, mask, attention)
+    if value is None:
+        return None
+    query, key = _lengths(attention)
     dtype = mask.meta["val"].dtype
     keys = torch.arange(key)
     kinds = {"causal", "unmasked"}

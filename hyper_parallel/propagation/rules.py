@@ -335,14 +335,15 @@ def _class_dim_of(op, args, specs) -> tuple[int, int] | None:
     return None
 
 
-def local_kernel(op, args: tuple, layout, context=None, name: str = ""):
+def local_kernel(op, args: tuple, layout, context=None, name: str = "", mask_within_causal: bool = False):
     """For lowering: the function that computes ``op`` on local shards when propagation chose the
     vocab-parallel layout for this node (its class dim sharded), else None (DTensor's dispatch runs
     the op). ``args`` are the node's arguments, ``layout`` its ``NodeLayout``. The function takes
     the node's arguments as DTensors already in ``layout.inputs`` and returns DTensors in
     ``layout.output``. ``context`` (the plan's ``ContextPlan``) picks the sequence-parallel
-    attention kernel; ``name`` is the node's."""
-    sequence_parallel = cp_attention.local_kernel(op, layout, context, name)
+    attention kernel; ``name`` is the node's, ``mask_within_causal`` its ``hp_mask_within_causal``
+    (ring attention may skip the blocks after the queries)."""
+    sequence_parallel = cp_attention.local_kernel(op, layout, context, name, mask_within_causal)
     if sequence_parallel is not None:
         return sequence_parallel
     view = strided_views.local_kernel(op, layout)

@@ -400,29 +400,36 @@ def _ring_kernel_against_whole_sequence(balanced: bool, family: str = "cpu_flash
     mask = torch.zeros(seq, seq, dtype=torch.float64)
     mask[:6, 4:] = float("-inf")  # rows 0-5 see keys 0-3 only: no key of the other rank's block
     mask[5, :] = float("-inf")  # row 5 sees nothing (the kernel gives 0 and a log-sum-exp of 0)
+    # Causal and'ed with left padding (keys 0-2 hidden): rows 0-2 see nothing. Passed as known to be
+    # within the causal mask, so the blocks after the queries are skipped.
+    padded = torch.zeros(seq, seq, dtype=torch.float64).masked_fill(~torch.ones(seq, seq, dtype=torch.bool).tril(),
+                                                                   float("-inf"))
+    padded[:, :3] = float("-inf")
 
     def mine(x, dim=2):  # this rank's tokens, in the program's order
         x = permute(x, dim, seq, n) if balanced else x
         return x.narrow(dim, ring.rank * length, length)
 
-    def blockwise(causal, m):
-        o, l, others = forward(ring, ops, mine(q), mine(k), mine(v), causal, m, None)
+    def blockwise(causal, m, within=False):
+        o, l, others = forward(ring, ops, mine(q), mine(k), mine(v), causal, m, None, within)
         rng = others[:2] if family != "cpu_flash" else ()
-        return (o, l, *backward(ring, ops, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None, rng))
+        return (o, l, *backward(ring, ops, mine(grad), mine(q), mine(k), mine(v), o, l, causal, m, None, rng,
+                                within))
 
-    cases = (("causal", True, None), ("mask", False, mask))
+    cases = (("causal", True, None), ("mask", False, mask), ("padded causal", False, padded, True))
     return _errors_against_one_device(q, k, v, grad, cases if family != "flash" else cases[:1], blockwise, mine)
 
 
 def _errors_against_one_device(q, k, v, grad, cases, blockwise, mine) -> dict:
-    """For each (label, causal, mask) case: the largest difference between this rank's part
-    (``mine``) of the one-device kernel's output, log-sum-exp and three gradients on the whole
-    sequence and what ``blockwise(causal, mask)`` computed for them."""
+    """For each (label, causal, mask[, within]) case: the largest difference between this rank's
+    part (``mine``) of the one-device kernel's output, log-sum-exp and three gradients on the whole
+    sequence and what ``blockwise(causal, mask[, within])`` computed for them."""
     errors = {}
-    for label, causal, m in cases:
+    for label, causal, m, *within in cases:
         out, lse = SDPA(q, k, v, 0.0, causal, attn_mask=m)
         expected = (out, lse, *SDPA_BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=m))
-        errors[label] = max((a - mine(b)).abs().max().item() for a, b in zip(blockwise(causal, m), expected))
+        computed = blockwise(causal, m, *within)
+        errors[label] = max((a - mine(b)).abs().max().item() for a, b in zip(computed, expected))
     return errors
 
 
@@ -505,11 +512,23 @@ def test_returned_logits_are_in_sequence_order(dist2, style):
     assert max(dist2.run(_logits_against_one_device, style)) < 1e-5
 
 
-def _padded_attention_mask(style: str) -> list[str]:
+def _attention_flops(model) -> float:
+    """Attention FLOPs (forward and backward) of ``model``'s compiled programs, by the cost
+    model's per-node count."""
+    from hyper_parallel.cost.compute import node_work
+    from hyper_parallel.cp.attention_ops import family_of
+
+    return sum(node_work(n).flops for program in model.compiled_programs() for n in program.graph.nodes
+               if n.op == "call_function" and family_of(n.target) is not None)
+
+
+def _padded_attention_mask(style: str) -> dict:
     """HF Llama trained on left-padded sequences (an ``attention_mask`` input, labels -100 on the
     padding): the mask depends on an input, so the ``causal_mask`` rewrite keeps it and the
     context-parallel kernels compute with it. Parity over 2 SGD steps; returns the attention
-    nodes' mask arguments in the compiled forward (they must be there)."""
+    nodes' mask arguments in the compiled forward (they must be there), and this rank's attention
+    FLOPs against those of the same plan with the rewrite disabled (the mask not known to be
+    within the causal one)."""
     import copy
 
     from hyper_parallel.cp.attention_ops import family_of
@@ -532,14 +551,23 @@ def _padded_attention_mask(style: str) -> list[str]:
             o.step()
             o.zero_grad()
     forward = parallel.compiled_programs()[0]
-    return [str(family_of(n.target).bind(n.target, n.args, n.kwargs).mask) for n in forward.graph.nodes
-            if n.op == "call_function" and family_of(n.target) is not None]
+    masks = [str(family_of(n.target).bind(n.target, n.args, n.kwargs).mask) for n in forward.graph.nodes
+             if n.op == "call_function" and family_of(n.target) is not None]
+    unmarked = hp.parallelize(copy.deepcopy(reference), _plan(style), mesh, disable_passes=["causal_mask"])
+    unmarked(**local_batch(full, mesh)).loss.backward()
+    return {"masks": masks, "flops": _attention_flops(parallel), "unmarked_flops": _attention_flops(unmarked)}
 
 
-@pytest.mark.parametrize("style", ["ring", "all_to_all"])
+@pytest.mark.parametrize("style", ["ring", "gather", "all_to_all"])
 def test_padding_attention_mask(dist2, style):
-    masks = dist2.run(_padded_attention_mask, style)[0]
-    assert masks and "None" not in masks, masks
+    """Ring and all-gather attention skip the K/V blocks after the queries under transformers'
+    padded causal mask as under ``is_causal`` (cp=2, load-balanced: each rank computes its own
+    block and half of the other's, 3/4 of the work without the skip); Ulysses computes whole
+    sequences either way."""
+    for rank, result in enumerate(dist2.run(_padded_attention_mask, style)):
+        assert result["masks"] and "None" not in result["masks"], result
+        ratio = result["flops"] / result["unmarked_flops"]
+        assert ratio == 1.0 if style == "all_to_all" else ratio == 0.75, (rank, ratio)
 
 
 # --- the GPU SDPA kernels (flash, memory-efficient, cuDNN), emulated on CPU ---------------------------

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from hyper_parallel.compile.capture import capture
 from hyper_parallel.cp.attention_ops import ATTENTION_OPS, family_of
+from hyper_parallel.ir import meta
 from hyper_parallel.passes import check_disabled_passes
 from hyper_parallel.propagation import causal_mask, mask_evaluation
 from hyper_parallel.testing.parity import build_model
@@ -128,15 +129,57 @@ def test_transformers_encoder_mask_without_padding_goes():
     assert all(not _bound(n).is_causal and _bound(n).mask is None for n in _attention_nodes(captured.gm))
 
 
-def test_transformers_padding_mask_is_kept():
-    """A padding ``attention_mask`` makes the mask depend on an input: kept."""
+def test_transformers_padding_mask_is_kept_and_known_within_causal():
+    """A padding ``attention_mask`` makes the mask depend on an input: kept. It is transformers'
+    causal mask and'ed with the padding, so it hides every key after its query: both attention
+    nodes are marked for ring attention to skip those blocks."""
     model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1)
     ids = torch.randint(0, 100, (2, SEQ))
     padding = torch.ones(2, SEQ, dtype=torch.long)
     padding[1, :3] = 0
     captured = capture(model, (), {"input_ids": ids, "attention_mask": padding, "labels": ids})
+    (marked,) = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    assert marked.endswith("(mask within causal)"), marked
+    nodes = _attention_nodes(captured.gm)
+    assert len(nodes) == 2 and all(_bound(n).mask is not None and not _bound(n).is_causal for n in nodes)
+    assert all(n.meta.get(meta.MASK_WITHIN_CAUSAL) for n in nodes)
+
+
+class PaddedAttention(MaskedAttention):
+    """Attention over a constant ``make_mask(seq)`` and'ed with a per-key padding input."""
+
+    def forward(self, x, keep):
+        return super().forward(x, self.make_mask(x.shape[1]) & keep[:, None, None, :])
+
+
+@pytest.mark.parametrize("name,within", [
+    ("boolean", True),  # causal & padding
+    ("sliding window", True),  # a window inside the causal mask
+    ("all True", False),  # bidirectional & padding: a query sees later keys
+    ("shifted diagonal", False),  # each query sees the next key
+])
+def test_masks_within_causal_are_marked(name, within):
+    make_mask = MASKS[name][0]
+    boolean = (lambda s: torch.isfinite(make_mask(s)) & (make_mask(s) == 0)) if name in ("sliding window",
+                                                                                         "shifted diagonal") else make_mask
+    keep = torch.ones(2, SEQ, dtype=torch.bool)
+    keep[1, :2] = False
+    captured = _captured(PaddedAttention(boolean), torch.randn(2, SEQ, 12), keep)
+    marked = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    nodes = _attention_nodes(captured.gm)
+    assert [n.meta.get(meta.MASK_WITHIN_CAUSAL, False) for n in nodes] == [within] * 2
+    assert len(marked) == int(within) and all(_bound(n).mask is not None for n in nodes)
+
+
+def test_transformers_encoder_padding_mask_is_not_within_causal():
+    """BERT with padding: a bidirectional mask and'ed with padding lets queries see later keys."""
+    model = build_model("hf:BertForMaskedLM", num_hidden_layers=1)
+    ids = torch.randint(0, 100, (2, SEQ))
+    padding = torch.ones(2, SEQ, dtype=torch.long)
+    padding[1, :3] = 0
+    captured = capture(model, (), {"input_ids": ids, "attention_mask": padding, "labels": ids})
     assert causal_mask.make_constant_causal_masks_causal(captured.gm) == []
-    assert all(_bound(n).mask is not None for n in _attention_nodes(captured.gm))
+    assert not any(n.meta.get(meta.MASK_WITHIN_CAUSAL) for n in _attention_nodes(captured.gm))
 
 
 def test_a_mask_too_large_to_check_is_kept(monkeypatch, caplog):
@@ -168,22 +211,24 @@ def _from_positions(keep):
     return make
 
 
-@pytest.mark.parametrize("keep,causal", [
-    (lambda i, j: j <= i, True),
-    (lambda i, j: (j <= i) & (j > i - 3), False),  # sliding window
-    (lambda i, j: j <= i + 1, False),
-    (lambda i, j: (j <= i) | (i == 5), False),  # one row sees every key
+@pytest.mark.parametrize("keep,causal,within", [
+    (lambda i, j: j <= i, True, False),
+    (lambda i, j: (j <= i) & (j > i - 3), False, True),  # sliding window: kept, within causal
+    (lambda i, j: j <= i + 1, False, False),
+    (lambda i, j: (j <= i) | (i == 5), False, False),  # one row sees every key
 ])
-def test_masks_checked_a_block_of_rows_at_a_time(monkeypatch, keep, causal):
+def test_masks_checked_a_block_of_rows_at_a_time(monkeypatch, keep, causal, within):
     """With budgets that hold no ``[seq, seq]`` value whole, the mask is computed lazily, a few
-    query rows at a time: the same decisions."""
+    query rows at a time: the same decisions (made causal; or kept, and marked when it hides
+    every key after its query)."""
     monkeypatch.setattr(mask_evaluation, "LAZY_ABOVE_ELEMENTS", SEQ)
     monkeypatch.setattr(mask_evaluation, "ROW_BLOCK_ELEMENTS", 2 * SEQ)
     captured = _captured(MaskedAttention(_from_positions(keep)), torch.randn(2, SEQ, 12))
     mask = _bound(_attention_nodes(captured.gm)[0]).mask
     assert isinstance(mask_evaluation.evaluate(captured.gm, mask_evaluation.constant_ancestors(mask)),
                       mask_evaluation.Lazy)
-    assert bool(causal_mask.make_constant_causal_masks_causal(captured.gm)) == causal
+    names = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    assert [n.rsplit(" (", 1)[1] for n in names] == ["causal)"] * causal + ["mask within causal)"] * within
 
 
 def test_transformers_mask_is_held_without_its_batch_and_checked_by_rows(monkeypatch):
