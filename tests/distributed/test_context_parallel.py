@@ -203,6 +203,7 @@ CASES = {
     "gather_fsdp_cp_hf": ("hf:LlamaForCausalLM", _plan("gather", fully_shard={"units": ["model.layers.*", ""]}),
                           (2, 2), ("dp_shard", "cp")),
     "hybrid_gather_cp4": ("llama", _plan("hybrid_gather"), (4,), ("cp",)),
+    "gather_tp_cp": ("llama", _plan("gather", **llama_tp_plan()), (2, 2), ("cp", "tp")),
 }
 
 
@@ -239,6 +240,8 @@ def test_cp_composes(dist4, case):
         assert forward["all_to_all"]["cp"]["count"] == 2  # ids and labels (stacked) in, logits out
     elif case == "hybrid_gather_cp4":  # the ring of 2 Ulysses pairs gathers the pairs' blocks
         _check_gathered_blocks(collectives, 2, axis="cp/ring", heads_share=2)
+    elif case == "gather_tp_cp":  # the heads are split over tp: half the block per gather
+        _check_gathered_blocks(collectives, cp, heads_share=2)
     elif case == "gather_fsdp_cp_hf":
         # FSDP gathers and reduce-scatters each unit over dp_shard and then cp: what cp has beyond
         # dp_shard's count is attention's (and the labels' shift).
@@ -270,16 +273,22 @@ def test_fewer_sequences_than_cp_ranks():
                  model_overrides={"num_hidden_layers": 1})
 
 
-def test_ring_cp_with_a_pipeline(dist4):
-    """Two pipeline stages, each a cp=2 ring (async, load-balanced): gradients reduced over cp
-    once per step, each stage's attention with its K/V ring."""
+@pytest.mark.parametrize("style", ["async", "gather"])
+def test_ring_cp_with_a_pipeline(dist4, style):
+    """Two pipeline stages, each a cp=2 ring (async, load-balanced) or all-gather attention:
+    gradients reduced over cp once per step, each stage's attention with its K/V exchange."""
     plan = {"pipeline": hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B", num_microbatches=2),
-            **_plan("async")}
+            **_plan(style)}
     results = dist4.run(run_pipeline_parity, plan, (2, 2), ("pp", "cp"), num_layers=LAYERS, batch=BATCH,
                         ignore_fraction=0.3)
     stage0 = results[0]["summary"]["collectives"]
-    assert stage0["stage0 forward"]["send_recv"]["cp"]["count"] == 1  # one layer per stage, cp - 1 blocks
-    assert stage0["stage0 backward"]["send_recv"]["cp"]["count"] == 2
+    if style == "async":
+        assert stage0["stage0 forward"]["send_recv"]["cp"]["count"] == 1  # one layer per stage, cp - 1 blocks
+        assert stage0["stage0 backward"]["send_recv"]["cp"]["count"] == 2
+    else:  # one layer per stage: a gather forward, a gather and a reduce-scatter backward
+        assert stage0["stage0 forward"]["all_gather"]["cp"]["count"] == 1
+        assert stage0["stage0 backward"]["all_gather"]["cp"]["count"] == 1
+        assert stage0["stage0 backward"]["reduce_scatter"]["cp"]["count"] == 1
     assert "all_reduce" not in stage0["stage0 backward (no sync)"]  # gradients reduced once per step
 
 
