@@ -131,11 +131,15 @@ def test_cp_without_grouped_query_attention(dist2, style):
 
 def _attention_schedule(style: str) -> dict[str, list[str]]:
     """Rank 0's compiled programs reduced to their attention kernels, all-to-alls and ring
-    transfers (issue and wait), in program order."""
+    transfers (issue and wait), in program order; and under "why", what ``why.reason`` says of
+    each K/V exchange (the dumps' ``why`` column)."""
+    from hyper_parallel.why import reason
+
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = hp.parallelize(build_model("llama", num_hidden_layers=LAYERS), _plan(style), mesh)
     model(**local_batch(global_batch("llama", BATCH, SEQ), mesh))["loss"].backward()
-    schedules = {}
+    schedules = {"why": sorted({reason(n) for p in model.compiled_programs() for n in p.graph.nodes
+                                if meta.CP_RING in n.meta and reason(n)})}
     for phase, program in zip(("forward", "backward"), model.compiled_programs()):
         events = []
         for node in program.graph.nodes:
@@ -179,6 +183,11 @@ def test_async_all_gather_overlaps_the_own_block(dist2):
     and backward; backward's dK/dV shares go home in one reduce-scatter after the last block."""
     sync, overlapped = dist2.run(_attention_schedule, "gather")[0], dist2.run(_attention_schedule, "async_gather")[0]
     assert sync["forward"] == ["gather kv", "wait kv", "attention", "attention"] * LAYERS
+    kernel = "_scaled_dot_product_flash_attention_for_cpu"
+    gathered, home = "every rank's K/V block gathered", "dK/dV shares home"
+    expected = [(f"{kernel}{layer}", gathered) for layer in ("", "_1")]
+    expected += [(f"{kernel}_backward{layer}", what) for layer in ("", "_1") for what in (gathered, home)]
+    assert sync["why"] == sorted(f"context parallel: all-gather attention {node}, {what}" for node, what in expected)
     assert overlapped["forward"] == ["gather kv", "attention", "wait kv", "attention"] * LAYERS
     assert overlapped["backward"] == ["gather kv", "attention", "wait kv", "attention", "scatter dkv",
                                       "wait dkv"] * LAYERS
