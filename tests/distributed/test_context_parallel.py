@@ -212,7 +212,6 @@ CASES = {
     "gather_fsdp_cp_hf": ("hf:LlamaForCausalLM", _plan("gather", fully_shard={"units": ["model.layers.*", ""]}),
                           (2, 2), ("dp_shard", "cp")),
     "hybrid_gather_cp4": ("llama", _plan("hybrid_gather"), (4,), ("cp",)),
-    "gather_tp_cp": ("llama", _plan("gather", **llama_tp_plan()), (2, 2), ("cp", "tp")),
 }
 
 
@@ -249,8 +248,6 @@ def test_cp_composes(dist4, case):
         assert forward["all_to_all"]["cp"]["count"] == 2  # ids and labels (stacked) in, logits out
     elif case == "hybrid_gather_cp4":  # the ring of 2 Ulysses pairs gathers the pairs' blocks
         _check_gathered_blocks(collectives, 2, axis="cp/ring", heads_share=2)
-    elif case == "gather_tp_cp":  # the heads are split over tp: half the block per gather
-        _check_gathered_blocks(collectives, cp, heads_share=2)
     elif case == "gather_fsdp_cp_hf":
         # FSDP gathers and reduce-scatters each unit over dp_shard and then cp: what cp has beyond
         # dp_shard's count is attention's (and the labels' shift).
@@ -320,7 +317,7 @@ def _bf16_fsdp_cp(style: str = "ring") -> dict:
     return model.compile_summary()["collectives"]
 
 
-@pytest.mark.parametrize("style", ["ring", "all_to_all", "gather"])
+@pytest.mark.parametrize("style", ["all_to_all", "gather"])  # ring: test_cp_bf16_with_the_gpu_flash_kernel
 def test_cp_bf16_mixed_precision_fsdp(dist4, style):
     collectives = dist4.run(_bf16_fsdp_cp, style)[0]
     if style == "all_to_all":
