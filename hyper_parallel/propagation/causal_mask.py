@@ -144,15 +144,16 @@ def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> boo
     """Whether ``mask`` (computed from inputs) hides every key after its query. A boolean mask
     does when it is an ``and`` (through expands and copies) of masks one of which does, or a
     constant of the program with each entry above the diagonal ``False``; an additive one when it
-    is ``where(m, 0, -inf or finfo.min)`` of a boolean ``m`` that does (transformers' form)."""
+    is ``where(m, 0, -inf)`` of a boolean ``m`` that does (transformers' form). Not with
+    ``finfo.min`` for hidden entries: a row hiding every key then averages all of them, later ones
+    included, which skipping the later blocks would change."""
     dtype = mask.meta["val"].dtype
     if tuple(mask.meta["val"].shape[-2:]) != _lengths(attention):
         return False
     if dtype.is_floating_point and mask.op == "call_function" and mask.target is torch.ops.aten.where.self:
         condition, visible, hidden = mask.args
         hidden = _scalar(gm, hidden)
-        return (isinstance(condition, fx.Node) and _scalar(gm, visible) == 0.0 and hidden is not None
-                and (math.isinf(hidden) and hidden < 0 or hidden <= torch.finfo(dtype).min)
+        return (isinstance(condition, fx.Node) and _scalar(gm, visible) == 0.0 and hidden == float("-inf")
                 and _within_causal(gm, condition, attention))
     if dtype != torch.bool:
         return False
