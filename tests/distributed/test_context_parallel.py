@@ -27,7 +27,6 @@ STYLES = {
     "gather": hp.ContextParallel(mode="all_gather"),
     "gather_flat": hp.ContextParallel(mode="all_gather", load_balance=False),
     "async_gather": hp.AsyncContextParallel(mode="all_gather"),
-    "hybrid_gather": hp.ContextParallel(mode="all_gather", ulysses_degree=2),
 }
 BATCH, SEQ, HEADS, HEAD_DIM, LAYERS, FP32 = 4, 16, 4, 16, 2, 4
 c10d = torch.ops._c10d_functional
@@ -56,21 +55,18 @@ def _kv_block_bytes(cp: int, batch: int = BATCH) -> int:
     return 2 * batch * HEADS * (SEQ // cp) * HEAD_DIM * FP32
 
 
-def _check_gathered_blocks(collectives: dict, cp: int, batch: int = BATCH, axis: str = "cp",
-                           heads_share: int = 1) -> None:
+def _check_gathered_blocks(collectives: dict, cp: int, batch: int = BATCH) -> None:
     """All-gather mode, per attention: forward gathers every rank's K/V block once (this rank
     sends its block), backward gathers them again and reduce-scatters the dK/dV shares (this rank
     sends its fp32 share of every rank's block): 1 + 2 collectives whatever ``cp``. Forward's
     other gather on the cp axis is the labels' one-token shift (integers, not activations)."""
-    block = _kv_block_bytes(cp, batch) // heads_share
+    block = _kv_block_bytes(cp, batch)
     forward, backward = collectives["forward"], collectives["backward"]
-    labels = forward["all_gather"].get("cp", {"count": 0, "bytes": 0})
-    if axis == "cp":
-        labels = {"count": labels["count"] - LAYERS, "bytes": labels["bytes"] - LAYERS * block}
-    assert labels["count"] <= 1 and labels["bytes"] <= BATCH * SEQ * 8, forward
-    assert forward["all_gather"][axis]["count"] == LAYERS + (labels["count"] if axis == "cp" else 0)
-    assert backward["all_gather"][axis] == {"count": LAYERS, "bytes": LAYERS * block}, backward
-    assert backward["reduce_scatter"][axis] == {"count": LAYERS, "bytes": LAYERS * cp * block}, backward
+    gathers = forward["all_gather"]["cp"]
+    labels = {"count": gathers["count"] - LAYERS, "bytes": gathers["bytes"] - LAYERS * block}
+    assert labels["count"] == 1 and 0 < labels["bytes"] <= BATCH * SEQ * 8, forward
+    assert backward["all_gather"]["cp"] == {"count": LAYERS, "bytes": LAYERS * block}, backward
+    assert backward["reduce_scatter"]["cp"] == {"count": LAYERS, "bytes": LAYERS * cp * block}, backward
     assert "send_recv" not in forward and "send_recv" not in backward
 
 
@@ -209,9 +205,6 @@ CASES = {
     "hybrid_cp4_hf": ("hf:LlamaForCausalLM", _plan("hybrid"), (4,), ("cp",)),
     "gather_cp4": ("llama", _plan("async_gather"), (4,), ("cp",)),
     "gather_flat_cp4": ("llama", _plan("gather_flat"), (4,), ("cp",)),
-    "gather_fsdp_cp_hf": ("hf:LlamaForCausalLM", _plan("gather", fully_shard={"units": ["model.layers.*", ""]}),
-                          (2, 2), ("dp_shard", "cp")),
-    "hybrid_gather_cp4": ("llama", _plan("hybrid_gather"), (4,), ("cp",)),
 }
 
 
@@ -246,16 +239,6 @@ def test_cp_composes(dist4, case):
         assert forward["send_recv"] == {"cp/ring": {"count": LAYERS, "bytes": LAYERS * block}}, forward
         assert backward["send_recv"] == {"cp/ring": {"count": 2 * LAYERS, "bytes": 2 * LAYERS * block}}, backward
         assert forward["all_to_all"]["cp"]["count"] == 2  # ids and labels (stacked) in, logits out
-    elif case == "hybrid_gather_cp4":  # the ring of 2 Ulysses pairs gathers the pairs' blocks
-        _check_gathered_blocks(collectives, 2, axis="cp/ring", heads_share=2)
-    elif case == "gather_fsdp_cp_hf":
-        # FSDP gathers and reduce-scatters each unit over dp_shard and then cp: what cp has beyond
-        # dp_shard's count is attention's (and the labels' shift).
-        extra = {(phase, kind): collectives[phase][kind]["cp"]["count"] - collectives[phase][kind]["dp_shard"]["count"]
-                 for phase, kind in (("forward", "all_gather"), ("backward", "all_gather"),
-                                     ("backward", "reduce_scatter"))}
-        assert extra == {("forward", "all_gather"): LAYERS + 1, ("backward", "all_gather"): LAYERS,
-                         ("backward", "reduce_scatter"): LAYERS}, collectives
     elif case.startswith("gather"):
         # Unbalanced, rank 0's queries see no other rank's keys: it reads nothing it gathers, and
         # still gathers (and sends its zero shares home) as every rank must.
