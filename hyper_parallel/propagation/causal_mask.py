@@ -65,7 +65,8 @@ MAX_CHECKED_ELEMENTS = 2 ** 34
 
 def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
     """Rewrite the attention nodes reading a constant causal mask, or one that hides nothing
-    (module docstring); returns the rewritten forward nodes as ``"<name> (causal|unmasked)"``."""
+    (module docstring), and mark those whose kept mask is within the causal one; returns the
+    forward nodes changed, as ``"<name> (causal|unmasked|mask within causal)"``."""
     readers: dict[fx.Node, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or family_of(node.target) is None:
@@ -75,28 +76,28 @@ def make_constant_causal_masks_causal(gm: fx.GraphModule) -> list[str]:
         mask = a.get("attn_mask", a.get("attn_bias"))
         if isinstance(mask, fx.Node) and not a.get("is_causal"):
             readers.setdefault(mask, []).append(node)
-    rewritten = []
+    changed = []
     for mask, nodes in readers.items():
         kind = _constant_kind(gm, mask, nodes[0])
         if kind is None:
             if _within_causal(gm, mask, nodes[0]):
                 for node in nodes:
                     node.meta[meta.MASK_WITHIN_CAUSAL] = True
-                rewritten += [f"{n.name} (mask within causal)" for n in nodes if n.target is family_of(n.target).forward]
+                changed += [f"{n.name} (mask within causal)" for n in nodes if n.target is family_of(n.target).forward]
             continue
         for node in nodes:
             ops = family_of(node.target)
             node.args, node.kwargs = with_arguments(node.target, node.args, node.kwargs, mask=None,
                                                     is_causal=kind == "causal")
             if node.target is ops.forward:
-                rewritten.append(f"{node.name} ({kind})")
+                changed.append(f"{node.name} ({kind})")
         _erase_unused(gm.graph, mask)
-    if rewritten:
+    if changed:
         log.info("causal_mask: %d attention node(s) read a constant mask that is the causal one or "
                  "hides nothing (they compute without it), or a mask within the causal one (ring "
-                 "attention skips its later blocks): %s", len(rewritten), ", ".join(rewritten))
+                 "attention skips its later blocks): %s", len(changed), ", ".join(changed))
         recompile(gm)
-    return rewritten
+    return changed
 
 
 def _lengths(attention: fx.Node) -> tuple[int, int]:
@@ -147,8 +148,8 @@ def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> boo
     is ``where(m, 0, -inf)`` of a boolean ``m`` that does (transformers' form). Not with
     ``finfo.min`` for hidden entries: a row hiding every key then averages all of them, later ones
     included, which skipping the later blocks would change."""
-    dtype = mask.meta["val"].dtype
-    if tuple(mask.meta["val"].shape[-2:]) != _lengths(attention):
+    dtype, (query, key) = mask.meta["val"].dtype, _lengths(attention)
+    if tuple(mask.meta["val"].shape[-2:]) != (query, key):
         return False
     if dtype.is_floating_point and mask.op == "call_function" and mask.target is torch.ops.aten.where.self:
         condition, visible, hidden = mask.args
@@ -166,9 +167,9 @@ def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> boo
     value = _constant_value(gm, mask, attention)
     if value is None:
         return False
-    keys = torch.arange(_lengths(attention)[1])
+    keys = torch.arange(key)
     return all(not bool((block & (keys > torch.arange(start, stop).unsqueeze(-1))).any())
-               for start, stop, block in row_blocks(value, _lengths(attention)[0]))
+               for start, stop, block in row_blocks(value, query))
 
 
 def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str | None:

@@ -3,10 +3,11 @@
 Every mode: all-to-all (``hp.ContextParallel()``: heads and sequence swapped around each
 attention), ring (``hp.ContextParallel(mode="ring")``: K/V blocks around the cp ring, with and
 without the load-balanced causal order; ``hp.AsyncContextParallel()``: each transfer overlapping
-the current block) and all-gather (``mode="all_gather"``: the ring's blocks gathered at once). Parity with one device (loss and every gradient, 3 SGD steps, padded labels)
-for the example Llama and HF Llama, alone and composed with data parallelism, FSDP (fp32 and bf16),
-tensor parallelism and a pipeline; the collectives counted and read from the programs; the
-per-rank attention work; errors."""
+the current block) and all-gather (``mode="all_gather"``: the ring's blocks gathered at once).
+Parity with one device (loss and every gradient, 3 SGD steps, padded labels) for the example Llama
+and HF Llama, alone and composed with data parallelism, FSDP (fp32 and bf16), tensor parallelism
+and a pipeline; the collectives counted and read from the programs; the per-rank attention work
+(also under transformers' padded causal mask); errors."""
 
 import pytest
 import torch
@@ -313,15 +314,22 @@ def test_cp_bf16_mixed_precision_fsdp(dist4, style):
                 "count": LAYERS * 2, "bytes": LAYERS * (d_sized * local * HEAD_DIM * 2 + local * FP32)}, collectives
 
 
+def _attention_flops(model) -> float:
+    """Attention FLOPs (forward and backward) of ``model``'s compiled programs, by the cost
+    model's per-node count."""
+    from hyper_parallel.cost.compute import node_work
+    from hyper_parallel.cp.attention_ops import family_of
+
+    return sum(node_work(n).flops for program in model.compiled_programs() for n in program.graph.nodes
+               if n.op == "call_function" and family_of(n.target) is not None)
+
+
 def _attention_flops_per_rank(style: str) -> float:
     """This rank's attention FLOPs (forward and backward) by the cost model's per-node count."""
-    from hyper_parallel.cost.compute import node_work
-
     mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
     model = hp.parallelize(build_model("llama", num_hidden_layers=1), _plan(style), mesh)
     model(**local_batch(global_batch("llama", 2, 64), mesh))["loss"].backward()
-    return sum(node_work(n).flops for program in model.compiled_programs() for n in program.graph.nodes
-               if n.op == "call_function" and n.target in (SDPA, SDPA_BACKWARD))
+    return _attention_flops(model)
 
 
 def test_load_balance_evens_the_causal_attention_work(dist4):
@@ -508,16 +516,6 @@ def _logits_against_one_device(style: str) -> float:
 @pytest.mark.parametrize("style", ["ring", "all_to_all"])
 def test_returned_logits_are_in_sequence_order(dist2, style):
     assert max(dist2.run(_logits_against_one_device, style)) < 1e-5
-
-
-def _attention_flops(model) -> float:
-    """Attention FLOPs (forward and backward) of ``model``'s compiled programs, by the cost
-    model's per-node count."""
-    from hyper_parallel.cost.compute import node_work
-    from hyper_parallel.cp.attention_ops import family_of
-
-    return sum(node_work(n).flops for program in model.compiled_programs() for n in program.graph.nodes
-               if n.op == "call_function" and family_of(n.target) is not None)
 
 
 def _padded_attention_mask(style: str) -> dict:

@@ -129,11 +129,13 @@ def test_transformers_encoder_mask_without_padding_goes():
     assert all(not _bound(n).is_causal and _bound(n).mask is None for n in _attention_nodes(captured.gm))
 
 
-def test_transformers_padding_mask_is_kept_and_known_within_causal():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformers_padding_mask_is_kept_and_known_within_causal(dtype):
     """A padding ``attention_mask`` makes the mask depend on an input: kept. It is transformers'
     causal mask and'ed with the padding, so it hides every key after its query: both attention
-    nodes are marked for ring attention to skip those blocks."""
-    model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1)
+    nodes are marked for ring attention to skip those blocks (also in bf16, where the additive
+    mask is bf16)."""
+    model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1).to(dtype)
     ids = torch.randint(0, 100, (2, SEQ))
     padding = torch.ones(2, SEQ, dtype=torch.long)
     padding[1, :3] = 0
@@ -152,19 +154,16 @@ class PaddedAttention(MaskedAttention):
         return super().forward(x, self.make_mask(x.shape[1]) & keep[:, None, None, :])
 
 
-@pytest.mark.parametrize("name,within", [
-    ("boolean", True),  # causal & padding
-    ("sliding window", True),  # a window inside the causal mask
-    ("all True", False),  # bidirectional & padding: a query sees later keys
-    ("shifted diagonal", False),  # each query sees the next key
+@pytest.mark.parametrize("make_mask,within", [
+    (_tril, True),  # causal & padding
+    (lambda s: _tril(s) & ~_tril(s).tril(-3), True),  # a sliding window inside the causal mask
+    (lambda s: torch.ones(s, s, dtype=torch.bool), False),  # bidirectional & padding: later keys seen
+    (lambda s: torch.ones(s, s, dtype=torch.bool).tril(1), False),  # each query sees the next key
 ])
-def test_masks_within_causal_are_marked(name, within):
-    make_mask = MASKS[name][0]
-    boolean = (lambda s: torch.isfinite(make_mask(s)) & (make_mask(s) == 0)) if name in ("sliding window",
-                                                                                         "shifted diagonal") else make_mask
+def test_masks_within_causal_are_marked(make_mask, within):
     keep = torch.ones(2, SEQ, dtype=torch.bool)
     keep[1, :2] = False
-    captured = _captured(PaddedAttention(boolean), torch.randn(2, SEQ, 12), keep)
+    captured = _captured(PaddedAttention(make_mask), torch.randn(2, SEQ, 12), keep)
     marked = causal_mask.make_constant_causal_masks_causal(captured.gm)
     nodes = _attention_nodes(captured.gm)
     assert [n.meta.get(meta.MASK_WITHIN_CAUSAL, False) for n in nodes] == [within] * 2
