@@ -10,7 +10,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hyper_parallel.propagation.strided_views import unflatten_placements
+import hyper_parallel as hp
+from hyper_parallel.explain import fake_world
+from hyper_parallel.propagation.strided_views import _dtensor_refuses, unflatten_placements
 
 
 def _spec(shape, mesh_shape, placements):
@@ -30,6 +32,7 @@ def _local(tensor, mesh_shape, placements, coordinate):
     (2, 16, (2, 4), (Shard(0), _StridedShard(0, split_factor=1))),  # one row per dp rank, cp=4 > rows
     (4, 16, (2, 4), (Shard(0), _StridedShard(0, split_factor=2))),
     (2, 16, (2, 2), (Shard(0), _StridedShard(0, split_factor=1))),
+    (2, 16, (1, 4), (Shard(0), _StridedShard(0, split_factor=2))),  # dp=1: two rows, cp=4 > rows
     (3, 8, (4,), (_StridedShard(0, split_factor=3),)),
     (2, 8, (2, 2, 2), (Shard(0), _StridedShard(0, split_factor=1), Replicate())),
 ])
@@ -50,3 +53,26 @@ def test_views_it_cannot_describe_are_left_alone():
     assert unflatten_placements(_spec((32, 3), (4,), (_StridedShard(0, split_factor=4),)), (2, 16, 3)) is None
     # Not a split of one dim into two.
     assert unflatten_placements(_spec((32, 3), (4,), (_StridedShard(0, split_factor=2),)), (96,)) is None
+
+
+@pytest.mark.parametrize("mesh_shape,rows,refused", [
+    ((2, 4), 2, True),   # one sequence per dp rank over cp=4: DTensor refuses, this module decides
+    ((1, 4), 2, True),   # the 4-rank configuration tests/distributed/test_context_parallel.py trains
+    ((2, 2), 2, False),  # as many cp ranks as rows: DTensor's own rule
+])
+def test_where_dtensor_refuses_the_unflatten(mesh_shape, rows, refused):
+    """The views the distributed test's dp=1 x cp=4 mesh sends through this module's local kernel
+    are those of dp=2 x cp=4 with one sequence per dp rank: DTensor refuses both."""
+    from torch.distributed.tensor import DTensor
+
+    positions, hidden = 16, 8
+    with fake_world(mesh_shape[0] * mesh_shape[1]):
+        mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "cp"))
+        local = torch.zeros(rows // mesh_shape[0], positions // mesh_shape[1], hidden)
+        x = DTensor.from_local(local, mesh, (Shard(0), Shard(1)), run_check=False,
+                               shape=torch.Size([rows, positions, hidden]), stride=(positions * hidden, hidden, 1))
+        flat = x.view(rows * positions, hidden)
+        assert isinstance(flat.placements[1], _StridedShard), flat.placements
+        spec = flat._spec
+        assert _dtensor_refuses(torch.ops.aten.view.default, spec, [rows, positions, hidden]) is refused
+        assert unflatten_placements(spec, (rows, positions, hidden)) == (Shard(0), Shard(1))
