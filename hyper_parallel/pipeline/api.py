@@ -303,11 +303,11 @@ def _accumulate_gradients(module: nn.Module, grads: dict[str, torch.Tensor]) -> 
         g = grads.get(fqn)
         if g is None:
             continue
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = compat.plain_tensor(p)
         if (g.dtype, g.device) != (local.dtype, local.device):
             g = g.to(dtype=local.dtype, device=local.device)
-        if isinstance(p, DTensor):
-            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        if isinstance(p, DTensor):  # laid out as its parameter (no from_local: a new spec each step)
+            g = compat.dtensor_from_spec(g, compat.spec_of(p))
         p.grad = g if p.grad is None else p.grad + g
 
 

@@ -44,7 +44,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..ir.kinds import InputKind, OutputKind
 from ..errors import internal_error
@@ -398,4 +397,5 @@ class _HandOff:
 
 
 def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
+    # The stage programs compute their own gradients: no autograd node (``to_local``) needed.
+    return compat.plain_tensor(t)

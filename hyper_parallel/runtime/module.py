@@ -219,12 +219,10 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     buffers = dict(module.named_buffers())
     primals = []
     for info in captured.inputs:
-        if info.kind == InputKind.PARAM:
-            p = params[info.name]
-            primals.append(p.to_local() if isinstance(p, DTensor) else p)
+        if info.kind == InputKind.PARAM:  # a DTensor: the program unwraps it (program._RunStep)
+            primals.append(params[info.name])
         elif info.kind == InputKind.BUFFER:
-            b = buffers[info.name]
-            primals.append(b.to_local() if isinstance(b, DTensor) else b)
+            primals.append(buffers[info.name])
         elif info.kind == InputKind.INPUT:
             primals.append(flat[info.index])
         elif info.kind == GRAD_ACCUM:

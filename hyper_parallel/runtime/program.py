@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..ir.kinds import InputKind
 from .. import compat
@@ -200,8 +201,16 @@ def write_buffers(module: torch.nn.Module, values: dict) -> None:
 
 
 class _RunStep(torch.autograd.Function):
+    """One forward program call and its backward. Parameters arrive as the module's DTensors and
+    their gradients leave as DTensors with the parameter's own spec: unwrapping and rewrapping here
+    costs one attribute read and one wrapper per parameter, where ``to_local()`` would add an
+    autograd node per parameter and a ``DTensor.from_local`` (a new spec) per gradient, on every
+    step."""
+
     @staticmethod
     def forward(ctx, program: CompiledProgram, *primals):
+        ctx.dtensor_specs = [compat.spec_of(p) if isinstance(p, DTensor) else None for p in primals]
+        primals = [compat.plain_tensor(p) for p in primals]
         outs = _call(program.on_error, program.runnable("forward"), "forward", primals)
         user, saved = outs[: program.num_user_outputs], outs[program.num_user_outputs :]
         ctx.program = program
@@ -249,11 +258,20 @@ class _RunStep(torch.autograd.Function):
         if ctx.grad_hook is not None:
             grads = ctx.grad_hook(list(grads))
         # Gradients reduced in another dtype (mixed precision's reduce_dtype) or on another device
-        # (CPU offload) arrive there; autograd needs each like its input.
+        # (CPU offload) arrive there; autograd needs each like its input: a DTensor parameter's as
+        # a DTensor laid out as the parameter.
         return (None, *(
-            g.to(device=device, dtype=dtype) if g is not None and (g.dtype, g.device) != (dtype, device) else g
-            for g, (dtype, device) in zip(grads, ctx.primal_meta)
+            _like_primal(g, dtype, device, spec)
+            for g, (dtype, device), spec in zip(grads, ctx.primal_meta, ctx.dtensor_specs)
         ))
+
+
+def _like_primal(grad, dtype, device, spec):
+    if grad is None:
+        return None
+    if (grad.dtype, grad.device) != (dtype, device):
+        grad = grad.to(device=device, dtype=dtype)
+    return grad if spec is None else compat.dtensor_from_spec(grad, spec)
 
 
 def _call(on_error, gm, phase: str, args, boxed: bool = False):

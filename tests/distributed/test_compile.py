@@ -7,6 +7,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from hyper_parallel.models import llama_tp_plan
@@ -110,9 +111,15 @@ def recorded_plan_and_dtensor_params():
     model = hp.parallelize(model, None, mesh)
     batch = global_batch("mlp", 8, 0)
     loss = model(**batch)
+    # The DTensor parameters feed the compiled step directly (program._RunStep unwraps them): their
+    # gradients reach AccumulateGrad with no per-parameter to_local node in between.
+    between = {type(fn).__name__ for fn, _ in loss.grad_fn.next_functions if fn is not None}
     loss.backward()
     reference(**batch).backward()
     placements = {n: str(p.placements) for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():  # each gradient laid out as its parameter
+        assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements and p.grad.shape == p.shape, name
+        assert p.grad.to_local().shape == p.to_local().shape, name
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e9)
     ref_total = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1e9)
     torch.testing.assert_close(total.full_tensor() if hasattr(total, "full_tensor") else total, ref_total)
@@ -122,11 +129,12 @@ def recorded_plan_and_dtensor_params():
     # A new input shape compiles again; the old one stays cached.
     model(**global_batch("mlp", 4, 0))
     model(**batch)
-    return placements, len(model._hp.cache)
+    return placements, len(model._hp.cache), between
 
 
 def test_recorded_plan_dtensor_params_and_cache(dist2):
-    placements, num_compiled = dist2.run(recorded_plan_and_dtensor_params)[0]
+    placements, num_compiled, between = dist2.run(recorded_plan_and_dtensor_params)[0]
+    assert between == {"AccumulateGrad"}, between
     assert placements["layers.0.weight"] == "(Shard(dim=0),)"
     assert placements["layers.1.weight"] == "(Shard(dim=1),)"
     assert num_compiled == 2
