@@ -14,8 +14,8 @@ are in increasing order, so the one-device mask on the local block is the right 
 holds two balanced chunks, ``cp/load_balance.py``). An explicit additive mask is sliced to the
 block's query rows and key columns; rows a block masks entirely are given ``lse = −inf`` so they
 add nothing (the kernel itself reports 0 for them). A mask known to hide every key after its query
-(``hp_mask_within_causal``: transformers' causal mask and'ed with a padding mask,
-``propagation/causal_mask.py``) skips the same blocks as a causal one and is sliced into the rest.
+(``hp_mask_within_causal``: transformers' causal mask and'ed with a padding mask, its packed-sequence
+mask, ``propagation/causal_mask.py``) skips the same blocks as a causal one and is sliced into the rest.
 
 Backward (exact): with the forward's merged output and log-sum-exp, the flash backward of one block
 gives that block's exact share of dQ, dK and dV. K/V go around the ring again; each block's dK/dV

@@ -33,7 +33,9 @@ A boolean mask that reads an input but is the ``and`` of such a constant causal 
 every key after its query. Its attention nodes are marked ``hp_mask_within_causal``, and ring
 attention skips the K/V blocks whose keys all follow the queries, as under ``is_causal``, applying
 the mask's slice in the others (``cp/ring.py``): without it a padded batch costs the ring twice the
-causal work and load balancing evens nothing.
+causal work and load balancing evens nothing. So is transformers' packed-sequence mask, whose
+same-document and position-causal factors only hide the later keys together
+(``propagation/packed_sequences.py``).
 
 Optional: ``parallelize(disable_passes=["causal_mask"])`` keeps every mask as captured and marks
 none.
@@ -53,7 +55,7 @@ import torch.fx as fx
 
 from ..cp.attention_ops import arguments_by_name, family_of, with_arguments
 from ..ir import meta
-from . import recompile
+from . import packed_sequences, recompile
 from .mask_evaluation import constant_ancestors, evaluate, row_blocks, shape_of
 
 log = logging.getLogger(__name__)
@@ -158,18 +160,25 @@ def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> boo
                 and _within_causal(gm, condition, attention))
     if dtype != torch.bool:
         return False
-    if mask.op == "call_function" and mask.target in _SAME_ENTRIES:
-        source = mask.args[0]
-        return isinstance(source, fx.Node) and source.meta["val"].dim() >= 2 and _within_causal(gm, source, attention)
-    if mask.op == "call_function" and mask.target in _AND:
-        return any(isinstance(a, fx.Node) and a.meta["val"].dim() >= 2 and _within_causal(gm, a, attention)
-                   for a in mask.args[:2])
+    if mask.op == "call_function" and mask.target in _SAME_ENTRIES + _AND:
+        factors = _and_factors(mask)
+        return (any(_within_causal(gm, f, attention) for f in factors)
+                or packed_sequences.hides_later_keys(gm, factors, (query, key)))
     value = _constant_value(gm, mask, attention)
     if value is None:
         return False
     keys = torch.arange(key)
     return all(not bool((block & (keys > torch.arange(start, stop).unsqueeze(-1))).any())
                for start, stop, block in row_blocks(value, query))
+
+
+def _and_factors(mask: fx.Node) -> list[fx.Node]:
+    """The boolean masks (of two dims or more) ``mask`` is the ``and`` of, through expands and
+    copies; ``[mask]`` itself when it is neither."""
+    if mask.op == "call_function" and mask.target in _SAME_ENTRIES + _AND:
+        args = mask.args[:1] if mask.target in _SAME_ENTRIES else mask.args[:2]
+        return [f for a in args if isinstance(a, fx.Node) and a.meta["val"].dim() >= 2 for f in _and_factors(a)]
+    return [mask]
 
 
 def _constant_kind(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> str | None:

@@ -516,13 +516,14 @@ def test_returned_logits_are_in_sequence_order(dist2, style):
     assert max(dist2.run(_logits_against_one_device, style)) < 1e-5
 
 
-def _padded_attention_mask(style: str) -> dict:
-    """HF Llama trained on left-padded sequences (an ``attention_mask`` input, labels -100 on the
-    padding): the mask depends on an input, so the ``causal_mask`` rewrite keeps it and the
-    context-parallel kernels compute with it. Parity over 2 SGD steps; returns the attention
-    nodes' mask arguments in the compiled forward (they must be there), and this rank's attention
-    FLOPs against those of the same plan with the rewrite disabled (the mask not known to be
-    within the causal one)."""
+def _padded_attention_mask(style: str, inputs: str = "padding") -> dict:
+    """HF Llama trained on left-padded sequences (``inputs="padding"``: an ``attention_mask``
+    input, labels -100 on the padding) or packed ones (``"packed"``: position ids restarting at
+    each document, propagation/packed_sequences.py): the mask depends on an input, so the
+    ``causal_mask`` rewrite keeps it and the context-parallel kernels compute with it. Parity over
+    2 SGD steps; returns the attention nodes' mask arguments in the compiled forward (they must be
+    there), and this rank's attention FLOPs against those of the same plan with the rewrite
+    disabled (the mask not known to be within the causal one)."""
     import copy
 
     from hyper_parallel.cp.attention_ops import family_of
@@ -534,9 +535,13 @@ def _padded_attention_mask(style: str) -> dict:
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
     for step in range(2):
         full = global_batch("llama", BATCH, SEQ, seed=step + 1)
-        padding = torch.ones(BATCH, SEQ, dtype=torch.long)
-        padding[1, :5] = padding[3, :2 + step] = 0  # uneven: cp ranks see different amounts
-        full = {**full, "attention_mask": padding, "labels": full["labels"].masked_fill(padding == 0, -100)}
+        if inputs == "packed":  # two documents per row, of lengths differing by row and step
+            cuts = [(3 + b + step) % (SEQ - 2) + 1 for b in range(BATCH)]
+            full["position_ids"] = torch.stack([torch.cat([torch.arange(c), torch.arange(SEQ - c)]) for c in cuts])
+        else:
+            padding = torch.ones(BATCH, SEQ, dtype=torch.long)
+            padding[1, :5] = padding[3, :2 + step] = 0  # uneven: cp ranks see different amounts
+            full = {**full, "attention_mask": padding, "labels": full["labels"].masked_fill(padding == 0, -100)}
         loss, ref_loss = parallel(**local_batch(full, mesh)).loss, reference(**full).loss
         loss.backward()
         ref_loss.backward()
@@ -552,13 +557,14 @@ def _padded_attention_mask(style: str) -> dict:
     return {"masks": masks, "flops": _attention_flops(parallel), "unmarked_flops": _attention_flops(unmarked)}
 
 
-@pytest.mark.parametrize("style", ["ring", "gather", "all_to_all"])
-def test_padding_attention_mask(dist2, style):
+@pytest.mark.parametrize("style,inputs", [("ring", "padding"), ("gather", "padding"), ("all_to_all", "padding"),
+                                          ("ring", "packed")])
+def test_padding_attention_mask(dist2, style, inputs):
     """Ring and all-gather attention skip the K/V blocks after the queries under transformers'
-    padded causal mask as under ``is_causal`` (cp=2, load-balanced: each rank computes its own
-    block and half of the other's, 3/4 of the work without the skip); Ulysses computes whole
-    sequences either way."""
-    for rank, result in enumerate(dist2.run(_padded_attention_mask, style)):
+    padded causal mask and its packed-sequence mask as under ``is_causal`` (cp=2, load-balanced:
+    each rank computes its own block and half of the other's, 3/4 of the work without the skip);
+    Ulysses computes whole sequences either way."""
+    for rank, result in enumerate(dist2.run(_padded_attention_mask, style, inputs)):
         assert result["masks"] and "None" not in result["masks"], result
         ratio = result["flops"] / result["unmarked_flops"]
         assert ratio == 1.0 if style == "all_to_all" else ratio == 0.75, (rank, ratio)

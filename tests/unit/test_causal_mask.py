@@ -241,3 +241,60 @@ def test_transformers_mask_is_held_without_its_batch_and_checked_by_rows(monkeyp
     value = mask_evaluation.evaluate(captured.gm, mask_evaluation.constant_ancestors(mask))
     assert isinstance(value, mask_evaluation.Lazy) and mask_evaluation.shape_of(value) == (1, 1, SEQ, SEQ)
     assert len(causal_mask.make_constant_causal_masks_causal(captured.gm)) == 1
+
+
+# --- packed sequences (propagation/packed_sequences.py) -------------------------------------------
+
+PACKED_POSITIONS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 0, 1]])
+
+
+def test_transformers_packed_sequence_mask_is_known_within_causal():
+    """Position ids restarting at each document (packed sequences): transformers' mask depends on
+    them, so it stays; its same-document and position-causal factors together hide every later
+    key, so both attention nodes are marked."""
+    model = build_model("hf:LlamaForCausalLM", num_hidden_layers=1)
+    ids = torch.randint(0, 100, (2, SEQ))
+    captured = capture(model, (), {"input_ids": ids, "position_ids": PACKED_POSITIONS, "labels": ids})
+    (marked,) = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    assert marked.endswith("(mask within causal)"), marked
+    nodes = _attention_nodes(captured.gm)
+    assert len(nodes) == 2 and all(_bound(n).mask is not None for n in nodes)
+    assert all(n.meta.get(meta.MASK_WITHIN_CAUSAL) for n in nodes)
+
+
+class PackedAttention(MaskedAttention):
+    """Attention over transformers' packed-sequence mask of ``positions`` (same document and
+    ``P[k] <= P[q]``), or a variant of it: ``causal=False`` drops the position factor (documents
+    attend both ways), ``flipped`` compares ``P[k] >= P[q]``, ``other_positions`` takes the
+    position factor from a second input."""
+
+    def __init__(self, causal=True, flipped=False, other_positions=False):
+        super().__init__()
+        self.causal, self.flipped, self.other_positions = causal, flipped, other_positions
+
+    def forward(self, x, positions, other):
+        b, s = positions.shape
+        batch = torch.arange(b)[:, None, None, None]
+        query, key = torch.arange(s)[None, None, :, None], torch.arange(s)[None, None, None, :]
+        step = torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1)
+        documents = (step != 1).cumsum(-1)
+        mask = documents[batch, query] == documents[batch, key]
+        if self.causal:
+            p = other if self.other_positions else positions
+            mask = mask & ((p[batch, key] >= p[batch, query]) if self.flipped else (p[batch, key] <= p[batch, query]))
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("variant,within", [
+    ({}, True),
+    ({"causal": False}, False),  # documents attend both ways: later keys seen
+    ({"flipped": True}, False),  # each query sees the later keys of its document
+    ({"other_positions": True}, False),  # positions of another tensor prove nothing
+])
+def test_packed_sequence_masks(variant, within):
+    captured = _captured(PackedAttention(**variant), torch.randn(2, SEQ, 12), PACKED_POSITIONS,
+                         PACKED_POSITIONS.flip(-1))
+    marked = causal_mask.make_constant_causal_masks_causal(captured.gm)
+    nodes = _attention_nodes(captured.gm)
+    assert [n.meta.get(meta.MASK_WITHIN_CAUSAL, False) for n in nodes] == [within] * 2
+    assert len(marked) == int(within)
