@@ -280,28 +280,41 @@ def test_ring_cp_with_a_pipeline(dist4, style):
     assert "all_reduce" not in stage0["stage0 backward (no sync)"]  # gradients reduced once per step
 
 
-def _bf16_fsdp_cp(style: str = "ring") -> dict:
+def _bf16_fsdp_cp(style: str = "ring", hf_packed: bool = False) -> dict:
     """FSDP (bf16 parameters, fp32 reduction) over dp_shard x cp with ``style`` (the load-balanced
     ring: fp32 merging and dK/dV accumulation) against one device computing in bf16 from the same
-    fp32 master weights; returns the compile summary's collectives."""
+    fp32 master weights; returns the compile summary's collectives. ``hf_packed``: HF Llama on
+    packed sequences (position ids restarting per document), whose mask is within the causal one:
+    the all-gather kernel skips the keys after the queries."""
     import copy
 
+    from hyper_parallel.cp.attention_ops import arguments_by_name, family_of
+
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
-    master = build_model("llama", num_hidden_layers=LAYERS)
+    master = build_model("hf:LlamaForCausalLM" if hf_packed else "llama", num_hidden_layers=LAYERS)
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plan = _plan(style, fully_shard=hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy))
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
     full = global_batch("llama", BATCH, SEQ, ignore_fraction=0.3)
+    if hf_packed:
+        full["position_ids"] = torch.stack([torch.cat([torch.arange(c), torch.arange(SEQ - c)]) for c in (3, 6, 9, 12)])
     compute, ref_loss = bf16_reference_step(master, full)
     loss = model(**local_batch(full, mesh))["loss"]
     loss.backward()
     assert_matches_bf16_reference(model, loss, compute, ref_loss)
+    if hf_packed:  # keys after the queries skipped: each layer's own block and half the other rank's
+        pairs = [(a["query"].meta["val"].shape[-2], a["key"].meta["val"].shape[-2])
+                 for n in model.compiled_programs()[0].graph.nodes
+                 if n.op == "call_function" and family_of(n.target) is not None
+                 for a in [arguments_by_name(n.target, n.args, n.kwargs)]]
+        assert sum(q * k for q, k in pairs) == LAYERS * 3 * (SEQ // 2) ** 2 // 2, pairs
     return model.compile_summary()["collectives"]
 
 
 @pytest.mark.parametrize("style", ["all_to_all", "gather"])  # ring: test_cp_bf16_with_the_gpu_flash_kernel
 def test_cp_bf16_mixed_precision_fsdp(dist4, style):
-    collectives = dist4.run(_bf16_fsdp_cp, style)[0]
+    """The all-gather case runs HF Llama on packed sequences (its mask within the causal one)."""
+    collectives = dist4.run(_bf16_fsdp_cp, style, style == "gather")[0]
     if style == "all_to_all":
         # The bf16 output and its fp32 log-sum-exp travel in one all-to-all (the latter's bytes as
         # bf16 columns): two per direction per attention, as in fp32. Each rank's share is half the
