@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import hyper_parallel as hp
+from hyper_parallel import compat
 from hyper_parallel.explain import fake_world
 from hyper_parallel.propagation.strided_views import _dtensor_refuses, unflatten_placements
 
@@ -73,6 +74,6 @@ def test_where_dtensor_refuses_the_unflatten(mesh_shape, rows, refused):
                                shape=torch.Size([rows, positions, hidden]), stride=(positions * hidden, hidden, 1))
         flat = x.view(rows * positions, hidden)
         assert isinstance(flat.placements[1], _StridedShard), flat.placements
-        spec = flat._spec
+        spec = compat.spec_of(flat)
         assert _dtensor_refuses(torch.ops.aten.view.default, spec, [rows, positions, hidden]) is refused
         assert unflatten_placements(spec, (rows, positions, hidden)) == (Shard(0), Shard(1))
