@@ -56,7 +56,7 @@ import torch.fx as fx
 from ..cp.attention_ops import arguments_by_name, family_of, with_arguments
 from ..ir import meta
 from . import packed_sequences, recompile
-from .mask_evaluation import constant_ancestors, evaluate, row_blocks, shape_of
+from .mask_evaluation import SAME_ENTRIES, constant_ancestors, evaluate, row_blocks, shape_of
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ def _constant_value(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node):
     return value
 
 
-# Ops through which a boolean mask keeps its entries' meaning, and those that and two masks.
-_SAME_ENTRIES = (torch.ops.aten.expand.default, torch.ops.aten.clone.default, torch.ops.aten.alias.default)
+# Ops that and two boolean masks (SAME_ENTRIES: those a mask keeps its entries' meaning through).
 _AND = (torch.ops.aten.bitwise_and.Tensor, torch.ops.aten.logical_and.default)
 
 
@@ -160,7 +159,7 @@ def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> boo
                 and _within_causal(gm, condition, attention))
     if dtype != torch.bool:
         return False
-    if mask.op == "call_function" and mask.target in _SAME_ENTRIES + _AND:
+    if mask.op == "call_function" and mask.target in SAME_ENTRIES + _AND:
         factors = _and_factors(mask)
         return (any(_within_causal(gm, f, attention) for f in factors)
                 or packed_sequences.hides_later_keys(gm, factors, (query, key)))
@@ -175,8 +174,8 @@ def _within_causal(gm: fx.GraphModule, mask: fx.Node, attention: fx.Node) -> boo
 def _and_factors(mask: fx.Node) -> list[fx.Node]:
     """The boolean masks (of two dims or more) ``mask`` is the ``and`` of, through expands and
     copies; ``[mask]`` itself when it is neither."""
-    if mask.op == "call_function" and mask.target in _SAME_ENTRIES + _AND:
-        args = mask.args[:1] if mask.target in _SAME_ENTRIES else mask.args[:2]
+    if mask.op == "call_function" and mask.target in SAME_ENTRIES + _AND:
+        args = mask.args[:1] if mask.target in SAME_ENTRIES else mask.args[:2]
         return [f for a in args if isinstance(a, fx.Node) and a.meta["val"].dim() >= 2 for f in _and_factors(a)]
     return [mask]
 

@@ -76,6 +76,9 @@ def constant_ancestors(node: fx.Node) -> list[fx.Node] | None:
 
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default)
+# Ops whose result has their input's entries, only broadcast or copied (causal_mask.py and
+# packed_sequences.py read masks through them).
+SAME_ENTRIES = (aten.expand.default, aten.clone.default, aten.alias.default)
 
 
 class _GiveUp(Exception):

@@ -32,11 +32,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .mask_evaluation import constant_ancestors, evaluate
+from .mask_evaluation import SAME_ENTRIES, constant_ancestors, evaluate
 
 aten = torch.ops.aten
-
-_THROUGH = (aten.expand.default, aten.clone.default, aten.alias.default)
 
 
 def hides_later_keys(gm: fx.GraphModule, factors: list[fx.Node], lengths: tuple[int, int]) -> bool:
@@ -91,17 +89,12 @@ def _indexed(gm, node, length: int):
     if not isinstance(source, fx.Node) or len(indices) != 2 or source.meta["val"].dim() != 2:
         return None
     batch, index = (_constant(gm, i) for i in indices)
-    if batch is None or index is None or index.dim() < 2:
+    # ``length`` entries along one of the last two dims (every other dim of size 1), 0 .. length-1.
+    if (batch is None or index is None or index.dim() < 2 or index.numel() != length
+            or not torch.equal(index.reshape(-1), torch.arange(length, dtype=index.dtype))):
         return None
-    arange = torch.arange(length, dtype=index.dtype)
-    rest = [s for d, s in enumerate(index.shape) if d not in (index.dim() - 2, index.dim() - 1)]
-    if any(s != 1 for s in rest):
-        return None
-    if tuple(index.shape[-2:]) == (length, 1) and torch.equal(index.reshape(-1), arange):
-        return source, batch, "query"
-    if tuple(index.shape[-2:]) == (1, length) and torch.equal(index.reshape(-1), arange):
-        return source, batch, "key"
-    return None
+    role = {(length, 1): "query", (1, length): "key"}.get(tuple(index.shape[-2:]))
+    return (source, batch, role) if role is not None else None
 
 
 def _document_source(ids: fx.Node) -> fx.Node | None:
@@ -119,7 +112,8 @@ def _document_source(ids: fx.Node) -> fx.Node | None:
     if not (_call(later, aten.slice.Tensor) and _call(earlier, aten.slice.Tensor)):
         return None
     joined = later.args[0]
-    if earlier.args[0] is not joined or not _call(joined, aten.cat.default) or _dim(_arg(joined, 1, 0), 2) != 1:
+    cat_dim = joined.args[1] if len(joined.args) > 1 else 0
+    if earlier.args[0] is not joined or not _call(joined, aten.cat.default) or _dim(cat_dim, 2) != 1:
         return None
     n = joined.meta["val"].shape[-1]
     if _slice(later) != (1, n) or _slice(earlier) != (0, n - 1):
@@ -148,7 +142,7 @@ def _slice(node: fx.Node) -> tuple[int, int] | None:
 
 
 def _through(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _THROUGH:
+    while node.op == "call_function" and node.target in SAME_ENTRIES:
         node = node.args[0]
     return node
 
@@ -170,10 +164,6 @@ def _key(batch: torch.Tensor) -> tuple:
 
 def _call(node, target) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target
-
-
-def _arg(node: fx.Node, index: int, default):
-    return node.args[index] if len(node.args) > index else default
 
 
 def _dim(dim, ndim: int) -> int | None:

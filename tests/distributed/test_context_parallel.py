@@ -547,7 +547,7 @@ def _padded_attention_mask(style: str, inputs: str = "padding") -> dict:
     parallel = hp.parallelize(copy.deepcopy(reference), _plan(style), mesh)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
     for step in range(2):
-        full = global_batch("llama", BATCH, SEQ, seed=step + 1)
+        full = global_batch("llama", BATCH, SEQ, seed=step + 1, ignore_fraction=0.3)
         if inputs == "packed":  # two documents per row, of lengths differing by row and step
             cuts = [(3 + b + step) % (SEQ - 2) + 1 for b in range(BATCH)]
             full["position_ids"] = torch.stack([torch.cat([torch.arange(c), torch.arange(SEQ - c)]) for c in cuts])
