@@ -74,6 +74,72 @@ def wrap_with_op_strategy(op_schema):
     return sharding_propagator()._wrap_with_op_strategy(op_schema)
 
 
+@contextlib.contextmanager
+def cached_sharding_decisions(uncached_ops=frozenset()):
+    """While active, DTensor's dispatch under tracing reuses its sharding decisions and
+    redistribution plans wherever the sizes involved are plain integers.
+
+    Why: lowering runs every op of the joint graph through DTensor's dispatch under ``make_fx``.
+    Tracing makes DTensor bypass its caches (a schema with symbolic sizes is not hashable), so every
+    op re-ran the full strategy search, each candidate priced by a shortest-path search over
+    redistributions: three quarters of a small tp x cp compile. The decision for a schema of
+    concrete sizes does not depend on tracing, so a cached one is the one DTensor would compute:
+    op decisions come from the per-schema cache eager DTensor uses (propagation filled it for many
+    of the same schemas; repeated layers repeat them), redistribution plans from a table kept for
+    the duration. A schema with a symbolic size or a tensor argument, and ``uncached_ops`` (ops
+    whose strategies differ between scopes), are decided afresh as before."""
+    from torch.distributed.tensor import _redistribute
+
+    propagator = sharding_propagator()
+    fresh, cached = propagator.propagate_op_sharding_non_cached, propagator.propagate_op_sharding
+    fresh_plan = _redistribute._gen_transform_infos_non_cached
+    plans: dict = {}
+
+    def decide(op_schema):
+        if op_schema.op in uncached_ops or not _concrete(op_schema):
+            return fresh(op_schema)
+        return cached(op_schema)
+
+    def plan(src_spec, dst_spec, use_graph_based_transform=None):
+        if not (_concrete_spec(src_spec) and _concrete_spec(dst_spec)):
+            return fresh_plan(src_spec, dst_spec, use_graph_based_transform)
+        key = (src_spec, dst_spec, use_graph_based_transform)
+        if key not in plans:
+            plans[key] = fresh_plan(src_spec, dst_spec, use_graph_based_transform)
+        return list(plans[key])
+
+    shadowed = propagator.__dict__.get("propagate_op_sharding_non_cached")  # set by an enclosing use
+    propagator.propagate_op_sharding_non_cached = decide  # shadows the method on this instance
+    _redistribute._gen_transform_infos_non_cached = plan  # looked up by name at every call
+    try:
+        yield
+    finally:
+        if shadowed is None:
+            del propagator.propagate_op_sharding_non_cached
+        else:
+            propagator.propagate_op_sharding_non_cached = shadowed
+        _redistribute._gen_transform_infos_non_cached = fresh_plan
+
+
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool, torch.Tensor)
+
+
+def _concrete(op_schema) -> bool:
+    """Whether every size in ``op_schema`` is a plain number (it hashes by value)."""
+    for leaf in pytree.tree_leaves((op_schema.args_schema, op_schema.kwargs_schema)):
+        if isinstance(leaf, DTensorSpec):
+            if not _concrete_spec(leaf):
+                return False
+        elif isinstance(leaf, _SYMBOLIC):
+            return False
+    return True
+
+
+def _concrete_spec(spec) -> bool:
+    meta = spec.tensor_meta
+    return meta is not None and not any(isinstance(v, _SYMBOLIC) for v in (*meta.shape, *meta.stride))
+
+
 def dtensor_from_spec(local: torch.Tensor, spec) -> "torch.distributed.tensor.DTensor":
     """Wrap a local shard as a DTensor of ``spec`` without autograd or a consistency check."""
     from torch.distributed.tensor import DTensor

@@ -38,7 +38,7 @@ from ..cp.load_balance import Balancer
 from ..layout import format_placements
 from ..moe.lowering import ExpertLowering
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
-from ..propagation import rules
+from ..propagation import attention_rules, rules
 from ..why import lowering_reason
 
 log = logging.getLogger(__name__)
@@ -317,7 +317,10 @@ def lower(captured: CapturedGraph, mesh, context=None, stack_inputs: bool = True
     fake_mode = compat.FakeTensorMode(allow_non_fake_inputs=True, shape_env=compat.ShapeEnv())
     primals, tangents = placeholder_local_values(captured, fake_mode)
     interpreter = _LocalInterpreter(captured, mesh, context, stack_inputs)
-    with fx_traceback.preserve_node_meta():
+    # DTensor's dispatch reuses the sharding decisions propagation cached for the same schemas
+    # (tracing alone would make it search every op's strategies again); not the attention ops,
+    # whose strategies differ inside the sequence-sharding scope (attention_rules.py).
+    with fx_traceback.preserve_node_meta(), compat.cached_sharding_decisions(attention_rules.ATTENTION_OPS):
         local_gm = compat.make_fx(interpreter, tracing_mode="fake", pre_dispatch=False)(primals, tangents)
     sources = {n.name: n for n in captured.gm.graph.nodes}
     tangents = frozenset(node for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs)

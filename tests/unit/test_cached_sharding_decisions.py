@@ -1,0 +1,80 @@
+"""Lowering takes DTensor's sharding decisions from its cache (``compat.cached_sharding_decisions``).
+
+Under ``make_fx`` DTensor bypasses its per-schema cache, so lowering re-ran every op's strategy
+search; on a 2-D mesh with a sequence-sharded plan that was most of the compile. The cached
+decision must be exactly the one DTensor computes afresh: the programs are compared with the cache
+off, and a schema with a symbolic size must still be decided afresh (it cannot be hashed)."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.distributed.tensor import Shard
+
+import hyper_parallel as hp
+from hyper_parallel import compat
+from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.models.plans import llama_tp_plan
+from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+PLANS = {
+    # The flatten of [batch, sequence] sharded over cp gives strided shards: the costly case.
+    "cp_x_tp": ({"context_parallel": {"model.layers.*.self_attn": hp.AsyncContextParallel()}, **llama_tp_plan()},
+                ("cp", "tp")),
+    "fsdp_x_tp": ({"fully_shard": {"units": ["model.layers.*", ""]}, **llama_tp_plan()}, ("dp", "tp")),
+}
+
+
+def _compile(plan, names):
+    """Programs of rank 1 on a fake 2 x 2 mesh, and how often lowering found a decision cached."""
+    with fake_world(4, 1):
+        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)  # clears DTensor's caches
+        model = build_model("llama", num_hidden_layers=2)
+        batch = local_batch(global_batch("llama", 4, 16, ignore_fraction=0.3), mesh)
+        pmodel = compile_for_explain(model, plan, mesh, (), batch)
+        hits = compat.sharding_propagator().propagate_op_sharding.cache_info().hits
+        return [program.code for program in pmodel.compiled_programs()], hits
+
+
+@pytest.mark.parametrize("case", list(PLANS))
+def test_programs_are_the_same_with_the_cache_and_without(case, monkeypatch):
+    plan, names = PLANS[case]
+    cached, hits_cached = _compile(plan, names)
+    monkeypatch.setattr(compat, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
+    fresh, hits_fresh = _compile(plan, names)
+    assert cached == fresh
+    assert hits_cached > hits_fresh, (hits_cached, hits_fresh)  # lowering did reuse decisions
+
+
+def _relu_schema(mesh, rows):
+    meta = compat.TensorMeta(torch.Size([rows, 4]), (4, 1), torch.float32)
+    spec = compat.DTensorSpec(mesh, (Shard(0),), tensor_meta=meta)
+    return compat.OpSchema(torch.ops.aten.relu.default, (spec,), {}, schema_info=None)
+
+
+def test_symbolic_sizes_are_decided_afresh_and_concrete_ones_cached():
+    propagator = compat.sharding_propagator()
+    with fake_world(2, 0):
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        shape_env = compat.ShapeEnv()
+        symbolic = _relu_schema(mesh, shape_env.create_unbacked_symint())
+        with compat.cached_sharding_decisions(), compat.FakeTensorMode(shape_env=shape_env):  # tracing
+            decided = propagator.propagate_op_sharding_non_cached(symbolic)
+            assert propagator.propagate_op_sharding.cache_info().currsize == 0  # never looked up
+            assert decided.output_spec.placements == (Shard(0),)
+            concrete = _relu_schema(mesh, 8)
+            first = propagator.propagate_op_sharding_non_cached(concrete)
+            again = propagator.propagate_op_sharding_non_cached(_relu_schema(mesh, 8))
+        assert again is first
+        assert propagator.propagate_op_sharding.cache_info().hits == 1
+
+
+def test_the_method_comes_back_after_nesting_and_errors():
+    propagator = compat.sharding_propagator()
+    with compat.cached_sharding_decisions():
+        outer = propagator.propagate_op_sharding_non_cached
+        with pytest.raises(RuntimeError, match="inside"):
+            with compat.cached_sharding_decisions():
+                raise RuntimeError("inside")
+        assert propagator.propagate_op_sharding_non_cached is outer
+    assert "propagate_op_sharding_non_cached" not in vars(propagator)  # the class's method again
