@@ -20,20 +20,31 @@ p.done("3 collectives per step")
 """
 
 
-def _run(mode: str, value: str | None) -> subprocess.CompletedProcess:
+def _start(mode: str, value: str | None) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "HYPER_PARALLEL_LOG"}
     if value is not None:
         env["HYPER_PARALLEL_LOG"] = value
-    return subprocess.run([sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-c", PROBE, mode], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(probe: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = probe.communicate(timeout=120)
+    return subprocess.CompletedProcess(probe.args, probe.returncode, out, err)
 
 
 def test_default_handler_and_its_switch():
-    shown = _run("plain", None)
+    # The four interpreters start at once: each spends its seconds importing torch.
+    probes = [_start("plain", None), _start("plain", "quiet"), _start("configured", None), _start("plain", "loud")]
+    try:
+        shown, quiet, configured, bad = [_finish(p) for p in probes]
+    finally:
+        for probe in probes:
+            probe.kill()  # no-op for those that ended; none is left behind by a timeout
     assert shown.returncode == 0, shown.stderr
     lines = shown.stderr.splitlines()
     assert lines[0].startswith("[hyper_parallel] compile Model: capture 0.") and lines[0].endswith(" s"), lines
     assert lines[1].startswith("[hyper_parallel] compile Model: done in ") and "3 collectives per step" in lines[1]
-    assert _run("plain", "quiet").stderr == ""
-    assert _run("configured", None).stderr == ""  # the application's WARNING configuration decides
-    bad = _run("plain", "loud")
+    assert quiet.stderr == ""
+    assert configured.stderr == ""  # the application's WARNING configuration decides
     assert bad.returncode != 0 and "HYPER_PARALLEL_LOG='loud': choose one of" in bad.stderr
