@@ -17,20 +17,27 @@ from hyper_parallel.explain import compile_for_explain, fake_world
 from hyper_parallel.models.plans import llama_tp_plan
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
+ATTENTION = "model.layers.*.self_attn"
+BF16 = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 PLANS = {
     # The flatten of [batch, sequence] sharded over cp gives strided shards: the costly case.
-    "cp_x_tp": ({"context_parallel": {"model.layers.*.self_attn": hp.AsyncContextParallel()}, **llama_tp_plan()},
+    "cp_x_tp": ("llama", {"context_parallel": {ATTENTION: hp.AsyncContextParallel()}, **llama_tp_plan()},
                 ("cp", "tp")),
-    "fsdp_x_tp": ({"fully_shard": {"units": ["model.layers.*", ""]}, **llama_tp_plan()}, ("dp", "tp")),
+    "fsdp_x_tp": ("llama", {"fully_shard": {"units": ["model.layers.*", ""]}, **llama_tp_plan()}, ("dp", "tp")),
+    # bf16 parameters with fp32 reduction, a transformers model, FSDP over dp_shard x cp.
+    "hf_bf16_fsdp_x_cp": ("hf:LlamaForCausalLM",
+                          {"context_parallel": {ATTENTION: hp.ContextParallel(mode="ring")},
+                           "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=BF16)},
+                          ("dp_shard", "cp")),
 }
 
 
-def _compile(plan, names):
+def _compile(model_name, plan, names):
     """Programs of rank 1 on a fake 2 x 2 mesh, and how often lowering found a decision cached."""
     with fake_world(4, 1):
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)  # clears DTensor's caches
-        model = build_model("llama", num_hidden_layers=2)
-        batch = local_batch(global_batch("llama", 4, 16, ignore_fraction=0.3), mesh)
+        model = build_model(model_name, num_hidden_layers=2)
+        batch = local_batch(global_batch(model_name, 4, 16, ignore_fraction=0.3), mesh)
         pmodel = compile_for_explain(model, plan, mesh, (), batch)
         hits = compat.sharding_propagator().propagate_op_sharding.cache_info().hits
         return [program.code for program in pmodel.compiled_programs()], hits
@@ -38,10 +45,9 @@ def _compile(plan, names):
 
 @pytest.mark.parametrize("case", list(PLANS))
 def test_programs_are_the_same_with_the_cache_and_without(case, monkeypatch):
-    plan, names = PLANS[case]
-    cached, hits_cached = _compile(plan, names)
+    cached, hits_cached = _compile(*PLANS[case])
     monkeypatch.setattr(compat, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
-    fresh, hits_fresh = _compile(plan, names)
+    fresh, hits_fresh = _compile(*PLANS[case])
     assert cached == fresh
     assert hits_cached > hits_fresh, (hits_cached, hits_fresh)  # lowering did reuse decisions
 
