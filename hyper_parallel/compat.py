@@ -214,6 +214,22 @@ def flatten_mesh(mesh, axes: tuple[str, ...], name: str):
     return mesh[tuple(axes)]._flatten(name)
 
 
+def mesh_root_dim_names(mesh) -> tuple[str, ...]:
+    """The axis names of the mesh ``mesh`` was sliced from (itself when it is a root)."""
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    return tuple(root.mesh_dim_names or ())
+
+
+def flattened_mesh_over(mesh, axes: tuple[str, ...]):
+    """The mesh already flattened from ``mesh``'s root over exactly the ranks of ``mesh``'s axes
+    ``axes`` (in mesh order), or None: the one DTensor's redistribution would find and use to run a
+    collective over those axes as one (it compares layouts, so an alias of another name counts)."""
+    from torch.distributed.tensor._redistribute import _get_flattened_mesh_by_layout_impl
+
+    names = mesh.mesh_dim_names
+    return _get_flattened_mesh_by_layout_impl(mesh, tuple(names.index(a) for a in axes))
+
+
 def flattened_meshes(mesh) -> dict[str, "torch.distributed.device_mesh.DeviceMesh"]:
     """``{alias: 1-D mesh}`` for every mesh ``DeviceMesh._flatten`` made from ``mesh``'s root
     (``flatten_mesh`` above; ParallelDims' ``dp`` / ``fsdp`` / ``loss``). Empty on a torch that

@@ -49,7 +49,8 @@ class Collective:
 def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:
     """Process-group name → mesh axis name for every axis of ``mesh``; with ``fsdp`` (an FsdpPlan),
     also "<shard axis>/k<k>" for the groups of k ranks that ``reshard_after_forward=<k>`` units
-    gather over in backward; with ``context`` (a ContextPlan), "<cp axis>/ulysses" and
+    gather over in backward, and "<axis>+<axis>" for the mesh flattened over the axes dense
+    parameters are sharded over (FsdpPlan.joint_group); with ``context`` (a ContextPlan), "<cp axis>/ulysses" and
     "<cp axis>/ring" for the hybrid's sub-groups. Group names differ between ranks; these labels
     do not."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
@@ -58,6 +59,8 @@ def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:
                         (getattr(context, "ring_group", None), "ring")):
         if group is not None:
             out[group] = f"{context.axis}/{part}"
+    if getattr(fsdp, "joint_group", None) is not None:  # FSDP over several axes, one group
+        out[fsdp.joint_group] = "+".join(fsdp.joint_axes)
     for unit in fsdp.units if fsdp is not None else ():
         k = unit.reshard_after_forward
         if unit.post_forward_group is not None and isinstance(k, int) and not isinstance(k, bool):

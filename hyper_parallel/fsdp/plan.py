@@ -187,6 +187,11 @@ class FsdpPlan:
     # sharded over shard_axis x these (torchtitan's dense FSDP over dp_shard x ep, and its
     # dp_shard_cp), an expert weight over shard_axis only.
     extra_shard_axes: tuple[str, ...] = ()
+    # The mesh axes (in mesh order) a dense parameter is sharded over when there are several, and
+    # the process group of the mesh flattened over them (attach_joint_shard_group): DTensor gathers
+    # and reduce-scatters over it as one collective instead of one per axis.
+    joint_axes: tuple[str, ...] = ()
+    joint_group: str | None = dataclasses.field(default=None, compare=False)
     comm_fusion: bool = True
     # Mixed precision and offload policies are per unit (FsdpUnit; policy_of / offload_of below).
     # (unit, DeviceMesh) for each hp.fully_shard(mesh=...) call, checked against parallelize's mesh.

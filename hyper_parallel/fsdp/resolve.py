@@ -20,8 +20,10 @@ shard further, which in DTensor terms is ``_StridedShard(0, split_factor=<tp deg
 placement PyTorch FSDP2 uses for 2-D parallelism; it unshards with one all-gather.
 
 :func:`attach_post_forward_groups` then creates the process groups of units with
-``reshard_after_forward=<k>`` (passes/reshard_after_forward.py gathers over them in backward); it
-runs at ``parallelize`` time, on every rank, since creating a process group is collective.
+``reshard_after_forward=<k>`` (passes/reshard_after_forward.py gathers over them in backward), and
+:func:`attach_joint_shard_group` the mesh flattened over the several axes dense parameters are
+sharded over, so that each gather and reduce-scatter is one collective, not one per axis; both run
+at ``parallelize`` time, on every rank, since creating a process group is collective.
 """
 
 from __future__ import annotations
@@ -325,6 +327,18 @@ def _storage_placements(compute: tuple, names, sizes, fsdp_axes: list[int], fqn:
             f"({local0}) does not divide over {over}, nor does its dim 1, and uneven FSDP shards "
             "nested inside tensor-parallel shards are not supported: use degrees that divide dim 0"
         )
+    if not computed0 and len(axes) > 1 and shape[0] % ranks != 0:
+        # Uneven over several FSDP axes (a router's [experts, hidden] over dp_shard x ep). Over a
+        # mesh flattened from those axes, which ParallelDims meshes have and
+        # attach_joint_shard_group creates, DTensor (torch 2.13) gathers a nested uneven Shard(0)
+        # as if it were one even chunking over all their ranks: silently wrong rows. So shards
+        # over several axes stay even: on dim 1 when it divides, else over the shard axis alone.
+        if _dim1_shardable(compute, shape, ranks):
+            for i in axes:
+                placements[i] = Shard(1)
+        else:
+            placements[shard_i] = Shard(0)
+        return tuple(placements)
     for i in axes:
         later = [j for j in computed0 if j > i]
         placements[i] = (
@@ -484,3 +498,31 @@ def attach_post_forward_groups(fsdp, mesh):
         for u in fsdp.units
     )
     return dataclasses.replace(fsdp, units=units)
+
+
+def attach_joint_shard_group(fsdp, mesh):
+    """``fsdp`` (an FsdpPlan) with ``joint_axes`` / ``joint_group`` set when dense parameters are
+    sharded over several mesh axes (the shard axis and an expert- or context-parallel axis).
+
+    DTensor gathers a parameter stored nested-sharded over those axes with one all-gather per axis,
+    unless the mesh's root has a mesh flattened over them; then it runs one over the flattened
+    group, and so does each gradient's reduce-scatter (and the loss's reduction over the same
+    axes). A ``ParallelDims`` mesh has such aliases; on any other mesh this creates one, named as
+    torch names a flattened axis (``dp_shard_cp``). Collective: every rank calls it."""
+    if fsdp is None or not fsdp.extra_shard_axes:
+        return fsdp
+    names = tuple(mesh.mesh_dim_names)
+    axes = tuple(a for a in names if a in fsdp.data_axes and a != fsdp.replicate_axis
+                 and mesh.size(names.index(a)) > 1)
+    if len(axes) < 2:
+        return fsdp
+    flat = compat.flattened_mesh_over(mesh, axes)
+    if flat is None:
+        taken = set(compat.mesh_root_dim_names(mesh)) | set(compat.flattened_meshes(mesh))
+        name = base = "_".join(axes)
+        suffix = 1
+        while name in taken:  # another alias (or axis) of the root already has this name
+            suffix += 1
+            name = f"{base}_{suffix}"
+        flat = compat.flatten_mesh(mesh, axes, name)
+    return dataclasses.replace(fsdp, joint_axes=axes, joint_group=flat.get_group(0).group_name)

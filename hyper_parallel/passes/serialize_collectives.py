@@ -22,15 +22,16 @@ overlapping the compute around it, but waits for the previous collective of the 
 group before the next one is issued. NCCL/HCCL (ordered on one stream per group) and the fake
 backend (simulations: explain, the pass tests) are left alone.
 
-Reads: the group name of each ``_c10d_functional`` collective, the mesh's process groups and their
-backends (``ctx.mesh``). Writes: node order only (a wait moves earlier, right before the next issue
-on its group), so numerics are unchanged. Idempotent.
+Reads: the group name of each ``_c10d_functional`` collective and that process group's backend
+(every group a program uses, not only the mesh axes'). Writes: node order only (a wait moves
+earlier, right before the next issue on its group), so numerics are unchanged. Idempotent.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from .. import compat
 from ..propagation import recompile
 
 c10d = torch.ops._c10d_functional
@@ -47,15 +48,20 @@ def _group_name(node: torch.fx.Node) -> str | None:
     return names[-1] if names else None
 
 
-def serialized_groups(mesh) -> frozenset[str]:
-    """Names of the mesh's process groups whose backend runs concurrent collectives unsafely."""
-    if mesh is None or not dist.is_initialized():
+def serialized_groups(gm: torch.fx.GraphModule) -> frozenset[str]:
+    """Names of the process groups ``gm``'s collectives run on whose backend runs concurrent
+    collectives unsafely: every group the program uses, the mesh axes' and the others (a mesh
+    flattened over several axes, the groups of ``reshard_after_forward=<k>``, a hybrid context
+    parallelism's sub-groups)."""
+    if not dist.is_initialized():
         return frozenset()
     names = set()
-    for axis in range(mesh.ndim):
-        group = mesh.get_group(axis)
-        if dist.get_backend(group) in _SERIALIZED_BACKENDS:
-            names.add(group.group_name)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional":
+            name = _group_name(node)
+            group = compat.resolve_process_group(name) if name is not None else None
+            if group is not None and dist.get_backend(group) in _SERIALIZED_BACKENDS:
+                names.add(name)
     return frozenset(names)
 
 
@@ -93,4 +99,4 @@ def serialize_collectives(gm: torch.fx.GraphModule, groups: frozenset[str]) -> t
 
 
 def serialize_collectives_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    return serialize_collectives(gm, serialized_groups(ctx.mesh))
+    return serialize_collectives(gm, serialized_groups(gm))

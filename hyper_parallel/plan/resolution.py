@@ -20,7 +20,7 @@ from torch import nn
 
 from ..cp.resolve import attach_context_groups
 from ..fsdp.fully_shard import collect_recorded_fully_shard
-from ..fsdp.resolve import attach_post_forward_groups, resolve_fully_shard
+from ..fsdp.resolve import attach_joint_shard_group, attach_post_forward_groups, resolve_fully_shard
 from ..pipeline.api import PipelineState, stage_mesh
 from ..pipeline.plan import resolve_pipeline
 from ..recompute import ActivationPlan, resolve_activation_plan
@@ -112,6 +112,8 @@ def resolve(
         resolved = resolve_fully_shard(fully_shard_spec, model, resolved)
         # reshard_after_forward=<k>: the groups of k ranks backward gathers over (collective).
         resolved = dataclasses.replace(resolved, fsdp=attach_post_forward_groups(resolved.fsdp, mesh))
+        # Dense parameters sharded over several axes: one collective over their flattened mesh.
+        resolved = dataclasses.replace(resolved, fsdp=attach_joint_shard_group(resolved.fsdp, mesh))
     # Ring attention over groups of Ulysses ranks: the two sub-groups of the cp axis (collective).
     resolved = dataclasses.replace(resolved, context=attach_context_groups(resolved.context, mesh))
     check_mesh_axes_used(resolved, full_plan)

@@ -96,3 +96,22 @@ class LayerStack(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(x).sum()
+
+
+def in_flight_per_group(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """The most collectives of one process group issued and not yet waited at any point of the
+    program, per group name."""
+    c10d = torch.ops._c10d_functional
+    in_flight: dict[str, set] = {}
+    most: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is c10d.wait_tensor.default:
+            for open_ in in_flight.values():
+                open_.discard(node.args[0])
+        elif getattr(node.target, "namespace", None) == "_c10d_functional":
+            group = [a for a in node.args if isinstance(a, str)][-1]
+            in_flight.setdefault(group, set()).add(node)
+            most[group] = max(most.get(group, 0), len(in_flight[group]))
+    return most

@@ -247,8 +247,12 @@ def test_cp_composes(dist4, case):
     else:
         _check_ring_transfers(collectives, cp, batch)
     if case == "ring_fsdp_cp":
-        assert collectives["backward"]["reduce_scatter"]["cp"]["count"] == 3  # one per unit
-        assert "cp" not in collectives["backward"].get("all_reduce", {})
+        # FSDP over dp_shard x cp: one reduce-scatter per unit over the mesh flattened from the two
+        # axes (parallelize creates it on this plain mesh), none per axis, and no all-reduce.
+        scatters = collectives["backward"]["reduce_scatter"]
+        assert list(scatters) == ["dp_shard+cp"] and scatters["dp_shard+cp"]["count"] == 3, scatters
+        assert not collectives["backward"].get("all_reduce"), collectives["backward"]
+        assert "dp_shard" not in collectives["forward"]["all_gather"], collectives["forward"]
 
 
 def test_fewer_sequences_than_cp_ranks(dist4):

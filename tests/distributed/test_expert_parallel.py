@@ -150,18 +150,21 @@ def _ep_fsdp_storage() -> dict:
 def test_ep_times_fsdp_parity(dist4):
     """dp_shard=2 x ep=2: each expert weight is sharded over the dp_shard ranks that hold the same
     experts (torchtitan's dp_shard_mod_ep) and gathered per layer; dense weights are sharded over
-    all four data-parallel ranks (dp_shard x ep), gathered over both axes and reduce-scattered
-    over both: no dense gradient is all-reduced over ep any more."""
+    all four data-parallel ranks (dp_shard x ep) and gathered and reduce-scattered over both at
+    once, on the mesh flattened over the two (``dp_shard+ep``, which parallelize creates on this
+    plain mesh): no dense gradient is all-reduced over ep any more, and nothing runs once per axis."""
     results = dist4.run(run_parity, "moe", EP_FSDP, (2, 2), ("dp_shard", "ep"), ignore_fraction=0.3,
                         model_overrides={"num_hidden_layers": 2})
     collectives = results[0]["summary"]["collectives"]
-    # One fused gather per unit and axis (the dense weights' second axis is ep).
-    assert collectives["forward"]["all_gather"]["dp_shard"]["count"] == 3
-    assert collectives["forward"]["all_gather"]["ep"]["count"] == 3
-    assert collectives["backward"]["reduce_scatter"]["ep"]["count"] == 3
-    # What is left over ep in backward: the load-balancing loss's [E] gradient rows, one fused
-    # all-reduce of 2 layers x 4 experts x fp32.
-    assert collectives["backward"]["all_reduce"]["ep"] == {"count": 1, "bytes": 2 * 4 * 4}
+    # Per unit one fused gather of its dense weights over dp_shard x ep, and in each MoE layer one of
+    # its expert weights over dp_shard; the gradients likewise.
+    assert collectives["forward"]["all_gather"] == {
+        "dp_shard+ep": {"count": 3, "bytes": 58176}, "dp_shard": {"count": 2, "bytes": 49152}}
+    assert collectives["backward"]["reduce_scatter"] == {
+        "dp_shard+ep": {"count": 3, "bytes": 232704}, "dp_shard": {"count": 2, "bytes": 98304}}
+    # What is left in backward besides: the load-balancing loss's [E] gradient rows, one fused
+    # all-reduce of 2 layers x 4 experts x fp32, over the same flattened group.
+    assert collectives["backward"]["all_reduce"] == {"dp_shard+ep": {"count": 1, "bytes": 2 * 4 * 4}}
     assert collectives["forward"]["all_to_all"]["ep"]["count"] == 2 * 3
     stored = dist4.run(_ep_fsdp_storage)[0]
     assert stored["model.layers.0.self_attn.q_proj.weight"] == ("(Shard(dim=0), Shard(dim=0))", (16, 64))
@@ -194,16 +197,25 @@ def test_ep_times_fsdp_gradient_accumulation(dist4):
     dist4.run(_ep_fsdp_gradient_accumulation)
 
 
-def _ep_fsdp_bf16(steps: int = 2) -> dict:
+def _ep_fsdp_bf16(mesh_kind: str, steps: int = 2) -> dict:
     """bf16 compute / fp32 reduce (FSDP2's MixedPrecisionPolicy) against one device computing in
-    bf16 from the same fp32 master weights; also where the reduce-scatters sit in backward."""
+    bf16 from the same fp32 master weights; also where the reduce-scatters sit in backward, and
+    how many collectives of one group each program has in flight. ``mesh_kind``: "plain" or
+    "parallel_dims" (whose mesh has its flattened aliases from the start)."""
     import copy
 
     import torch.distributed as dist
 
-    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    from hyper_parallel.testing.pass_inputs import in_flight_per_group
+
+    if mesh_kind == "parallel_dims":
+        mesh = hp.ParallelDims(dp_shard=2, ep=2, world_size=4).build_mesh("cpu")
+    else:
+        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
     # One expert per ep rank (top-1 of 2): dim 0 cannot split over dp_shard, so the expert weights
-    # are FSDP-sharded on dim 1 (as torchtitan does when dp_shard x ep > experts).
+    # are FSDP-sharded on dim 1 (as torchtitan does when dp_shard x ep > experts). The router's
+    # [2, hidden] weight does not divide over dp_shard x ep: it is stored sharded on dim 1 (a
+    # nested uneven dim-0 shard is gathered wrongly by DTensor over the flattened mesh).
     master = build_model("moe", num_hidden_layers=2, num_experts=2, num_experts_per_tok=1)
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plan = {**EP_FSDP, "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
@@ -218,21 +230,29 @@ def _ep_fsdp_bf16(steps: int = 2) -> dict:
         for p, cp in zip(master.parameters(), compute.parameters()):
             p.grad = cp.grad.float()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    _, backward = model.compiled_programs()
+    forward, backward = model.compiled_programs()
     nodes = list(backward.graph.nodes)
     scatters = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
     expert_mm = [i for i, n in enumerate(nodes) if n.target in MM and "experts" in n.meta.get(meta.SOURCE, "")]
+    in_flight = {**in_flight_per_group(forward), **in_flight_per_group(backward)}
     return {"rank": dist.get_rank(), "scatters": scatters, "expert_mm": expert_mm, "length": len(nodes),
-            "stored": _stored(model, ["model.layers.0.mlp.experts.down_proj"])}
+            "in_flight": in_flight, "stored": _stored(model, ["model.layers.0.mlp.experts.down_proj",
+                                                              "model.layers.0.mlp.router.gate.weight"])}
 
 
-def test_ep_times_fsdp_bf16_reductions_overlap_backward(dist4):
+@pytest.mark.parametrize("mesh_kind", ["plain", "parallel_dims"])
+def test_ep_times_fsdp_bf16_reductions_overlap_backward(dist4, mesh_kind):
     """Mixed precision, one expert per ep rank (its weights FSDP-sharded on dim 1): the loss and
     every fp32 gradient track the bf16 single-device run, and the
     first FSDP reduce-scatter is issued before the first layer's expert backward matmuls (the
-    last layer's gradients reduce while earlier layers still compute), not after all of backward."""
-    for result in dist4.run(_ep_fsdp_bf16):
+    last layer's gradients reduce while earlier layers still compute), not after all of backward.
+    On a ParallelDims mesh (its flattened aliases there from the start) this gave a silently wrong
+    loss and gradients until the router's uneven weight was stored sharded on dim 1. On gloo every
+    group, the flattened one included, has one collective in flight at a time."""
+    for result in dist4.run(_ep_fsdp_bf16, mesh_kind):
         assert result["stored"]["model.layers.0.mlp.experts.down_proj"] == ("(Shard(dim=1), Shard(dim=0))", (1, 16, 64))
+        assert result["stored"]["model.layers.0.mlp.router.gate.weight"] == ("(Shard(dim=1), Shard(dim=1))", (2, 16))
+        assert max(result["in_flight"].values()) == 1, result["in_flight"]
         assert result["scatters"] and result["expert_mm"]
         assert result["scatters"][0] < max(result["expert_mm"]), result
 

@@ -5,25 +5,9 @@ import torch
 
 from hyper_parallel.passes.serialize_collectives import serialize_collectives
 from hyper_parallel.testing.pass_inputs import LayerStack, assert_valid_order, pass_input
+from hyper_parallel.testing.pass_inputs import in_flight_per_group as _in_flight_per_group
 
 c10d = torch.ops._c10d_functional
-
-
-def _in_flight_per_group(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """The most collectives of one group issued and not yet waited at any point of the program."""
-    in_flight: dict[str, set] = {}
-    most: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is c10d.wait_tensor.default:
-            for open_ in in_flight.values():
-                open_.discard(node.args[0])
-        elif getattr(node.target, "namespace", None) == "_c10d_functional":
-            group = [a for a in node.args if isinstance(a, str)][-1]
-            in_flight.setdefault(group, set()).add(node)
-            most[group] = max(most.get(group, 0), len(in_flight[group]))
-    return most
 
 
 def _issues(gm):
@@ -83,4 +67,6 @@ def test_fake_backend_simulations_keep_their_overlap():
 
     with fake_world(4, 0):
         mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-        assert serialized_groups(mesh) == frozenset()
+        group = mesh.get_group(0).group_name
+        gm = torch.fx.symbolic_trace(lambda x: c10d.wait_tensor.default(c10d.all_reduce.default(x, "sum", group)))
+        assert serialized_groups(gm) == frozenset()

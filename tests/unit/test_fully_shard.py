@@ -169,3 +169,19 @@ def test_per_unit_int_reshard_after_forward_from_fully_shard_calls():
     model, spec = recorded("yes")
     with pytest.raises(TypeError, match=r"unit 'model.layers.0': reshard_after_forward must be True, False or an int"):
         _resolve(model, spec, hp.Layout((4,), ("dp",)))
+
+
+def test_shards_over_several_axes_stay_even():
+    """FSDP over dp_shard x cp: a parameter whose dim 0 does not divide over both axes is stored
+    sharded on dim 1 when that divides, else over dp_shard alone. DTensor gathers a nested uneven
+    Shard(0) wrongly over the mesh flattened from the two axes (ParallelDims meshes have one, and
+    parallelize creates one), so no such layout may exist."""
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=258))
+    model.model.register_parameter("odd", nn.Parameter(torch.zeros(3, 5)))
+    plan = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel(mode="ring")}}
+    resolved = _resolve(model, {"units": ["model.layers.*", ""]}, hp.Layout((2, 2), ("dp_shard", "cp")), plan)
+    assert resolved.fsdp.extra_shard_axes == ("cp",)
+    placements = resolved.param_placements
+    assert placements["model.layers.0.self_attn.q_proj.weight"] == (Shard(0), Shard(0))  # 64 rows: even
+    assert placements["model.embed_tokens.weight"] == (Shard(1), Shard(1))  # 258 rows, 64 columns
+    assert placements["model.odd"] == (Shard(0), Replicate())  # neither 3 nor 5 divides over 4
