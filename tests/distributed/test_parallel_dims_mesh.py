@@ -55,7 +55,8 @@ def test_parallel_dims_mesh_fsdp_tp_parity(dist4):
 
 def _uneven_nested_gather() -> list:
     """torch's DTensor alone: a [2, 3] tensor nested-sharded Shard(0) x Shard(0) over a 2 x 2 mesh
-    (one row on two ranks, none on the other two: uneven), gathered whole with a mesh flattened from the two axes."""
+    (one row on two ranks, none on the other two: uneven), gathered whole with a mesh flattened
+    from the two axes."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     from hyper_parallel import compat
