@@ -50,9 +50,9 @@ def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:
     """Process-group name → mesh axis name for every axis of ``mesh``; with ``fsdp`` (an FsdpPlan),
     also "<shard axis>/k<k>" for the groups of k ranks that ``reshard_after_forward=<k>`` units
     gather over in backward, and "<axis>+<axis>" for the mesh flattened over the axes dense
-    parameters are sharded over (FsdpPlan.joint_group); with ``context`` (a ContextPlan), "<cp axis>/ulysses" and
-    "<cp axis>/ring" for the hybrid's sub-groups. Group names differ between ranks; these labels
-    do not."""
+    parameters are sharded over (FsdpPlan.joint_group); with ``context`` (a ContextPlan),
+    "<cp axis>/ulysses" and "<cp axis>/ring" for the hybrid's sub-groups. Group names differ
+    between ranks; these labels do not."""
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     out = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
     for group, part in ((getattr(context, "ulysses_group", None), "ulysses"),

@@ -68,5 +68,6 @@ def test_fake_backend_simulations_keep_their_overlap():
     with fake_world(4, 0):
         mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
         group = mesh.get_group(0).group_name
-        gm = torch.fx.symbolic_trace(lambda x: c10d.wait_tensor.default(c10d.all_reduce.default(x, "sum", group)))
+        gm = torch.fx.symbolic_trace(
+            lambda x: c10d.wait_tensor.default(c10d.all_reduce.default(x, "sum", group)))
         assert serialized_groups(gm) == frozenset()

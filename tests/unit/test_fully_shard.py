@@ -179,7 +179,8 @@ def test_shards_over_several_axes_stay_even():
     model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, vocab_size=258))
     model.model.register_parameter("odd", nn.Parameter(torch.zeros(3, 5)))
     plan = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel(mode="ring")}}
-    resolved = _resolve(model, {"units": ["model.layers.*", ""]}, hp.Layout((2, 2), ("dp_shard", "cp")), plan)
+    layout = hp.Layout((2, 2), ("dp_shard", "cp"))
+    resolved = _resolve(model, {"units": ["model.layers.*", ""]}, layout, plan)
     assert resolved.fsdp.extra_shard_axes == ("cp",)
     placements = resolved.param_placements
     assert placements["model.layers.0.self_attn.q_proj.weight"] == (Shard(0), Shard(0))  # 64 rows: even
