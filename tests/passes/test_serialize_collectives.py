@@ -4,8 +4,7 @@ from the compiled programs; other backends keep every collective the earlier pas
 import torch
 
 from hyper_parallel.passes.serialize_collectives import serialize_collectives
-from hyper_parallel.testing.pass_inputs import LayerStack, assert_valid_order, pass_input
-from hyper_parallel.testing.pass_inputs import in_flight_per_group as _in_flight_per_group
+from hyper_parallel.testing.pass_inputs import LayerStack, assert_valid_order, in_flight_per_group, pass_input
 
 c10d = torch.ops._c10d_functional
 
@@ -22,12 +21,12 @@ def test_prefetched_fsdp_program_keeps_one_collective_per_group_in_flight():
     plan = {"fully_shard": {"units": ["layers.*", ""]}}
     gm, _ = pass_input(lambda: LayerStack(6), plan, world=4, upto="serialize_collectives",
                        prefetch_depth=2, reductions_in_flight=2)
-    before = _in_flight_per_group(gm)
+    before = in_flight_per_group(gm)
     assert max(before.values()) >= 2, before
     issues = _issues(gm)
     serialize_collectives(gm, frozenset(before))
     assert_valid_order(gm)
-    after = _in_flight_per_group(gm)
+    after = in_flight_per_group(gm)
     assert set(after) == set(before) and max(after.values()) == 1, after
     # Same collectives, issued in the same order.
     assert issues == _issues(gm)
@@ -50,11 +49,11 @@ def test_groups_not_named_are_left_alone():
         return c10d.wait_tensor.default(a) + c10d.wait_tensor.default(b) + c10d.wait_tensor.default(c)
 
     gm = torch.fx.symbolic_trace(program)
-    assert _in_flight_per_group(gm) == {"g1": 2, "g2": 1}
+    assert in_flight_per_group(gm) == {"g1": 2, "g2": 1}
     serialize_collectives(gm, frozenset({"g2"}))
-    assert _in_flight_per_group(gm) == {"g1": 2, "g2": 1}
+    assert in_flight_per_group(gm) == {"g1": 2, "g2": 1}
     serialize_collectives(gm, frozenset({"g1"}))
-    assert _in_flight_per_group(gm) == {"g1": 1, "g2": 1}
+    assert in_flight_per_group(gm) == {"g1": 1, "g2": 1}
     assert_valid_order(gm)
 
 
