@@ -178,7 +178,8 @@ def clear_sharding_caches() -> None:
 
     DTensor keys those caches on a mesh's shape and axis names, not on its process groups, so a
     decision cached for one mesh can hand a later mesh of the same shape the first one's (possibly
-    destroyed) groups. Called whenever a mesh is created.
+    destroyed) groups. Called whenever a mesh is created, and by :func:`sharding_caches_for` when
+    a compile lowers onto another mesh than the previous compile did.
 
     Also DTensor's redistribution planners and transform plans: torch keys the planner cache on a
     weak reference to the mesh but the planner holds the mesh itself, so every mesh a compile
@@ -192,6 +193,23 @@ def clear_sharding_caches() -> None:
     for cached in (getattr(_redistribute, "_gen_transform_infos", None), getattr(topology, "build_from_mesh", None)):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+
+
+_LAST_LOWERED_MESH = None  # a weak reference to the mesh the previous compile lowered onto
+
+
+def sharding_caches_for(mesh) -> None:
+    """Make DTensor's caches safe for a compile that lowers onto ``mesh``: cleared unless the
+    previous compile lowered onto this very mesh. Two equal meshes (the same ranks, shape and axis
+    names) may both be alive, created before either compiled; a decision cached for the other one
+    would run this compile's collectives on that mesh's process groups, which its labels, passes
+    and SPMD check do not know. Reusing the caches for the same mesh keeps repeated compiles fast."""
+    import weakref
+
+    global _LAST_LOWERED_MESH
+    if _LAST_LOWERED_MESH is None or _LAST_LOWERED_MESH() is not mesh:
+        clear_sharding_caches()
+        _LAST_LOWERED_MESH = weakref.ref(mesh)
 
 
 def unflatten_mesh_axis(mesh, axis: str, sizes: tuple[int, ...], names: tuple[str, ...]):

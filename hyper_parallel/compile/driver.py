@@ -175,6 +175,8 @@ def capture_and_lower(
     rank-0 progress lines), or None."""
     progress = progress or Progress(f"compile {state.original_cls.__name__}", enabled=False)
     mesh = state.mesh
+    # DTensor's cached decisions hold the mesh they were made for and match any equal mesh.
+    compat.sharding_caches_for(mesh)
     paths = flat_paths((args, kwargs))
     input_placements = _input_placements(resolved_plan, paths, flat)
     resolved = dataclasses.replace(resolved_plan, inputs={**resolved_plan.inputs, **input_placements})

@@ -90,7 +90,12 @@ class ResolvedPlan:
         """Placements of forward input ``name`` with ``ndim`` dims: the plan's override or the default."""
         override = self.inputs.get(name)
         if override is None:
-            return default_input_placements(self.mesh_dim_names, ndim, self.data_parallel_axes, self.sequence_axes)
+            placements = default_input_placements(self.mesh_dim_names, ndim, self.data_parallel_axes, self.sequence_axes)
+            # An axis of one rank shards nothing, so Replicate there is the same layout. Shard would
+            # make a batch of one a sharded singleton dim, which DTensor's view rules refuse to
+            # flatten ([1, S, H] -> [S, H] in every linear layer): a dp=1 mesh could not train on it.
+            sizes = self.mesh_shape or (None,) * len(placements)
+            return tuple(Replicate() if size == 1 else p for p, size in zip(placements, sizes))
         return normalize_placements(override, ndim, f"inputs[{name!r}]")
 
     def output_override(self, name: str) -> dict[str, Placement]:

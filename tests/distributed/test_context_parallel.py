@@ -680,3 +680,31 @@ def test_eager_dtensor_attention_is_not_given_the_sequence_rule(dist2):
     the context-parallel kernels compute it): eager DTensor must not run the plain kernel on
     sequence shards, which would attend to each rank's own keys only."""
     assert max(dist2.run(_eager_dtensor_attention_error)) < 1e-6
+
+
+def _two_equal_meshes_made_first() -> list:
+    """Two (dp, cp) meshes over the same ranks, both created before either model compiles (a user
+    comparing two runs in one process): each compile lowers onto its own mesh's groups."""
+    import copy
+
+    meshes = [hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp")) for _ in range(2)]
+    master = build_model("llama", num_hidden_layers=1)
+    batch = local_batch(global_batch("llama", BATCH, SEQ, ignore_fraction=0.3), meshes[0])
+    losses, axes = [], set()
+    for mesh in meshes:
+        model = hp.parallelize(copy.deepcopy(master), _plan("ring"), mesh)
+        loss = model(**batch)["loss"]
+        loss.backward()
+        losses.append(loss.item())
+        for phase in model.compile_summary()["collectives"].values():
+            axes.update(axis for per_axis in phase.values() for axis in per_axis)
+    return [losses, sorted(axes)]
+
+
+def test_two_equal_meshes_alive_at_once(dist4):
+    """DTensor caches sharding decisions by a mesh's value, each holding the mesh it was made for:
+    without a fresh cache per compile the second model lowered onto the first mesh's process groups,
+    whose (rank-dependent) names its SPMD check did not know, and it raised on every rank."""
+    for losses, axes in dist4.run(_two_equal_meshes_made_first):
+        assert losses[0] == losses[1], losses
+        assert axes == ["cp", "dp"], axes

@@ -100,6 +100,17 @@ def test_2d_data_and_tensor_parallel(dist4):
     assert summary["fallbacks"] == []
 
 
+@pytest.mark.parametrize("model,plan,names", [("llama", "tp", ("dp", "tp")), ("hf_llama", "fsdp_tp", ("dp_shard", "tp"))])
+def test_batch_of_one_on_a_data_axis_of_one(dist2, model, plan, names):
+    """Long-context runs train on one sequence per step, on meshes whose data axis has one rank.
+    Inputs were Shard(0) there, a sharded batch dim of one that DTensor's view rules refuse to
+    flatten ([1, S, H] -> [S, H]): the compile failed in the first linear layer."""
+    if model.startswith("hf"):
+        pytest.importorskip("transformers")
+    results = dist2.run(run_parity, model, plan, (1, 2), names, batch=1)
+    assert results[0]["summary"]["fallbacks"] == []
+
+
 def test_hf_llama_tensor_parallel(dist2):
     pytest.importorskip("transformers")
     results = dist2.run(run_parity, "hf_llama", "tp", (2,), ("tp",))

@@ -30,6 +30,14 @@ def _check_stages(results, num_stages):
         assert r["summary"]["num_stages"] == num_stages
 
 
+def test_micro_batches_of_one_on_a_data_axis_of_one(dist2):
+    """A (pp=2, dp=1) mesh with micro-batches of one sequence: the stages' inputs used to be a
+    sharded batch dim of one, which failed to compile in the first linear layer."""
+    plan = {"pipeline": _pipeline(["model.layers.2"], "1F1B", 4)}
+    results = dist2.run(run_pipeline_parity, plan, (2, 1), ("pp", "dp"), batch=4)
+    _check_stages(results, 2)
+
+
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_two_stages_match_single_device(dist2, schedule):
     plan = {"pipeline": _pipeline(["model.layers.2"], schedule, 4)}
