@@ -51,6 +51,7 @@ from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..ir import meta
 from ..progress import Progress
 from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
+from ..runtime.autocast_state import autocast_state, describe as describe_autocast, programs_run_as_captured
 from ..runtime.partition import partition_by_phase
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
@@ -240,7 +241,9 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     # Every rank of the whole mesh agrees on the step's inputs first (spmd.agree): a rank with
     # another batch shape would otherwise wait forever for its stage peers.
     state.calls += 1
-    text = "\n".join(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat))
+    autocast = autocast_state()  # the stage programs hold the casts of the state they were captured in
+    text = "\n".join([*(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat)),
+                      f"autocast: {describe_autocast(autocast)}"])
     agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
           empty_problem(flat, lambda: paths), timeout=state.options.timeout)
     # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
@@ -249,13 +252,14 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
     mbs = micro_batches(flat, plan.num_microbatches, labels, specs)
 
-    key = (in_spec, tuple(signature(x) for x in mbs[0]))
+    key = (in_spec, tuple(signature(x) for x in mbs[0]), autocast)
     entry = pipe.cache.get(key)
     if entry is None:
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
         entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
     pipe.last = entry
-    loss, count, grads = entry.executor.run(module, mbs)
+    with programs_run_as_captured():
+        loss, count, grads = entry.executor.run(module, mbs)
     loss, count = _broadcast_loss(pipe, loss, count, entry)
     if count is not None:  # the gradients are of the summed loss (pipeline/loss.py)
         for g in grads.values():

@@ -37,6 +37,7 @@ from ..plan import ResolvedPlan
 from ..propagation.accumulation import GRAD_ACCUM
 from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
+from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
 from .recompiles import before_compile
 from .input_check import empty_problem, index_problem
@@ -173,7 +174,9 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     # and updates nothing; dropout is off): the root's mode and the modules set otherwise are flags.
     mode = ("train" if module.training else "eval",
             tuple(fqn for fqn, m in module.named_modules() if m.training != module.training))
-    key = (in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch))
+    # A program captured under autocast holds its casts: the state picks the program (autocast_state.py).
+    key = (in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
+           autocast_state())
     entry = state.cache.get(key)
     state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
@@ -208,9 +211,10 @@ def _index_problem(state: ParallelState, entry: CompiledEntry, flat) -> str | No
 
 def _describe_call(key, flat, args, kwargs) -> str:
     """The call signature the ranks agree on, one line per input (what an error shows)."""
-    in_spec, signatures, flags, prefetch = key
+    in_spec, signatures, flags, prefetch, autocast = key
     lines = [f"input '{p}': {format_signature(s)}" for p, s in zip(flat_paths((args, kwargs)), signatures)]
-    return "\n".join([*lines, f"input structure: {in_spec}", f"FSDP flags: {flags}", f"prefetch: {prefetch}"])
+    return "\n".join([*lines, f"input structure: {in_spec}", f"FSDP flags: {flags}", f"prefetch: {prefetch}",
+                      f"autocast: {describe_autocast(autocast)}"])
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

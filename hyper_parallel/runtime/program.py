@@ -22,6 +22,7 @@ from ..ir.kinds import InputKind
 from .. import compat
 from ..compile.capture import CapturedGraph
 from ..errors import internal_error
+from .autocast_state import programs_run_as_captured
 from .partition import partition_by_phase
 from .profiled import with_ranges
 from .zero_tangents import without_tangents
@@ -278,7 +279,7 @@ def _call(on_error, gm, phase: str, args, boxed: bool = False):
     """Run one program, as the range ``hyper_parallel::<phase>`` in a torch.profiler trace; an
     exception it raises goes through ``on_error`` to name where it was."""
     try:
-        with torch.profiler.record_function(f"hyper_parallel::{phase}"):
+        with torch.profiler.record_function(f"hyper_parallel::{phase}"), programs_run_as_captured():
             return gm(args) if boxed else gm(*args)
     except RuntimeError as exc:
         # A generated program (codegen="inductor") keeps the collectives in its GraphModule.

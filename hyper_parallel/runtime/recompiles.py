@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from ..compile.driver import current_rank, format_signature
+from .autocast_state import describe as describe_autocast
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +24,8 @@ def what_changed(old_key, new_key, paths: list[str]) -> str:
     """The difference between two program-cache keys (``runtime/module.py:entry_for``'s), worded."""
     if old_key is None:
         return "first call"
-    old_spec, old_signatures, old_flags, old_prefetch = old_key
-    new_spec, new_signatures, new_flags, new_prefetch = new_key
+    old_spec, old_signatures, old_flags, old_prefetch, old_autocast = old_key
+    new_spec, new_signatures, new_flags, new_prefetch, new_autocast = new_key
     changes = []
     if old_spec != new_spec:
         changes.append("the inputs' structure (arguments or their nesting) changed")
@@ -35,6 +36,8 @@ def what_changed(old_key, new_key, paths: list[str]) -> str:
         changes.append(f"FSDP flags or train/eval mode: {old_flags} -> {new_flags}")
     if old_prefetch != new_prefetch:
         changes.append("the FSDP prefetch targets changed")
+    if old_autocast != new_autocast:
+        changes.append(f"autocast: {describe_autocast(old_autocast)} -> {describe_autocast(new_autocast)}")
     return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
 
 
