@@ -53,6 +53,7 @@ from ..progress import Progress
 from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
 from ..runtime.autocast_state import autocast_state, describe as describe_autocast, programs_run_as_captured
 from ..runtime.partition import partition_by_phase
+from ..runtime.recompiles import describe_frozen
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count, loss_combination, loss_source
@@ -87,6 +88,9 @@ class PipelineState:
     loss_fn: Callable | None
     cache: dict = dataclasses.field(default_factory=dict)
     last: PipelineEntry | None = None
+    # This rank's parameters with requires_grad=False when the first step compiled (every stage
+    # program was captured with those flags, on every rank).
+    frozen: tuple[str, ...] | None = None
 
     @property
     def pp_group(self):
@@ -245,7 +249,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     text = "\n".join([*(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat)),
                       f"autocast: {describe_autocast(autocast)}"])
     agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
-          empty_problem(flat, lambda: paths), timeout=state.options.timeout)
+          empty_problem(flat, lambda: paths) or _frozen_problem(module, pipe), timeout=state.options.timeout)
     # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
     forward = state.original_cls.forward.__get__(module)
     names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
@@ -268,6 +272,22 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     if state.options.dump_dir:
         _dump_timeline(state, entry)
     return loss
+
+
+def _frozen_problem(module, pipe: PipelineState) -> str | None:
+    """Every rank captures the whole model, the parameters other stages hold with the flags they
+    had when split off, so a change of requires_grad after the first step cannot be compiled
+    consistently: refused (on every rank, through the agreement) rather than ignored (a parameter
+    unfrozen then would silently get no gradient)."""
+    frozen = tuple(fqn for fqn, p in module.named_parameters() if not p.requires_grad)
+    if pipe.frozen is None:
+        pipe.frozen = frozen
+    if frozen == pipe.frozen:
+        return None
+    changed = sorted(set(frozen) ^ set(pipe.frozen))
+    return (f"requires_grad changed on {describe_frozen(changed)} after the first step, which a pipeline "
+            "plan does not support yet: its stage programs compute gradients for the parameters that "
+            "required them then. Set requires_grad before the first step, or parallelize a fresh model")
 
 
 def _check_no_fsdp_flags(state) -> None:

@@ -39,7 +39,7 @@ from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
-from .recompiles import before_compile
+from .recompiles import ProgramKey, before_compile, describe_frozen
 from .input_check import empty_problem, index_problem
 
 log = logging.getLogger(__name__)
@@ -174,9 +174,10 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     # and updates nothing; dropout is off): the root's mode and the modules set otherwise are flags.
     mode = ("train" if module.training else "eval",
             tuple(fqn for fqn, m in module.named_modules() if m.training != module.training))
-    # A program captured under autocast holds its casts: the state picks the program (autocast_state.py).
-    key = (in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
-           autocast_state())
+    # A program captured under autocast holds its casts (autocast_state.py), and gradients only for
+    # the parameters that required them then: both pick the program.
+    key = ProgramKey(in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
+                     autocast_state(), tuple(fqn for fqn, p in module.named_parameters() if not p.requires_grad))
     entry = state.cache.get(key)
     state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
@@ -211,10 +212,11 @@ def _index_problem(state: ParallelState, entry: CompiledEntry, flat) -> str | No
 
 def _describe_call(key, flat, args, kwargs) -> str:
     """The call signature the ranks agree on, one line per input (what an error shows)."""
-    in_spec, signatures, flags, prefetch, autocast = key
-    lines = [f"input '{p}': {format_signature(s)}" for p, s in zip(flat_paths((args, kwargs)), signatures)]
-    return "\n".join([*lines, f"input structure: {in_spec}", f"FSDP flags: {flags}", f"prefetch: {prefetch}",
-                      f"autocast: {describe_autocast(autocast)}"])
+    lines = [f"input '{p}': {format_signature(s)}" for p, s in zip(flat_paths((args, kwargs)), key.signatures)]
+    # A few frozen names and a digest of all of them (two sets of one size may share their first names).
+    frozen = f"{describe_frozen(key.frozen)} [set {digest_of(repr(key.frozen)) % 16**8:08x}]"
+    return "\n".join([*lines, f"input structure: {key.in_spec}", f"FSDP flags: {key.flags}", f"prefetch: {key.prefetch}",
+                       f"autocast: {describe_autocast(key.autocast)}", f"parameters with requires_grad=False: {frozen}"])
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

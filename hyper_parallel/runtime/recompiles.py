@@ -13,6 +13,7 @@ agreed on the signature first).
 from __future__ import annotations
 
 import logging
+from typing import Any, NamedTuple
 
 from ..compile.driver import current_rank, format_signature
 from .autocast_state import describe as describe_autocast
@@ -20,25 +21,44 @@ from .autocast_state import describe as describe_autocast
 log = logging.getLogger(__name__)
 
 
-def what_changed(old_key, new_key, paths: list[str]) -> str:
-    """The difference between two program-cache keys (``runtime/module.py:entry_for``'s), worded."""
-    if old_key is None:
+class ProgramKey(NamedTuple):
+    """What selects a module's program (``runtime/module.py:entry_for``): everything the capture
+    depends on beyond the model and plan."""
+
+    in_spec: Any  # the inputs' pytree structure
+    signatures: tuple  # per flat input: shape, dtype, device (compile.driver.signature)
+    flags: tuple  # FSDP flags (fsdp/flags.py:program_key) and train/eval mode
+    prefetch: str  # FSDP prefetch targets set by the user
+    autocast: tuple  # runtime/autocast_state.autocast_state(): the program holds the region's casts
+    frozen: tuple[str, ...]  # parameters with requires_grad=False: the program computes no gradient for them
+
+
+def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str]) -> str:
+    """The difference between two program-cache keys, worded."""
+    if old is None:
         return "first call"
-    old_spec, old_signatures, old_flags, old_prefetch, old_autocast = old_key
-    new_spec, new_signatures, new_flags, new_prefetch, new_autocast = new_key
     changes = []
-    if old_spec != new_spec:
+    if old.in_spec != new.in_spec:
         changes.append("the inputs' structure (arguments or their nesting) changed")
     else:
         changes += [f"input '{path}': {format_signature(a)} -> {format_signature(b)}"
-                    for path, a, b in zip(paths, old_signatures, new_signatures) if a != b]
-    if old_flags != new_flags:
-        changes.append(f"FSDP flags or train/eval mode: {old_flags} -> {new_flags}")
-    if old_prefetch != new_prefetch:
+                    for path, a, b in zip(paths, old.signatures, new.signatures) if a != b]
+    if old.flags != new.flags:
+        changes.append(f"FSDP flags or train/eval mode: {old.flags} -> {new.flags}")
+    if old.prefetch != new.prefetch:
         changes.append("the FSDP prefetch targets changed")
-    if old_autocast != new_autocast:
-        changes.append(f"autocast: {describe_autocast(old_autocast)} -> {describe_autocast(new_autocast)}")
+    if old.autocast != new.autocast:
+        changes.append(f"autocast: {describe_autocast(old.autocast)} -> {describe_autocast(new.autocast)}")
+    if old.frozen != new.frozen:
+        changes.append(f"parameters requiring gradients: {describe_frozen(set(old.frozen) ^ set(new.frozen))} changed")
     return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
+
+
+def describe_frozen(names) -> str:
+    """A few parameter names and how many there are in all."""
+    names = sorted(names)
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names else "none"
 
 
 def before_compile(state, key, paths) -> None:

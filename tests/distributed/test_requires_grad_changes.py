@@ -1,0 +1,71 @@
+"""Freezing and unfreezing parameters between steps (staged fine-tuning: a frozen backbone first).
+
+The program computes gradients for the parameters that required them when it was captured. The
+cache used to ignore requires_grad, so a parameter unfrozen after the first call silently got no
+gradient and never trained. Now the set of frozen parameters selects the program; each state is
+checked against one device (loss and every gradient). A pipeline, whose ranks capture the stages
+they do not hold with the flags of the first step, refuses the change on every rank."""
+
+import copy
+
+import pytest
+import torch
+
+import hyper_parallel as hp
+from hyper_parallel.testing.parity import build_model, build_plan, error_message, global_batch, local_batch
+
+
+def _set_frozen(models, frozen_prefixes) -> None:
+    for m in models:
+        for name, p in m.named_parameters():
+            p.requires_grad_(not name.startswith(frozen_prefixes))
+
+
+def _freeze_unfreeze(model_name: str, plan_name: str, axis: str) -> int:
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+    reference = build_model(model_name)
+    model = hp.parallelize(copy.deepcopy(reference), build_plan(plan_name), mesh)
+    full = global_batch("llama", 4, 16, ignore_fraction=0.3)
+    # Frozen embedding and first layer; everything trainable; the head frozen.
+    for frozen in (("model.embed_tokens", "model.layers.0."), (), ("lm_head",)):
+        _set_frozen((reference, model), frozen)
+        for m in (reference, model):
+            m.zero_grad(set_to_none=True)
+        ref_loss = reference(**full)["loss"]
+        ref_loss.backward()
+        loss = model(**local_batch(full, mesh))["loss"]
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        expected = {n: p.grad for n, p in reference.named_parameters()}
+        for name, p in model.named_parameters():
+            if expected[name] is None:
+                assert p.grad is None, f"frozen {name} got a gradient (frozen: {frozen})"
+            else:
+                assert p.grad is not None, f"{name} got no gradient (frozen: {frozen})"
+                torch.testing.assert_close(p.grad.full_tensor(), expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    return len(model._hp.cache)
+
+
+@pytest.mark.parametrize("model,plan,axis", [("llama", "dp", "dp"), ("hf_llama", "fsdp", "dp_shard")])
+def test_unfrozen_parameters_get_their_gradients(dist2, model, plan, axis):
+    if model.startswith("hf"):
+        pytest.importorskip("transformers")
+    assert dist2.run(_freeze_unfreeze, model, plan, axis) == [3, 3]  # one program per frozen set
+
+
+def _pipeline_unfreeze() -> str:
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    model = build_model("llama", num_hidden_layers=4)
+    model.model.layers[0].requires_grad_(False)
+    plan = {"pipeline": {"split_points": ["model.layers.2"], "schedule": "1F1B", "num_microbatches": 2}}
+    model = hp.parallelize(model, plan, mesh)
+    batch = global_batch("llama", 2, 16)
+    model.step(batch)
+    for p in model.parameters():  # only the rank holding layer 0 sees a change
+        p.requires_grad_(True)
+    return error_message(lambda: model.step(batch))
+
+
+def test_pipeline_refuses_a_requires_grad_change(dist2):
+    for message in dist2.run(_pipeline_unfreeze):
+        assert "requires_grad changed on 'model.layers.0." in message and "pipeline" in message, message
