@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -95,6 +96,26 @@ def returned_shardings(mesh, resolved: ResolvedPlan, report: PropagationReport) 
             sub_mesh = mesh[free] if len(free) > 1 else mesh[free[0]]
             result.append((index, sub_mesh, on_free))
     return tuple(result)
+
+
+def data_parallel_tangent_scales(mesh, resolved: ResolvedPlan, report: PropagationReport) -> dict[int, float]:
+    """Flat user-output index -> 1/N for each output returned as this rank's part of the batch,
+    N the number of data-parallel ranks it is split over (Shard on those axes).
+
+    A caller that computes its loss from such an output (logits -> cross-entropy, outside the
+    model) computes it on its own rows, a per-rank loss, as it would under DDP or FSDP2. Those
+    average the ranks' gradients, so a per-rank mean gives the gradient of the global mean, one
+    device's. The program sums the ranks' contributions (right for the global loss it returns), so
+    the gradient arriving for such an output is scaled by 1/N: the same training loop trains the
+    same under hyper_parallel as under DDP, instead of with N times the gradient."""
+    names = tuple(mesh.mesh_dim_names or ())
+    scales = {}
+    for index, placements in report.output_placements.items():
+        ranks = math.prod(mesh.size(i) for i, (axis, p) in enumerate(zip(names, placements))
+                          if axis in resolved.data_parallel_axes and isinstance(p, Shard))
+        if ranks > 1:
+            scales[index] = 1.0 / ranks
+    return scales
 
 
 def signature(x):
@@ -341,6 +362,7 @@ def finish(
     flatten_placeholders(local, captured)
     with progress.phase("partition"):
         program = CompiledProgram.from_joint(local, captured)
+    program.tangent_scales = data_parallel_tangent_scales(mesh, resolved_plan, lowered.report)
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)
     if state.options.codegen == "inductor":

@@ -86,6 +86,9 @@ class CompiledProgram:
     # positions of the missing tangents; and the positions the last backward ran without.
     _without: dict = dataclasses.field(default_factory=dict, repr=False)
     last_missing_tangents: tuple[int, ...] | None = None
+    # Set by the compile driver: user output -> factor its incoming gradient is scaled by (1/N for
+    # an output split over N data-parallel ranks: compile/driver.data_parallel_tangent_scales).
+    tangent_scales: dict = dataclasses.field(default_factory=dict)
 
     def backward_without(self, missing: tuple[int, ...] = ()) -> torch.fx.GraphModule:
         """The backward program with the tangents at positions ``missing`` read as zeros."""
@@ -241,6 +244,10 @@ class _RunStep(torch.autograd.Function):
             args = [next(tensors) if is_tensor else next(scalars) for is_tensor in ctx.saved_is_tensor]
             del tensors  # it references the first list: only ``args`` may own the saved tensors
         tangents = [grad_outputs[i] for i in program.tangent_outputs]
+        if program.tangent_scales:  # a per-rank loss on this rank's rows counts as DDP's would
+            scales = program.tangent_scales
+            tangents = [t * scales[i] if t is not None and i in scales else t
+                        for i, t in zip(program.tangent_outputs, tangents)]
         missing = tuple(j for j, t in enumerate(tangents) if t is None)
         program.last_missing_tangents = missing
         args += [t.contiguous() if t is not None else None for t in tangents]

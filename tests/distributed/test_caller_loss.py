@@ -1,0 +1,68 @@
+"""A loss the caller computes outside the model, from the outputs it gets back (HF ``Trainer``-style
+loops: ``logits = model(ids).logits`` then cross-entropy).
+
+On the data-parallel axes each rank gets its own rows back and computes a per-rank loss, as under
+DDP or FSDP2, which average the ranks' gradients: a per-rank mean then trains as the global mean
+does on one device. The program used to sum them, so the same loop silently trained with N times
+the gradient. Checked here against one device on the whole batch (equal token counts per rank, as a
+per-rank mean needs to be the global one) over three SGD steps: DP on HF Llama, FSDP, and DP x TP
+with the vocab-parallel logits returned as a DTensor."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hyper_parallel as hp
+from hyper_parallel.models.plans import llama_tp_plan
+from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
+
+STEPS, LR = 3, 0.1
+
+
+def _logits(out) -> torch.Tensor:
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    return logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # whole over tp, own rows
+
+
+def _caller_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, mean over this caller's tokens."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+
+def _train_with_caller_loss(model_name: str, plan, shape: tuple, names: tuple) -> list:
+    mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    reference = build_model(model_name)
+    model = hp.parallelize(copy.deepcopy(reference), build_plan(plan) if isinstance(plan, str) else plan, mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
+    losses = []
+    for step in range(STEPS):
+        full = global_batch("llama", 4, 16, seed=step + 1)
+        mine = local_batch(full, mesh)
+        ref_loss = _caller_loss(_logits(reference(input_ids=full["input_ids"])), full["labels"])
+        loss = _caller_loss(_logits(model(input_ids=mine["input_ids"])), mine["labels"])
+        ref_loss.backward()
+        loss.backward()
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("model,plan,axis", [("hf_llama", "dp", "dp"), ("llama", "fsdp", "dp_shard")])
+def test_caller_loss_on_own_rows_trains_as_one_device(dist2, model, plan, axis):
+    if model.startswith("hf"):
+        pytest.importorskip("transformers")
+    losses = dist2.run(_train_with_caller_loss, model, plan, (2,), (axis,))
+    assert losses[0] != losses[1]  # each rank's own rows: per-rank losses
+
+
+def test_caller_loss_from_vocab_parallel_logits_under_dp_x_tp(dist4):
+    plan = llama_tp_plan(loss_parallel=True)
+    dist4.run(_train_with_caller_loss, "llama", plan, (2, 2), ("dp", "tp"))
