@@ -21,11 +21,12 @@ def _tangent_users(gm) -> list[int]:
     return [len(n.users) for n in gm.graph.find_nodes(op="placeholder") if n.name.startswith("tangents_")]
 
 
-def _step(model, batch, mode: str, logits_scale: float = 1e-4):
+def _step(model, batch, mode: str):
     """One backward: ``loss`` (``loss.backward()``), ``zeros`` (the logits given an explicit zero
     gradient: what autograd handed the program before, a tangent of their full size) or
-    ``logits`` (a loss that uses them: the sum of their squares, each rank's over its own tokens,
-    which add up to one device's sum)."""
+    ``logits`` (a loss that uses them: plus the mean of their squares, z-loss style, each rank's
+    over its own rows: a per-rank term, averaged over the data-parallel ranks as DDP does, so
+    one device's mean over the batch)."""
     out = model(**batch)
     if mode == "loss":
         out["loss"].backward()
@@ -33,10 +34,10 @@ def _step(model, batch, mode: str, logits_scale: float = 1e-4):
         torch.autograd.backward([out["loss"], out["logits"]], [torch.ones_like(out["loss"]),
                                                                 torch.zeros_like(out["logits"])])
     else:
-        squares = out["logits"].float().pow(2).sum()
-        if isinstance(squares, DTensor):  # logits returned sharded (context parallelism): the global sum
+        squares = out["logits"].float().pow(2).mean()
+        if isinstance(squares, DTensor):  # logits returned sharded (context parallelism): the global mean
             squares = squares.full_tensor()
-        (out["loss"] + logits_scale * squares).backward()
+        (out["loss"] + squares).backward()
 
 
 def _unused_logits(plan: dict, names: tuple[str, ...]) -> dict:
