@@ -42,6 +42,38 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 from torch.nn.utils.stateless import _reparametrize_module as reparametrize_module  # noqa: F401
 
+
+@contextlib.contextmanager
+def torch_checkpoint_calls_marked(mark_region):
+    """While active, ``torch.utils.checkpoint.checkpoint`` (either variant, however the caller
+    imported it: transformers' ``gradient_checkpointing_enable`` binds it in a partial) runs the
+    checkpointed function eagerly inside ``mark_region(selective)``, a context manager factory;
+    ``selective`` is True when the caller passed a ``context_fn`` (torch's selective checkpointing).
+
+    ``checkpoint`` looks up ``CheckpointFunction`` (reentrant) and
+    ``_checkpoint_without_reentrant_generator`` (non-reentrant: a generator resumed before and after
+    the function runs) in its module at every call, so those two are what is replaced. Traced
+    as-is, the non-reentrant one keeps every activation (no recompute in the joint graph) and the
+    reentrant one runs the function under no_grad, which breaks capture."""
+    from torch.utils import checkpoint as tc
+
+    class _Reentrant:
+        @staticmethod
+        def apply(function, _preserve_rng_state, *args):
+            with mark_region(False):
+                return function(*args)
+
+    def _non_reentrant(_function, _preserve_rng_state=True, context_fn=tc.noop_context_fn, *_rest, **_kwargs):
+        with mark_region(context_fn is not tc.noop_context_fn):
+            yield
+
+    saved = tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator
+    tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator = _Reentrant, _non_reentrant
+    try:
+        yield
+    finally:
+        tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator = saved
+
 # --- DTensor internals: specs, schemas and the sharding-strategy registry ------------------------
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401
 from torch.distributed.tensor._op_schema import (  # noqa: F401

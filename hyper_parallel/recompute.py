@@ -28,14 +28,18 @@ import contextlib
 import dataclasses
 import enum
 import itertools
+import logging
 from typing import Any, Callable
 
 import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 
+from . import compat
 from .plan import fqn_matches
 from .ir import meta
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointPolicy(enum.Enum):
@@ -281,13 +285,31 @@ _CAPTURING = [False]
 
 @contextlib.contextmanager
 def capturing():
-    """Set while hyper_parallel captures a model: hp.checkpoint / hp.swap then mark regions."""
+    """Set while hyper_parallel captures a model: hp.checkpoint / hp.swap then mark regions, and
+    so do the model's own ``torch.utils.checkpoint`` calls (transformers'
+    ``gradient_checkpointing_enable()``, checkpoint wrappers): each becomes a full-recompute region."""
     _ANNOTATED.clear()
     _CAPTURING[0] = True
     try:
-        yield
+        with compat.torch_checkpoint_calls_marked(_torch_checkpoint_region):
+            yield
     finally:
         _CAPTURING[0] = False
+
+
+@contextlib.contextmanager
+def _torch_checkpoint_region(selective: bool):
+    """A ``torch.utils.checkpoint`` call met while capturing: a full-recompute region, as
+    ``hp.checkpoint(fn)``. A selective ``context_fn`` is torch's own dispatch mode, which the
+    compiler cannot read: the region is recomputed fully (never fewer values kept than asked)."""
+    if selective:
+        log.warning("torch.utils.checkpoint with a context_fn (selective checkpointing) inside a "
+                    "parallelized model: its region is recomputed fully; give the policy as "
+                    "hp.checkpoint(fn, policy_fn=...) or ParallelPlan.recompute to keep it selective")
+    key = f"checkpoint:{next(_COUNTER)}"
+    _ANNOTATED[key] = Region(key, "recompute", "full", None)
+    with fx_traceback.annotate({meta.REGION: key}):
+        yield
 
 
 def is_capturing() -> bool:

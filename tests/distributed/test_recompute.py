@@ -195,3 +195,52 @@ def test_policies_with_fsdp(dist2, mode):
     summary = dist2.run(run_parity, "llama", plan, (2,), ("dp",), parallelize_options=options)[0]["summary"]
     if mode == "auto":
         assert summary["recompute_auto"]["estimated_peak"] <= options["memory_budget_bytes"]
+
+
+def _hf_gradient_checkpointing(reentrant: bool, plan_name: str) -> dict:
+    """HF Llama after ``gradient_checkpointing_enable()`` (transformers' default is the reentrant
+    torch.utils.checkpoint): each layer's checkpoint call becomes a full-recompute region, so the
+    saved set is that of ``recompute={"model.layers.*": "full"}``; one device runs the real
+    torch checkpoint. Reentrant checkpointing used to break capture (it runs the layer under
+    no_grad), and the non-reentrant one was traced through, keeping every activation."""
+    import copy
+
+    import torch
+
+    from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
+
+    axis = "dp_shard" if plan_name == "fsdp" else "dp"
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+    reference = build_model("hf_llama")
+    plain = copy.deepcopy(reference)
+    reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = hp.parallelize(copy.deepcopy(reference), build_plan(plan_name), mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(2):
+        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
+        ref_loss, loss = reference(**full).loss, model(**local_batch(full, mesh)).loss
+        ref_loss.backward()
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss)
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    saved = {"checkpointed": _layer_activations(model.compile_summary())}
+    batch = local_batch(global_batch("llama", 4, 16), mesh)
+    for name, plan in (("none", {}), ("plan_full", {"recompute": {"model.layers.*": "full"}})):
+        other = hp.parallelize(copy.deepcopy(plain), {**build_plan(plan_name), **plan}, mesh)
+        other(**batch).loss.backward()
+        saved[name] = _layer_activations(other.compile_summary())
+    return saved
+
+
+@pytest.mark.parametrize("reentrant,plan", [(True, "dp"), (False, "fsdp")])
+def test_hf_gradient_checkpointing_becomes_recompute(dist2, reentrant, plan):
+    pytest.importorskip("transformers")
+    saved = dist2.run(_hf_gradient_checkpointing, reentrant, plan)[0]
+    assert saved["checkpointed"] == saved["plan_full"], saved
+    total = lambda layers: sum(v["bytes"] for v in layers.values())  # noqa: E731
+    assert total(saved["checkpointed"]) < total(saved["none"]) / 2, saved
