@@ -228,7 +228,13 @@ def capture(
 
     user_inputs_tree = (tuple(args), dict(kwargs))
     input_paths = flat_paths(user_inputs_tree)
+    flat_inputs = pytree.tree_leaves(user_inputs_tree)
     inputs: list[InputInfo] = []
+    primals = [n for n in gm.graph.find_nodes(op="placeholder") if not isinstance(n.meta["desc"], compat.TangentAOTInput)]
+    constants = [k for k, n in enumerate(primals) if isinstance(n.meta["desc"], compat.PlainAOTInput)
+                 and not isinstance(flat_inputs[n.meta["desc"].idx], torch.Tensor)]
+    if constants:
+        _drop_constant_inputs(gm, primals, constants, input_paths, flat_inputs, type(model).__name__)
     for node in gm.graph.find_nodes(op="placeholder"):
         desc = node.meta["desc"]
         if isinstance(desc, compat.ParamAOTInput):
@@ -316,6 +322,31 @@ def _mutation_output(mutated, model_name: str, input_paths: list[str]) -> Output
             "caller's tensor. Return the new value instead"
         )
     raise _unsupported(mutated, "mutated input", model_name, input_paths, None)
+
+
+def _drop_constant_inputs(gm: torch.fx.GraphModule, primals: list, constants: list[int], input_paths,
+                          flat_inputs, model_name: str) -> None:
+    """A Python constant the caller passed (``return_dict=False``) is a placeholder of the joint
+    graph with a gradient slot (None), but export specialised the code on its value (which is part
+    of the program cache key): nothing reads it, so it leaves the program's arguments and outputs.
+    ``constants``: positions in ``primals`` (the placeholders before the tangents, whose gradient
+    slots end the output, in that order)."""
+    output_node = gm.graph.output_node()
+    outs, descs = list(output_node.args[0]), list(output_node.meta["desc"])
+    first_grad = len(outs) - len(primals)
+    for k in sorted(constants, reverse=True):
+        node = primals[k]
+        if node.users:
+            path, value = input_paths[node.meta["desc"].idx], flat_inputs[node.meta["desc"].idx]
+            raise ValueError(
+                f"capture: {model_name}.forward computes with its input {path!r}, a Python "
+                f"{type(value).__name__} ({value!r}), inside the traced graph; pass it as a tensor (its "
+                "value may then change between calls) or keep it a constant the code only branches on"
+            )
+        del outs[first_grad + k], descs[first_grad + k]
+        gm.graph.erase_node(node)
+    output_node.args = (type(output_node.args[0])(outs),)
+    output_node.meta["desc"] = descs
 
 
 def _desc_chain(desc) -> list:

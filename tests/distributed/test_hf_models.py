@@ -81,10 +81,12 @@ def _plan(arch: str, plan: str):
     return tp
 
 
-def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int = 16) -> dict:
+def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int = 16, **call) -> dict:
     """Run on every rank: ``arch`` (tiny, hf_zoo) under ``plan`` ("dp" / "fsdp" on a ("dp",) mesh,
-    "tp" on a ("tp",) mesh) against one device, ``steps`` SGD steps on padded labels. Returns the
-    losses, this rank's counted tokens per step, the ops that ran replicated and the time taken."""
+    "tp" on a ("tp",) mesh) against one device, ``steps`` SGD steps on padded labels; ``call``: more
+    keyword arguments of every call (``return_dict=False``: the loss is the tuple's first value).
+    Returns the losses, this rank's counted tokens per step, the ops that ran replicated and the
+    time taken."""
     from hyper_parallel.models.hf_zoo import tiny_hf_model
 
     start, cpu = time.perf_counter(), time.process_time()
@@ -99,7 +101,8 @@ def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int
         full = global_batch(arch, batch, seq_len, seed=step + 1, ignore_fraction=PADDED)
         local = local_batch(full, mesh)
         counts.append(int((local["labels"] != -100).sum()))
-        loss, ref_loss = parallel(**local).loss, reference(**full).loss
+        out, ref_out = parallel(**local, **call), reference(**full, **call)
+        loss, ref_loss = (out[0], ref_out[0]) if isinstance(out, tuple) else (out.loss, ref_out.loss)
         loss.backward()
         ref_loss.backward()
         torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{arch} {plan} step {step} loss: {m}")
@@ -124,6 +127,14 @@ def test_hf_model_parity(dist2, arch, plan):
         assert results[0]["counts"] != results[1]["counts"], results[0]["counts"]
     unexpected = results[0]["fallback_ops"] - KNOWN_FALLBACKS.get(arch, set())
     assert not unexpected, [f for f in results[0]["fallbacks"] if any(op in f for op in unexpected)]
+
+
+def test_python_constant_arguments(dist2):
+    """``return_dict=False`` is a Python constant argument: export specialises the code on it (it
+    is part of the program cache key), so it leaves the program's arguments. It used to stay a
+    placeholder without a value, which failed propagation with a KeyError."""
+    results = dist2.run(hf_parity, "Qwen3ForCausalLM", "fsdp", return_dict=False)
+    assert results[0]["losses"] == results[1]["losses"]
 
 
 def test_zoo_builds_every_architecture_seeded():
