@@ -31,6 +31,7 @@ from .plan.resolution import resolve
 from .progress import enable_default_logging
 from .pipeline.module import PipelinedModule
 from .runtime.module import ParallelModule, ParallelState, entry_for
+from .runtime.save_pretrained import SavePretrainedFull
 from .spmd import agree, digest_of
 
 __all__ = ["ParallelModule", "compile_for_inputs", "parallelize"]
@@ -145,7 +146,9 @@ def parallelize(
     _offload_shards(model, resolved)
     original_cls = type(model)
     module_cls = PipelinedModule if resolution.pipeline is not None else ParallelModule
-    model.__class__ = type(f"Parallel{original_cls.__name__}", (module_cls, original_cls), {})
+    # transformers' save_pretrained writes the gathered weights (runtime/save_pretrained.py).
+    saving = (SavePretrainedFull,) if callable(getattr(original_cls, "save_pretrained", None)) else ()
+    model.__class__ = type(f"Parallel{original_cls.__name__}", (module_cls, *saving, original_cls), {})
     compile_options = CompileOptions(
         dump_dir=dump_dir, disable_passes=frozenset(disable_passes), prefetch_depth=prefetch_depth,
         reductions_in_flight=reductions_in_flight,

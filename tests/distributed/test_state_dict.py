@@ -331,3 +331,49 @@ def test_checkpoint_saved_on_2_ranks_resumes_on_4(dist2, dist4, case, tmp_path):
     before = dist2.run(save_job, case, path)[0]
     after, uninterrupted = dist4.run(resume_job, RESUME[case], path, case == "llama_tp")[0]
     torch.testing.assert_close(torch.cat([before, after]), uninterrupted)
+
+
+def _save_pretrained(plan_name: str, axis: str, directory: str) -> bool:
+    """transformers' save_pretrained on every rank of a parallelized HF Llama after a training
+    step: rank 0 writes the gathered weights, which from_pretrained loads on one device."""
+    import copy
+
+    from hyper_parallel.testing.parity import build_plan
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+    reference = build_model("hf_llama")
+    model = hp.parallelize(copy.deepcopy(reference), build_plan(plan_name), mesh)
+    model(**local_batch(global_batch("llama", 4, 16), mesh)).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # weights no longer the initial ones
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    model.save_pretrained(directory)  # every rank: the weights are gathered, rank 0 writes
+    dist.barrier()
+    from transformers import AutoModelForCausalLM
+
+    loaded = dict(AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    for name, value in full.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    return any(not torch.equal(full[n], p) for n, p in reference.named_parameters())  # trained
+
+
+@pytest.mark.parametrize("plan,axis", [("fsdp", "dp_shard"), ("tp", "tp")])
+def test_transformers_save_pretrained_writes_full_weights(dist2, tmp_path, plan, axis):
+    """The parallel state dict holds DTensors, which save_pretrained used to hand to safetensors
+    as plain tensors ("invalid python storage")."""
+    pytest.importorskip("transformers")
+    assert dist2.run(_save_pretrained, plan, axis, str(tmp_path / plan)) == [True, True]
+
+
+def _pipelined_save_pretrained(directory: str) -> str:
+    from hyper_parallel.testing.parity import error_message
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    plan = {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B", "num_microbatches": 2}}
+    model = hp.parallelize(build_model("hf_llama"), plan, mesh)
+    return error_message(model.save_pretrained, directory)
+
+
+def test_save_pretrained_under_a_pipeline_says_what_to_use(dist2, tmp_path):
+    pytest.importorskip("transformers")
+    for message in dist2.run(_pipelined_save_pretrained, str(tmp_path)):
+        assert message.startswith("ValueError") and "hp.save_checkpoint" in message, message
