@@ -88,9 +88,9 @@ class PipelineState:
     loss_fn: Callable | None
     cache: dict = dataclasses.field(default_factory=dict)
     last: PipelineEntry | None = None
-    # This rank's parameters with requires_grad=False when the first step compiled (every stage
-    # program was captured with those flags, on every rank).
-    frozen: tuple[str, ...] | None = None
+    # This rank's parameters' (requires_grad, dtype) when the first step compiled (every stage
+    # program was captured with those, on every rank).
+    frozen: dict | None = None
 
     @property
     def pp_group(self):
@@ -275,19 +275,19 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
 
 
 def _frozen_problem(module, pipe: PipelineState) -> str | None:
-    """Every rank captures the whole model, the parameters other stages hold with the flags they
-    had when split off, so a change of requires_grad after the first step cannot be compiled
-    consistently: refused (on every rank, through the agreement) rather than ignored (a parameter
-    unfrozen then would silently get no gradient)."""
-    frozen = tuple(fqn for fqn, p in module.named_parameters() if not p.requires_grad)
+    """Every rank captures the whole model, the parameters other stages hold with the flags and
+    dtypes they had when split off, so a change of requires_grad or dtype after the first step
+    cannot be compiled consistently: refused (on every rank, through the agreement) rather than
+    ignored (a parameter unfrozen then would silently get no gradient)."""
+    params = {fqn: (p.requires_grad, p.dtype) for fqn, p in module.named_parameters()}
     if pipe.frozen is None:
-        pipe.frozen = frozen
-    if frozen == pipe.frozen:
+        pipe.frozen = params
+    changed = sorted(fqn for fqn in params if params[fqn] != pipe.frozen.get(fqn))
+    if not changed:
         return None
-    changed = sorted(set(frozen) ^ set(pipe.frozen))
-    return (f"requires_grad changed on {describe_frozen(changed)} after the first step, which a pipeline "
-            "plan does not support yet: its stage programs compute gradients for the parameters that "
-            "required them then. Set requires_grad before the first step, or parallelize a fresh model")
+    return (f"requires_grad or dtype changed on {describe_frozen(changed)} after the first step, which a "
+            "pipeline plan does not support yet: its stage programs were captured with the values of "
+            "then. Set them before the first step, or parallelize a fresh model")
 
 
 def _check_no_fsdp_flags(state) -> None:

@@ -39,7 +39,7 @@ from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
-from .recompiles import ProgramKey, before_compile, describe_frozen
+from .recompiles import ProgramKey, before_compile, describe_dtypes, describe_frozen
 from .input_check import empty_problem, index_problem
 
 log = logging.getLogger(__name__)
@@ -174,10 +174,13 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     # and updates nothing; dropout is off): the root's mode and the modules set otherwise are flags.
     mode = ("train" if module.training else "eval",
             tuple(fqn for fqn, m in module.named_modules() if m.training != module.training))
-    # A program captured under autocast holds its casts (autocast_state.py), and gradients only for
-    # the parameters that required them then: both pick the program.
+    # A program captured under autocast holds its casts (autocast_state.py), gradients only for the
+    # parameters that required them then, and computes in the parameters' dtypes then: all three
+    # pick the program (a model cast with .to(torch.bfloat16) after training compiles its own).
+    params = list(module.named_parameters())
     key = ProgramKey(in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
-                     autocast_state(), tuple(fqn for fqn, p in module.named_parameters() if not p.requires_grad))
+                     autocast_state(), tuple(fqn for fqn, p in params if not p.requires_grad),
+                     tuple(p.dtype for _, p in params))
     entry = state.cache.get(key)
     state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
@@ -216,7 +219,8 @@ def _describe_call(key, flat, args, kwargs) -> str:
     # A few frozen names and a digest of all of them (two sets of one size may share their first names).
     frozen = f"{describe_frozen(key.frozen)} [set {digest_of(repr(key.frozen)) % 16**8:08x}]"
     return "\n".join([*lines, f"input structure: {key.in_spec}", f"FSDP flags: {key.flags}", f"prefetch: {key.prefetch}",
-                       f"autocast: {describe_autocast(key.autocast)}", f"parameters with requires_grad=False: {frozen}"])
+                       f"autocast: {describe_autocast(key.autocast)}", f"parameters with requires_grad=False: {frozen}",
+                       f"parameter dtypes: {describe_dtypes(key.dtypes)} [{digest_of(repr(key.dtypes)) % 16**8:08x}]"])
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

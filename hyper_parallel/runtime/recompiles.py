@@ -31,6 +31,7 @@ class ProgramKey(NamedTuple):
     prefetch: str  # FSDP prefetch targets set by the user
     autocast: tuple  # runtime/autocast_state.autocast_state(): the program holds the region's casts
     frozen: tuple[str, ...]  # parameters with requires_grad=False: the program computes no gradient for them
+    dtypes: tuple  # every parameter's dtype, in named_parameters() order (model.to(torch.bfloat16))
 
 
 def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str]) -> str:
@@ -51,6 +52,8 @@ def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str]) -> s
         changes.append(f"autocast: {describe_autocast(old.autocast)} -> {describe_autocast(new.autocast)}")
     if old.frozen != new.frozen:
         changes.append(f"parameters requiring gradients: {describe_frozen(set(old.frozen) ^ set(new.frozen))} changed")
+    if old.dtypes != new.dtypes:
+        changes.append(f"parameter dtypes: {describe_dtypes(old.dtypes)} -> {describe_dtypes(new.dtypes)}")
     return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
 
 
@@ -59,6 +62,15 @@ def describe_frozen(names) -> str:
     names = sorted(names)
     shown = ", ".join(repr(n) for n in names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "") if names else "none"
+
+
+def describe_dtypes(dtypes) -> str:
+    """How many parameters have each dtype ("float32 x19, bfloat16 x2")."""
+    counts: dict = {}
+    for d in dtypes:
+        name = str(d).removeprefix("torch.")
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none"
 
 
 def before_compile(state, key, paths) -> None:
