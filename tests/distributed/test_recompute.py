@@ -198,10 +198,10 @@ def test_policies_with_fsdp(dist2, mode):
 
 
 def _hf_gradient_checkpointing(reentrant: bool, plan_name: str) -> dict:
-    """HF Llama after ``gradient_checkpointing_enable()`` (transformers' default is the reentrant
-    torch.utils.checkpoint): each layer's checkpoint call becomes a full-recompute region, so the
-    saved set is that of ``recompute={"model.layers.*": "full"}``; one device runs the real
-    torch checkpoint. Reentrant checkpointing used to break capture (it runs the layer under
+    """HF Llama after ``gradient_checkpointing_enable()``, reentrant torch.utils.checkpoint or not
+    (transformers' default has been each): each layer's checkpoint call becomes a full-recompute
+    region, so the saved set is that of ``recompute={"model.layers.*": "full"}``; one device runs
+    the real torch checkpoint. Reentrant checkpointing used to break capture (it runs the layer under
     no_grad), and the non-reentrant one was traced through, keeping every activation."""
     import copy
 
