@@ -90,7 +90,7 @@ class PipelineState:
     last: PipelineEntry | None = None
     # This rank's parameters' (requires_grad, dtype) when the first step compiled (every stage
     # program was captured with those, on every rank).
-    frozen: dict | None = None
+    param_state: dict | None = None
 
     @property
     def pp_group(self):
@@ -249,7 +249,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     text = "\n".join([*(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat)),
                       f"autocast: {describe_autocast(autocast)}"])
     agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
-          empty_problem(flat, lambda: paths) or _frozen_problem(module, pipe), timeout=state.options.timeout)
+          empty_problem(flat, lambda: paths) or _parameter_change_problem(module, pipe), timeout=state.options.timeout)
     # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
     forward = state.original_cls.forward.__get__(module)
     names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
@@ -274,15 +274,15 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     return loss
 
 
-def _frozen_problem(module, pipe: PipelineState) -> str | None:
+def _parameter_change_problem(module, pipe: PipelineState) -> str | None:
     """Every rank captures the whole model, the parameters other stages hold with the flags and
     dtypes they had when split off, so a change of requires_grad or dtype after the first step
     cannot be compiled consistently: refused (on every rank, through the agreement) rather than
     ignored (a parameter unfrozen then would silently get no gradient)."""
     params = {fqn: (p.requires_grad, p.dtype) for fqn, p in module.named_parameters()}
-    if pipe.frozen is None:
-        pipe.frozen = params
-    changed = sorted(fqn for fqn in params if params[fqn] != pipe.frozen.get(fqn))
+    if pipe.param_state is None:
+        pipe.param_state = params
+    changed = sorted(fqn for fqn in params if params[fqn] != pipe.param_state.get(fqn))
     if not changed:
         return None
     return (f"requires_grad or dtype changed on {describe_frozen(changed)} after the first step, which a "

@@ -63,6 +63,45 @@ def test_caller_loss_on_own_rows_trains_as_one_device(dist2, model, plan, axis):
     assert losses[0] != losses[1]  # each rank's own rows: per-rank losses
 
 
+def _padded_labels_trainer_style() -> list:
+    """Padded labels (-100, ranks counting different tokens): transformers' Trainer then divides
+    each rank's summed loss by the step's global token count and multiplies by the number of
+    ranks (``average_tokens_across_devices``), undoing DDP's averaging; one device's global mean
+    must come out exactly. HF Llama under FSDP, 2 SGD steps."""
+    import torch.distributed as dist
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    reference = build_model("hf_llama")
+    model = hp.parallelize(copy.deepcopy(reference), build_plan("fsdp"), mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
+    counts = []
+    for step in range(2):
+        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
+        mine = local_batch(full, mesh)
+        total = int((full["labels"][:, 1:] != -100).sum())
+        ref_loss = _caller_loss(reference(input_ids=full["input_ids"]).logits, full["labels"])
+        logits = model(input_ids=mine["input_ids"]).logits
+        summed = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), mine["labels"][:, 1:].flatten(), reduction="sum")
+        loss = summed / total * dist.get_world_size()
+        ref_loss.backward()
+        loss.backward()
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        counts.append(int((mine["labels"][:, 1:] != -100).sum()))
+    return counts
+
+
+def test_trainer_style_global_token_count_with_padded_labels(dist2):
+    pytest.importorskip("transformers")
+    counts = dist2.run(_padded_labels_trainer_style)
+    assert counts[0] != counts[1], counts  # the ranks count different tokens
+
+
 def test_caller_loss_from_vocab_parallel_logits_under_dp_x_tp(dist4):
     plan = llama_tp_plan(loss_parallel=True)
     dist4.run(_train_with_caller_loss, "llama", plan, (2, 2), ("dp", "tp"))
