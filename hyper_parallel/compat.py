@@ -172,6 +172,25 @@ def _concrete_spec(spec) -> bool:
     return meta is not None and not any(isinstance(v, _SYMBOLIC) for v in (*meta.shape, *meta.stride))
 
 
+def respec(spec, placements=None, *, mesh=None, tensor_meta=None) -> DTensorSpec:
+    """``spec`` with other placements, mesh or tensor meta, reading ``_StridedShard`` as it does.
+
+    A DTensorSpec reads a ``_StridedShard`` in one of two ways (its
+    ``use_strided_shard_as_shard_order``): as the order in which mesh axes shard one dim (the
+    default for a spec built from placements alone) or as a strided shard of its own (what DTensor's
+    view rules produce, e.g. flattening ``[batch, heads]`` with heads sharded). A spec rebuilt from
+    placements alone silently switches to the first reading, and DTensor's rules then match the
+    two as different shardings (an HF GPT-2 attention backward ``bmm`` fell back to replicated).
+    Every spec rebuilt from another keeps its reading here; a spec made fresh from plan placements
+    gets DTensor's default."""
+    placements = spec.placements if placements is None else tuple(placements)
+    as_order = spec.use_strided_shard_as_shard_order
+    order = spec.shard_order if not as_order and placements == spec.placements else None
+    return DTensorSpec(spec.mesh if mesh is None else mesh, placements,
+                       tensor_meta=spec.tensor_meta if tensor_meta is None else tensor_meta,
+                       shard_order=order, use_strided_shard_as_shard_order=as_order)
+
+
 def dtensor_from_spec(local: torch.Tensor, spec) -> "torch.distributed.tensor.DTensor":
     """Wrap a local shard as a DTensor of ``spec`` without autograd or a consistency check."""
     from torch.distributed.tensor import DTensor

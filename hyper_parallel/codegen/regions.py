@@ -29,7 +29,7 @@ import operator
 import torch
 
 from .. import compat
-from ..ir.ops import aliases_input
+from ..ir.ops import aliases_input, draws_random_numbers
 
 
 @dataclasses.dataclass
@@ -77,7 +77,7 @@ def is_compute(node: torch.fx.Node) -> bool:
         return isinstance(source, torch.fx.Node) and is_compute(source)
     if not isinstance(target, compat.OpOverload) or target.namespace not in ("aten", "prims"):
         return False
-    if compat.is_mutating_op(target) or (compat.is_random_op(target) and not _without_dropout(node)):
+    if compat.is_mutating_op(target) or draws_random_numbers(node):
         return False
     if not _tensor_vals(node.meta.get("val")):
         return False
@@ -85,18 +85,6 @@ def is_compute(node: torch.fx.Node) -> bool:
         if not isinstance(arg.meta.get("val"), torch.Tensor):
             return False  # a symbolic size or a scalar computed at run time
     return len(_devices(node)) <= 1
-
-
-def _without_dropout(node: torch.fx.Node) -> bool:
-    """A seeded op that draws nothing: attention called with ``dropout_p=0`` (as in training
-    without attention dropout, and always in eval)."""
-    schema = node.target._schema
-    names = [a.name for a in schema.arguments]
-    if "dropout_p" not in names:
-        return False
-    i = names.index("dropout_p")
-    value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", schema.arguments[i].default_value)
-    return value == 0
 
 
 def cut_regions(graph: torch.fx.Graph) -> list[Region]:

@@ -47,6 +47,7 @@ from ..recompute import (annotated_regions, auto_candidates, capturing, forget_a
 from ..runtime.input_check import index_inputs
 from ..runtime.profiled import Ranges
 from ..runtime.program import CompiledProgram, flatten_placeholders
+from ..runtime.random_state import replicated_random_axes
 from ..spmd import check_spmd_on_mesh
 from ..ir import meta
 
@@ -72,6 +73,9 @@ class CompiledEntry:
     # summary["memory"] when a compile that dumps nothing left it out: estimated on first request
     # (a replay of both programs; explain prices memory with the optimizer itself).
     estimate_memory: Callable[[], dict] | None = None
+    # Mesh axes over which a random op of the forward has a replicated output: the ranks of each
+    # draw from one generator state (runtime/random_state.py).
+    random_axes: tuple[str, ...] = ()
 
     def full_summary(self) -> dict:
         """``summary`` with its ``"memory"`` estimate."""
@@ -409,7 +413,8 @@ def finish(
         log.debug("[compile] seconds per rewrite and pass: %s", {k: round(v, 4) for k, v in pass_seconds.items()})
     return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured),
                          returned_shardings(mesh, resolved_plan, lowered.report),
-                         lambda: estimate_program(program, captured).as_dict())
+                         lambda: estimate_program(program, captured).as_dict(),
+                         replicated_random_axes(program.forward_gm, mesh))
 
 
 @older_objects_frozen()

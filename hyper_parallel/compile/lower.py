@@ -73,8 +73,8 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
             if isinstance(p, Partial) and p.reduce_op == "avg" and target.placements[axis] != p:
                 local = local / current.mesh.size(axis)
                 placements[axis] = Partial("sum")
-        src = compat.DTensorSpec(current.mesh, tuple(placements), tensor_meta=current.tensor_meta)
-        dst = compat.DTensorSpec(target.mesh, target.placements, tensor_meta=current.tensor_meta)
+        src = compat.respec(current, placements)
+        dst = compat.respec(target, tensor_meta=current.tensor_meta)
         if balancer is not None:
             local = balancer.redistribute(local, src, dst, _move)
         else:
@@ -105,7 +105,7 @@ def _reduction_steps(src, dst) -> list:
         middle = list(src.placements)
         for i in to_shard:
             middle[i] = dst.placements[i]
-        steps.append(compat.DTensorSpec(src.mesh, tuple(middle), tensor_meta=src.tensor_meta))
+        steps.append(compat.respec(src, middle))
     if dst.placements != src.placements:
         steps.append(dst)
     return steps

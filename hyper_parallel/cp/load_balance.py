@@ -207,7 +207,7 @@ class Balancer:
 def _with(spec, axis: int, placement):
     placements = list(spec.placements)
     placements[axis] = placement
-    return compat.DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+    return compat.respec(spec, placements)
 
 
 def shard_sequence(batch, mesh, *, axis: str = "cp", dim: int = 1):

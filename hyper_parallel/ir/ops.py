@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import compat
+
 aten = torch.ops.aten
 
 # Ops whose result re-views their first argument's storage, as the recompute pass walks them back to
@@ -35,3 +37,19 @@ def is_view_of_input(node: torch.fx.Node) -> bool:
     while node.op == "call_function" and node.target in VIEW_OPS:
         node = node.args[0]
     return node.op == "placeholder"
+
+
+def draws_random_numbers(node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws from a random generator when it runs: a seeded op (torch's
+    ``nondeterministic_seeded`` tag: dropout, bernoulli, rand...), except an attention kernel called
+    with ``dropout_p=0`` (training without attention dropout, and always in eval), which the tag
+    marks too."""
+    target = node.target
+    if not compat.is_random_op(target):
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" not in names:
+        return True
+    i = names.index("dropout_p")
+    value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", target._schema.arguments[i].default_value)
+    return value != 0

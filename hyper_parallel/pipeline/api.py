@@ -53,6 +53,7 @@ from ..progress import Progress
 from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
 from ..runtime.autocast_state import autocast_state, describe as describe_autocast, programs_run_as_captured
 from ..runtime.partition import partition_by_phase
+from ..runtime.random_state import drawing_from, replicated_random_axes, shared_generator_state
 from ..runtime.recompiles import describe_frozen
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
@@ -79,6 +80,9 @@ class PipelineEntry:
     executor: PipelineExecutor
     schedule: dict  # pp rank -> [MetaStep]
     summary: dict
+    # Stage-mesh axes over which a random op of this rank's stages has a replicated output: the
+    # ranks of each draw from one generator state (runtime/random_state.py).
+    random_axes: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -262,7 +266,9 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
         entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
     pipe.last = entry
-    with programs_run_as_captured():
+    # Replicated dropout draws alike on its stage peers, once for the whole step (random_state.py).
+    shared = shared_generator_state(state.mesh, entry.random_axes) if entry.random_axes else None
+    with programs_run_as_captured(), drawing_from(state.mesh.device_type, shared):
         loss, count, grads = entry.executor.run(module, mbs)
     loss, count = _broadcast_loss(pipe, loss, count, entry)
     if count is not None:  # the gradients are of the summed loss (pipeline/loss.py)
@@ -476,7 +482,10 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule_name)
     progress.done(f"{len(programs)} stage program{'s' if len(programs) != 1 else ''} on this rank")
-    return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary)
+    stage_programs = [p for program in programs.values() for p in (program, program.sync) if p is not None]
+    drawn = {axis for p in stage_programs for axis in replicated_random_axes(p.forward_gm, state.mesh)}
+    random_axes = tuple(a for a in state.mesh.mesh_dim_names if a in drawn)
+    return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary, random_axes)
 
 
 _PROGRAM_OF_STEP = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "backward",

@@ -336,7 +336,7 @@ class _Propagator:
                     f"strategy, e.g. change the plan entry of module {module_fqn_of(node) or '<root>'!r}",
                 )
             wanted = tuple(
-                compat.DTensorSpec(self.mesh, s.placements, tensor_meta=c.tensor_meta)
+                compat.respec(s, mesh=self.mesh, tensor_meta=c.tensor_meta)
                 for s, c in zip(suggested, current)
             )
         else:
@@ -444,10 +444,10 @@ def _with_meta(spec, node, mesh):
     decision may carry another mesh object of the same shape (and that mesh's groups)."""
     val = node.meta.get("val")
     if isinstance(spec, compat.DTensorSpec) and isinstance(val, torch.Tensor):
-        return compat.DTensorSpec(mesh, spec.placements, tensor_meta=tensor_meta_of(val))
+        return compat.respec(spec, mesh=mesh, tensor_meta=tensor_meta_of(val))
     if isinstance(spec, (tuple, list)) and isinstance(val, (tuple, list)):
         return tuple(
-            compat.DTensorSpec(mesh, s.placements, tensor_meta=tensor_meta_of(v))
+            compat.respec(s, mesh=mesh, tensor_meta=tensor_meta_of(v))
             if isinstance(s, compat.DTensorSpec) and isinstance(v, torch.Tensor) else None
             for s, v in zip(spec, val)
         )

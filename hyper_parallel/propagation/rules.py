@@ -229,7 +229,7 @@ def _row_safe(spec, class_dim: int, row_dims: tuple[int, ...] | None) -> tuple |
 
 
 def _spec(like, placements):
-    return compat.DTensorSpec(like.mesh, tuple(placements), tensor_meta=like.tensor_meta)
+    return compat.respec(like, placements)
 
 
 def _replicated(like):

@@ -105,8 +105,7 @@ def unflatten_rule(op, args_schema: tuple):
         return None
     meta = spec.tensor_meta
     stride = tuple(math.prod(out_shape[i + 1:]) for i in range(len(out_shape)))
-    out = compat.DTensorSpec(spec.mesh, placements,
-                             tensor_meta=compat.TensorMeta(torch.Size(out_shape), stride, meta.dtype))
+    out = compat.respec(spec, placements, tensor_meta=compat.TensorMeta(torch.Size(out_shape), stride, meta.dtype))
     return out, None
 
 

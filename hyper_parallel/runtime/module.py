@@ -40,6 +40,7 @@ from ..spmd import agree, digest_of
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
 from .recompiles import ProgramKey, before_compile, describe_dtypes, describe_frozen
+from .random_state import drawing_from, shared_generator_state
 from .input_check import empty_problem, index_problem
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,10 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     entry.program.grad_hook = _gradient_hook(module, entry)
     entry.program.bind_buffers(module)  # buffers updated in forward (BatchNorm running statistics)
     entry.program.on_error = _error_context(module, entry)
-    outs = list(entry.program(*primals))
+    # Replicated dropout draws alike on the ranks of its axes (random_state.py).
+    shared = shared_generator_state(module._hp.mesh, entry.random_axes) if entry.random_axes else None
+    with drawing_from(module._hp.mesh.device_type, shared):
+        outs = list(entry.program(*primals))
     for index, sub_mesh, placements in entry.returned:  # still sharded: a DTensor, not gathered
         outs[index] = _as_dtensor(outs[index], sub_mesh, placements)
     return pytree.tree_unflatten(outs, captured.out_spec)
