@@ -47,8 +47,10 @@ from torch.nn.utils.stateless import _reparametrize_module as reparametrize_modu
 def torch_checkpoint_calls_marked(mark_region):
     """While active, ``torch.utils.checkpoint.checkpoint`` (either variant, however the caller
     imported it: transformers' ``gradient_checkpointing_enable`` binds it in a partial) runs the
-    checkpointed function eagerly inside ``mark_region(selective)``, a context manager factory;
-    ``selective`` is True when the caller passed a ``context_fn`` (torch's selective checkpointing).
+    checkpointed function eagerly inside ``mark_region(selective, offload)``, a context manager
+    factory; ``selective`` is True when the caller passed a ``context_fn`` (torch's selective
+    checkpointing), ``offload`` when the call sits inside ``torch.autograd.graph.save_on_cpu``
+    (transformers' ``activation_checkpointing_enable(offload=True)``: the inputs it saves go to host).
 
     ``checkpoint`` looks up ``CheckpointFunction`` (reentrant) and
     ``_checkpoint_without_reentrant_generator`` (non-reentrant: a generator resumed before and after
@@ -60,11 +62,11 @@ def torch_checkpoint_calls_marked(mark_region):
     class _Reentrant:
         @staticmethod
         def apply(function, _preserve_rng_state, *args):
-            with mark_region(False):
+            with mark_region(False, _saved_tensors_go_to_host()):
                 return function(*args)
 
     def _non_reentrant(_function, _preserve_rng_state=True, context_fn=tc.noop_context_fn, *_rest, **_kwargs):
-        with mark_region(context_fn is not tc.noop_context_fn):
+        with mark_region(context_fn is not tc.noop_context_fn, _saved_tensors_go_to_host()):
             yield
 
     saved = tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator
@@ -73,6 +75,11 @@ def torch_checkpoint_calls_marked(mark_region):
         yield
     finally:
         tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator = saved
+
+def _saved_tensors_go_to_host() -> bool:
+    """Whether the innermost saved-tensor hooks are ``save_on_cpu``'s (read while tracing too)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return top is not None and "save_on_cpu" in getattr(top[0], "__qualname__", "")
 
 # --- DTensor internals: specs, schemas and the sharding-strategy registry ------------------------
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401

@@ -298,16 +298,19 @@ def capturing():
 
 
 @contextlib.contextmanager
-def _torch_checkpoint_region(selective: bool):
+def _torch_checkpoint_region(selective: bool, offload: bool):
     """A ``torch.utils.checkpoint`` call met while capturing: a full-recompute region, as
-    ``hp.checkpoint(fn)``. A selective ``context_fn`` is torch's own dispatch mode, which the
-    compiler cannot read: the region is recomputed fully (never fewer values kept than asked)."""
+    ``hp.checkpoint(fn)``; inside ``save_on_cpu`` (``offload``: transformers'
+    ``activation_checkpointing_enable(offload=True)``) with its inputs swapped to host, as
+    ``hp.checkpoint(fn, swap_inputs=True)``. A selective ``context_fn`` is torch's own dispatch
+    mode, which the compiler cannot read: the region is recomputed fully (never fewer values kept
+    than asked)."""
     if selective:
         log.warning("torch.utils.checkpoint with a context_fn (selective checkpointing) inside a "
                     "parallelized model: its region is recomputed fully; give the policy as "
                     "hp.checkpoint(fn, policy_fn=...) or ParallelPlan.recompute to keep it selective")
     key = f"checkpoint:{next(_COUNTER)}"
-    _ANNOTATED[key] = Region(key, "recompute", "full", None)
+    _ANNOTATED[key] = Region(key, "recompute", "full", None, swap_inputs=offload)
     with fx_traceback.annotate({meta.REGION: key}):
         yield
 

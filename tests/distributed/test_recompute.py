@@ -244,3 +244,54 @@ def test_hf_gradient_checkpointing_becomes_recompute(dist2, reentrant, plan):
     assert saved["checkpointed"] == saved["plan_full"], saved
     total = lambda layers: sum(v["bytes"] for v in layers.values())  # noqa: E731
     assert total(saved["checkpointed"]) < total(saved["none"]) / 2, saved
+
+
+def _offloaded_checkpoint(mode: str) -> dict:
+    """Two blocks, each ``torch.utils.checkpoint`` inside ``save_on_cpu`` (what transformers'
+    ``activation_checkpointing_enable(offload=True)`` wraps every layer in; transformers itself
+    pins memory, which a CPU-only host refuses, so the blocks here call the two directly), or
+    ``hp.checkpoint(swap_inputs=True)``: the same saved and swapped set, at parity with one device
+    running the real save_on_cpu + checkpoint. Captured, the save_on_cpu used to be dropped: the
+    region was recomputed but its inputs stayed on the device."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    from torch.autograd.graph import save_on_cpu
+    from torch.utils.checkpoint import checkpoint
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                        for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                if mode == "hp":
+                    x = hp.checkpoint(layer, x, swap_inputs=True)
+                else:
+                    with save_on_cpu(pin_memory=False, device_type="cpu"):
+                        x = checkpoint(layer, x, use_reentrant=mode == "reentrant")
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    reference = Blocks()
+    model = hp.parallelize(copy.deepcopy(reference), {}, mesh)
+    x = torch.randn(8, 32, requires_grad=mode == "reentrant")  # reentrant needs an input that requires grad
+    rank = torch.distributed.get_rank()
+    reference(x).backward()
+    model(x[4 * rank: 4 * rank + 4]).backward()
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+    saved = model.compile_summary()["saved_for_backward"]
+    return {"bytes": saved["bytes"], "swapped": saved["swapped"]}
+
+
+def test_save_on_cpu_around_checkpoint_swaps_region_inputs(dist2):
+    hp_swap = dist2.run(_offloaded_checkpoint, "hp")[0]
+    assert hp_swap["swapped"]["count"] > 0
+    for mode in ("non_reentrant", "reentrant"):
+        assert dist2.run(_offloaded_checkpoint, mode)[0] == hp_swap, mode
