@@ -159,17 +159,37 @@ def get_model_state_dict(model: nn.Module, options: Optional[StateDictOptions] =
         for key in _frozen_keys(model):
             state.pop(key, None)
     if options.full_state_dict:
-        keep = not options.cpu_offload or _rank() == 0
+        pipeline = getattr(getattr(model, "_hp", None), "pipeline", None)
+        keep = not options.cpu_offload or _rank() == 0 or pipeline is not None
         full: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, DTensor):
                 value = value.full_tensor()  # a collective: every rank runs it, in the same order
             if keep:
                 full[key] = _to_cpu(value) if options.cpu_offload else value
-        return full
+        return _across_stages(model, full, options) if pipeline is not None else full
     if options.cpu_offload:
         return {key: _offload_shard(value) for key, value in state.items()}
     return state
+
+
+def _across_stages(model: nn.Module, stage_state: dict[str, Any], options: StateDictOptions) -> dict[str, Any]:
+    """Under a pipeline plan a rank holds only its stages' entries (gathered whole over its stage
+    mesh already): the pp ranks exchange them over the pp axis. With ``cpu_offload`` only global
+    rank 0 keeps the result, so only the pp line through it sends (one rank per stage); without it
+    every pp line exchanges, and every rank gets every entry, in stage order."""
+    pipe = model._hp.pipeline
+    group = pipe.pp_group
+    first_of_stage = not any(model._hp.mesh.get_coordinate() or ())  # on global rank 0's pp line
+    if options.cpu_offload:
+        if not first_of_stage:
+            return {}
+        parts = [None] * dist.get_world_size(group) if _rank() == 0 else None
+        dist.gather_object(stage_state, parts, group_dst=0, group=group)
+        return {k: v for part in parts for k, v in part.items()} if _rank() == 0 else {}
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, stage_state, group=group)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _to_cpu(value: Any) -> Any:

@@ -6,7 +6,8 @@ to access the data pointer on an invalid python storage". :func:`parallelize` ad
 :class:`SavePretrainedFull` to the parallel class of a model that has ``save_pretrained``, so the
 call a training script ends with works unchanged: every rank calls it (the weights are gathered,
 a collective), rank 0 (or the rank passing ``is_main_process=True``) writes them, and the
-directory loads with ``from_pretrained`` on one device.
+directory loads with ``from_pretrained`` on one device. Under a pipeline plan the stages' weights
+travel to rank 0 over the pp axis (``state_dict._across_stages``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,6 @@ class SavePretrainedFull:
         """transformers' ``save_pretrained``, with ``state_dict`` defaulting to the full weights
         gathered to CPU (``get_model_state_dict(full_state_dict=True, cpu_offload=True)``). Call
         it on every rank; ``is_main_process`` (default: rank 0) picks the one that writes."""
-        if getattr(self._hp, "pipeline", None) is not None:
-            raise ValueError(
-                f"{type(self).__name__}.save_pretrained: under a pipeline plan each pp rank holds only "
-                "its stages' parameters, and gathering them to one rank is not supported yet; save with "
-                "hp.save_checkpoint(model, path) on every rank instead"
-            )
         rank = dist.get_rank() if dist.is_initialized() else 0
         if is_main_process is None:
             is_main_process = rank == 0
