@@ -24,8 +24,8 @@ byte for byte). When Dynamo calls the backend with the graph of a module's whole
 The callable returned runs once, inside this first call, outside Dynamo: it parallelizes the module
 in place (parameters become DTensors, exactly as ``parallelize`` does), runs its forward with this
 call's inputs (capture → propagate → lower → passes happen here, as on parallelize's first call)
-and hands Dynamo the outputs in its graph's order. The module's class then gets a ``forward`` that
-Dynamo does not trace, so every later call of the compiled module runs the parallel module's
+and hands Dynamo the outputs in its graph's order. The parallel module's ``forward`` is one Dynamo
+does not trace (runtime/module.py), so every later call of the compiled module runs the parallel module's
 cached programs directly (new input shapes compile there, as with ``parallelize``); under
 ``fullgraph=True`` that program counts as the call's compiled frame.
 
@@ -297,24 +297,11 @@ def _at(value, path: tuple):
     return value
 
 
-@torch.compiler.disable  # ParallelModule.forward runs compiled programs: Dynamo must not trace it
-def _forward_outside_dynamo(self, *args, **kwargs):
-    # Under torch.compile(fullgraph=True) a call that ran no compiled frame is an error; the
-    # parallel program is this call's compiled code.
-    compat.count_as_compiled_frame()
-    return ParallelModule.forward(self, *args, **kwargs)
-
-
 def _parallelize_in_place(module: nn.Module, plan, mesh, pass_options: dict) -> None:
     before = dict(module.named_parameters())
     parallelize(module, plan, mesh, **pass_options)
     # Dynamo's graph returns the model's own tensors: plain, whole on the non-data-parallel axes.
     module._hp.resolved = dataclasses.replace(module._hp.resolved, whole_outputs=True)
-    parallel_cls = type(module)
-    module.__class__ = type(
-        parallel_cls.__name__, (parallel_cls,),
-        {"forward": _forward_outside_dynamo, "__module__": parallel_cls.__module__},
-    )
     after = dict(module.named_parameters())
     for fqn, old in before.items():
         new = after.get(fqn)

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..ir.kinds import InputKind
+from .. import compat
 from ..compat import pytree
 from ..compile.capture import flat_paths
 from ..compile.options import CompileOptions
@@ -93,12 +94,24 @@ class ParallelState:
         return dataclasses.replace(self.resolved, fsdp=fsdp)
 
 
+_NOT_TRACED = ("a parallelized module runs its own compiled programs, which torch.compile does not trace "
+               "into (a graph break): compile it without fullgraph=True, or pass parallelize(..., "
+               "codegen='inductor') for Inductor kernels inside the programs")
+
+
 class ParallelModule(FsdpMethods, nn.Module):
     """Mixin added to the user's model class by :func:`parallelize`."""
 
     _hp: ParallelState
 
+    # torch.compile of a parallelized module (or of a model holding one) must not trace the runtime:
+    # Dynamo would step into the compiler on the first call and fail there, blaming the plan. The
+    # call runs the compiled programs as they are (``codegen="inductor"`` compiles their compute
+    # regions with Inductor). Where this forward is the frame Dynamo compiles (the backend's later
+    # calls, backend.py) the program counts as its compiled frame under ``fullgraph=True``.
+    @torch.compiler.disable(reason=_NOT_TRACED)
     def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
+        compat.count_as_compiled_frame()
         entry, flat = entry_for(self, args, kwargs)
         if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
             return _meta_outputs(entry)

@@ -192,6 +192,41 @@ def small_cases():
     return messages, instances, stale_state
 
 
+def _compile_parallelized(fullgraph: bool) -> int:
+    """``torch.compile`` (Inductor, the default backend) of a model already parallelized, as a
+    training script that compiles whatever model it is handed does: the call runs the parallel
+    program, at single-device parity over 2 SGD steps. Dynamo used to trace into the compiler on
+    the first call and fail there with a ValueError blaming the plan ("cannot shard node
+    'embedding'")."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    reference = build_model("hf_llama")
+    parallel = hp.parallelize(copy.deepcopy(reference), {}, mesh)
+    compiled = torch.compile(parallel, fullgraph=fullgraph)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, parallel)]
+    for step in range(2):
+        full = global_batch("llama", 4, 16, seed=step + 1)
+        loss, ref = compiled(**local_batch(full, mesh)).loss, reference(**full).loss
+        loss.backward()
+        ref.backward()
+        torch.testing.assert_close(loss, ref, msg=lambda m: f"step {step} loss: {m}")
+        grads = dict(reference.named_parameters())
+        for name, p in parallel.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return len(parallel._hp.cache)
+
+
+def test_torch_compile_of_a_parallelized_model(dist2):
+    pytest.importorskip("transformers")
+    assert dist2.run(_compile_parallelized, False) == [1, 1]
+    # fullgraph=True cannot hold the parallel program inside Dynamo's graph: the graph break's
+    # error says why and what to do.
+    with pytest.raises(Exception, match="runs its own compiled programs.*without fullgraph=True"):
+        dist2.run(_compile_parallelized, True)
+
+
 def test_graph_breaks_instances_and_optimizer_state(dist2):
     messages, instances, stale_state = dist2.run(small_cases)[0]
     for cls, marker in ((ItemBranch, "BREAK: item"), (Printing, "BREAK: print"),
