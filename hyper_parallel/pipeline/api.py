@@ -95,6 +95,7 @@ class PipelineState:
     # This rank's parameters' (requires_grad, dtype) when the first step compiled (every stage
     # program was captured with those, on every rank).
     param_state: dict | None = None
+    warned_clipping: bool = False  # the note on clipping under a pipeline, logged at the first compile
 
     @property
     def pp_group(self):
@@ -481,6 +482,11 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     _release_other_stages(module, state, programs)
     if rank == 0:
         log.info("[pipeline] %d stages at %s, schedule %s", resolved.num_stages, list(split_points), plan.schedule_name)
+        if not pipe.warned_clipping:
+            pipe.warned_clipping = True
+            log.warning("pipeline: clip gradients with model.clip_grad_norm_(max_norm); "
+                        "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) sees only this rank's stages, "
+                        "so each pp rank would clip by its own norm instead of the model's")
     progress.done(f"{len(programs)} stage program{'s' if len(programs) != 1 else ''} on this rank")
     stage_programs = [p for program in programs.values() for p in (program, program.sync) if p is not None]
     drawn = {axis for p in stage_programs for axis in replicated_random_axes(p.forward_gm, state.mesh)}

@@ -40,6 +40,7 @@ from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
+from .grad_norm import clip_grad_norm_
 from .recompiles import ProgramKey, before_compile, describe_dtypes, describe_frozen
 from .random_state import drawing_from, shared_generator_state
 from .input_check import empty_problem, index_problem
@@ -127,6 +128,14 @@ class ParallelModule(FsdpMethods, nn.Module):
         loss = loss_of(self(*args, **kwargs))
         loss.backward()
         return loss.detach()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` with the total norm over every
+        parameter of the model, pipeline stages on other ranks included (torch's function sees only
+        this rank's stages there: grad_norm.py). Returns the total norm, equal on every rank; call
+        it on every rank."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def pipeline_report(self) -> dict:
         """See ``PipelinedModule.pipeline_report`` (pipeline/module.py)."""

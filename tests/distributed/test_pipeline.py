@@ -219,3 +219,55 @@ def _flag_error():
 def test_program_changing_fsdp_flags_are_refused(dist4):
     for message in dist4.run(_flag_error):
         assert "set_requires_gradient_sync is not supported with a pipeline plan yet" in message, message
+
+
+def _clip_across_stages(shape: tuple, names: tuple) -> list:
+    """``model.clip_grad_norm_`` under a pipeline (with FSDP inside the stages when ``dp_shard``
+    is an axis too; FSDP alone without ``pp``): one device's total norm on every rank and its
+    clipped gradients, over 2 AdamW steps. torch's own function on the same parameters sees only
+    this rank's stages (each pp rank clipped by its own norm, silently)."""
+    import copy
+
+    import torch
+
+    from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+
+    mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
+    plan = {}
+    if "pp" in names:
+        plan["pipeline"] = hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B", num_microbatches=2)
+    if "dp_shard" in names:
+        plan["fully_shard"] = {"units": ["model.layers.*", ""]}
+    reference = build_model("hf_llama")
+    model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
+    norms = []
+    for step in range(2):
+        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
+        model.step(local_batch(full, mesh))
+        reference(**full).loss.backward()
+        stage_only = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+        norm = model.clip_grad_norm_(0.1)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"step {step} total norm: {m}")
+        if "pp" in names:
+            assert stage_only.full_tensor() < norm  # torch's function: this rank's stages only
+        else:
+            torch.testing.assert_close(stage_only.full_tensor(), norm)  # the same as torch's
+        grads = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad,
+                                       msg=lambda m, n=name: f"step {step} clipped grad of {n}: {m}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        norms.append(norm.item())
+    return norms
+
+
+@pytest.mark.parametrize("shape,names", [((2,), ("pp",)), ((2, 2), ("pp", "dp_shard")), ((2,), ("dp_shard",))])
+def test_clip_grad_norm_over_all_stages(dist2, dist4, shape, names):
+    pytest.importorskip("transformers")
+    pool = dist4 if len(shape) == 2 else dist2
+    norms = pool.run(_clip_across_stages, shape, names)
+    assert all(n == norms[0] for n in norms), norms  # every rank clips by the same norm
