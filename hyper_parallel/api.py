@@ -31,6 +31,7 @@ from .plan.resolution import resolve
 from .progress import enable_default_logging
 from .pipeline.module import PipelinedModule
 from .runtime.module import ParallelModule, ParallelState, entry_for
+from .runtime.replaced_parameters import remember_replacements
 from .runtime.save_pretrained import SavePretrainedFull
 from .spmd import agree, digest_of
 
@@ -142,8 +143,11 @@ def parallelize(
           digest_of(settings), lambda: settings, timeout=timeout)
     dump_source = "dump_dir" if dump_dir else "HYPER_PARALLEL_DUMP_DIR"
     dump_dir = options.prepare_dump_dir(dump_dir or os.environ.get("HYPER_PARALLEL_DUMP_DIR"), current_rank(), dump_source)
+    before = dict(model.named_parameters())
     distribute_parameters(model, resolved.param_placements, mesh, materialize=materialize)
     _offload_shards(model, resolved)
+    # An optimizer built before this call gets the DTensor parameters at its first step.
+    remember_replacements(before, dict(model.named_parameters()), "parallelize", "parallelize(model, ...)")
     original_cls = type(model)
     module_cls = PipelinedModule if resolution.pipeline is not None else ParallelModule
     # transformers' save_pretrained writes the gathered weights (runtime/save_pretrained.py).

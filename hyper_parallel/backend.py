@@ -42,16 +42,15 @@ import linecache
 import os
 import re
 import sys
-import weakref
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import compat
 from .api import ParallelModule, parallelize
+from .runtime.replaced_parameters import remember_replacements
 
 __all__ = ["hyper_parallel_backend"]
 
@@ -302,44 +301,7 @@ def _parallelize_in_place(module: nn.Module, plan, mesh, pass_options: dict) -> 
     parallelize(module, plan, mesh, **pass_options)
     # Dynamo's graph returns the model's own tensors: plain, whole on the non-data-parallel axes.
     module._hp.resolved = dataclasses.replace(module._hp.resolved, whole_outputs=True)
-    after = dict(module.named_parameters())
-    for fqn, old in before.items():
-        new = after.get(fqn)
-        if new is not None and new is not old:
-            _remember_replacement(old, new, fqn)
+    remember_replacements(before, dict(module.named_parameters()), f"torch.compile(backend={BACKEND_NAME!r})",
+                          "the first call")
 
 
-# --- optimizers built before the first call -----------------------------------------------------
-
-# id(replaced parameter) -> (weak replaced parameter, weak DTensor parameter, FQN)
-_REPLACED: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
-_HOOK: list = []
-
-
-def _remember_replacement(old: torch.Tensor, new: torch.Tensor, fqn: str) -> None:
-    key = id(old)
-    _REPLACED[key] = (weakref.ref(old, lambda _, key=key: _REPLACED.pop(key, None)), weakref.ref(new), fqn)
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_use_parallel_parameters))
-
-
-def _use_parallel_parameters(optimizer, args, kwargs) -> None:
-    """Before any optimizer steps: put the DTensor parameters in place of the ones they replaced."""
-    if not _REPLACED:
-        return
-    for group in optimizer.param_groups:
-        params = group["params"]
-        for i, p in enumerate(params):
-            entry = _REPLACED.get(id(p))
-            if entry is None or entry[0]() is not p:
-                continue
-            new = entry[1]()
-            if new is None:
-                continue
-            if optimizer.state.get(p):
-                raise RuntimeError(
-                    f"the optimizer has state for parameter {entry[2]!r} from before torch.compile("
-                    f"backend={BACKEND_NAME!r}) parallelized the model (its first call); that state "
-                    "is not sharded. Build the optimizer from model.parameters() after the first call"
-                )
-            params[i] = new

@@ -7,6 +7,7 @@ One pool job compiles each plan once and runs every case on it, to keep the suit
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -190,3 +191,63 @@ def test_muon_and_chain_match_one_device_under_fsdp_tp_and_both(dist4, tmp_path)
         assert uneven["collectives"] == [("gather", (0, 1, 2, 3)), ("scatter", (0, 1, 2, 3))] * 2
         assert r["fsdp_tp"]["resume"] == {"state_dict": [], "flatten": [], "hp.get/set_optimizer_state_dict": [],
                                           "hp.save/load_checkpoint": []}, r["fsdp_tp"]["resume"]
+
+
+def _optimizer_built_before_parallelize(case: str):
+    """The optimizer built from the model's parameters *before* parallelize (a common order in
+    training scripts): parallelize replaces every parameter by a DTensor, and ``step()`` used to
+    update the replaced tensors, which get no gradient, so nothing trained, with no error. The
+    optimizer now gets the DTensor parameters at its first step: 3 steps equal one device's.
+    Under a pipeline the parameters of the other stages leave it. ``stepped``: an optimizer that
+    stepped before parallelize has state that is not sharded, an error naming the parameter."""
+    mesh_shape, names, plan = {
+        "dp": ((2,), ("dp",), {}),
+        "fsdp": ((2,), ("dp_shard",), {"fully_shard": {"units": ["model.layers.*", ""]}}),
+        "pipeline": ((2,), ("pp",), {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B",
+                                                  "num_microbatches": 2}}),
+        "stepped": ((2,), ("dp",), {}),
+    }[case]
+    mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    reference = build_model("hf_llama")
+    model = copy.deepcopy(reference)
+    # SGD with momentum: state per parameter, and no division by a tiny second moment that would
+    # turn last-bit gradient differences into visible ones after a few steps (as AdamW's does).
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    if case == "stepped":
+        model(**global_batch("llama", 4, 16)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model = hp.parallelize(model, plan, mesh)
+    for step in range(3):
+        full = global_batch("llama", 4, 16, seed=step + 1)
+        if case == "pipeline":
+            model.step(full)
+        else:
+            model(**local_batch(full, mesh)).loss.backward()
+        reference(**full).loss.backward()
+        if case == "stepped":
+            try:
+                optimizer.step()
+            except RuntimeError as exc:
+                return str(exc)
+            return "no error"
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), expected[name], msg=lambda m, n=name: f"{n} after 3 steps: {m}")
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    return len(held) == len(list(model.parameters())) and all(isinstance(p, torch.distributed.tensor.DTensor)
+                                                                 for p in held)
+
+
+def test_optimizer_built_before_parallelize_trains(dist2):
+    pytest.importorskip("transformers")
+    for case in ("dp", "fsdp", "pipeline"):
+        assert dist2.run(_optimizer_built_before_parallelize, case) == [True, True], case
+    for message in dist2.run(_optimizer_built_before_parallelize, "stepped"):
+        assert "has state for parameter 'model.embed_tokens.weight'" in message, message
+        assert "after parallelize(model, ...)" in message, message
