@@ -198,17 +198,21 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
         _reached("data_written")
 
-        def checksums() -> dict[str, Any]:
+        def checksums_and_keys() -> tuple[dict[str, Any], dict[str, Any]]:
             # DCP returns the global metadata on every rank: its storage_data lists every data file
             # (FileSystemWriter's records, each with a relative_path; DCP's own reader uses them).
             files = sorted({info.relative_path for info in metadata.storage_data.values()} | {_DCP_METADATA})
-            return {name: _record(tmp, name) for i, name in enumerate(files) if _owner(name, i, world) == rank}
+            return ({name: _record(tmp, name) for i, name in enumerate(files) if _owner(name, i, world) == rank},
+                    _keys(state))
 
-        # Each rank checksums the files it wrote (still in its page cache); the all-gather is also
-        # the barrier after which rank 0 may commit.
+        # Each rank checksums the files it wrote (still in its page cache) and lists its keys (a
+        # pipeline stage holds only its own: the manifest has them all); the all-gather is also the
+        # barrier after which rank 0 may commit.
         records: dict[str, Any] = {}
-        for part in _gathered(checksums):
+        keys: dict[str, Any] | None = None
+        for part, rank_keys in _gathered(checksums_and_keys):
             records.update(part)
+            keys = _merged_keys(keys, rank_keys)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -217,7 +221,7 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             "torch_version": torch.__version__,
             "checksum": "crc32",
             "files": dict(sorted(records.items())),
-            "keys": _keys(state),
+            "keys": keys,
         }
     except Exception:
         if rank == 0:  # every rank is past DCP's writes (it raises on all of them): nothing writes here
@@ -229,6 +233,17 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
             _commit(path, tmp, save_id, manifest)
 
     _agreed(commit)
+
+
+def _merged_keys(keys: dict[str, Any] | None, more: dict[str, Any]) -> dict[str, Any]:
+    """The union of two ranks' key records (model entries, optimizer state per parameter)."""
+    if keys is None:
+        return more
+    merged = {"model": {**keys["model"], **more["model"]}, "optimizer": keys["optimizer"]}
+    if keys["optimizer"] is not None and more["optimizer"] is not None:
+        merged["optimizer"] = {**keys["optimizer"],
+                               "state": {**keys["optimizer"]["state"], **more["optimizer"]["state"]}}
+    return merged
 
 
 # --------------------------------------------------------------------------------------------
