@@ -437,8 +437,21 @@ def resolve_fully_shard(value: Any, model: nn.Module, resolved: ResolvedPlan) ->
     storage = dict(resolved.param_placements)
     compute = {}
     for fqn, unit in owner.items():
-        compute[fqn] = resolved.param_placements[fqn]
+        placements = resolved.param_placements[fqn]
         dim = _shard_dim(option(unit, "shard_placement_fn"), params[fqn], fqn, unit)
+        if dim == 0 and any(isinstance(p, compat.StridedShard) and p.dim == 0 for p in placements):
+            # A fused projection's split layout (GPT-2's c_attn bias: each third split over tp,
+            # propagation/fused_projections.py): DTensor cannot nest an FSDP shard inside that
+            # strided shard. Dim 1 where there is one; else the parameter (a bias) stays in its
+            # unit (cast by its mixed-precision policy) but stored as computed, replicated over the
+            # data-parallel axes: its gradient is all-reduced there instead of reduce-scattered.
+            ranks = math.prod(sizes[j] for j in fsdp_axes if isinstance(placements[j], Replicate))
+            if _dim1_shardable(placements, params[fqn].shape, ranks):
+                dim = 1
+            else:
+                compute[fqn] = storage[fqn] = placements
+                continue
+        compute[fqn] = placements
         storage[fqn] = _storage_placements(compute[fqn], names, sizes, fsdp_axes, fqn, params[fqn].shape, dim)
     units = []
     for unit in dict.fromkeys(owner.values()):

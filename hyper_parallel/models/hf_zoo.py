@@ -156,12 +156,19 @@ def _megatron(prefix: str, colwise: tuple[str, ...], rowwise: tuple[str, ...]) -
 def gpt2_tp_layouts() -> dict[str, Any]:
     """GPT-2's tensor parallelism as ``layouts``: its ``Conv1D`` weights are [in, out], so the
     column-parallel c_attn / c_fc split weight dim 1 and bias dim 0 over tp, the row-parallel
-    c_proj weight dim 0."""
+    c_proj weight dim 0. c_attn's columns are q, k and v side by side, split apart after the
+    projection: each third is split over tp (``_StridedShard(split_factor=3)``), so every rank holds
+    its heads' q, k and v and the attention runs on them (propagation/fused_projections.py); a
+    plain column split would leave the split to gather the projection's output."""
     from torch.distributed.tensor import Shard
 
+    from hyper_parallel.compat import StridedShard
+
     col = {"parameter": {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}}
+    qkv = {"parameter": {"weight": {"tp": StridedShard(1, split_factor=3)},
+                         "bias": {"tp": StridedShard(0, split_factor=3)}}}
     row = {"parameter": {"weight": {"tp": Shard(0)}}}
-    return {"transformer.h.*.attn.c_attn": col, "transformer.h.*.mlp.c_fc": col,
+    return {"transformer.h.*.attn.c_attn": qkv, "transformer.h.*.mlp.c_fc": col,
             "transformer.h.*.attn.c_proj": row, "transformer.h.*.mlp.c_proj": row}
 
 

@@ -68,7 +68,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..compat import pytree
 from .. import compat
 from ..cp import attention as cp_attention
-from . import attention_rules, strided_views
+from . import attention_rules, fused_projections, strided_views
 from ..ir import meta
 from ..layout import format_placements
 
@@ -115,6 +115,9 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
         decided = _VOCAB_PARALLEL_RULES[op](args_schema)
         if decided is not None:
             return decided
+    decided = fused_projections.rule(op, args_schema, kwargs_schema)  # q, k, v of one fused weight
+    if decided is not None:
+        return decided
     if not has_rule(op):
         # DTensor would derive a strategy from a decomposition but still run the original kernel on
         # the shards; kernels with implicit global sizes (mean reductions) would then be wrong.
@@ -346,7 +349,7 @@ def local_kernel(op, args: tuple, layout, context=None, name: str = "", mask_wit
     sequence_parallel = cp_attention.local_kernel(op, layout, context, name, mask_within_causal)
     if sequence_parallel is not None:
         return sequence_parallel
-    view = strided_views.local_kernel(op, layout)
+    view = strided_views.local_kernel(op, layout) or fused_projections.local_kernel(op, layout)
     if view is not None:
         return view
     if op not in _VOCAB_PARALLEL_RULES or not layout.inputs or len(args) != _ARITY[op]:

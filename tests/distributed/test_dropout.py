@@ -2,8 +2,9 @@
 model with dropout on).
 
 Under tensor parallelism GPT-2's residual and embedding dropouts act on values replicated over
-``tp`` (the attention too, under this plan: its fused ``c_attn`` output is gathered), so every rank
-computes them and must drop the same elements. Two defects lived here:
+``tp`` (the attention too when its fused ``c_attn`` is split by contiguous columns: its output is
+then gathered), so every rank computes them and must drop the same elements. Two defects lived
+here:
 
 * attention dropout failed to lower (``InternalError`` at the attention backward's ``bmm``): specs
   hyper_parallel rebuilt from placements alone read a ``_StridedShard`` another way than the spec
@@ -31,16 +32,24 @@ DROPOUT = dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
 STEPS, LR = 3, 0.1
 
 
-def _tp_plan() -> dict:
+def _tp_plan(attention_replicated: bool = False) -> dict:
+    """hf_zoo's GPT-2 plan (q, k and v split per head: the attention and its dropout sharded over
+    tp), or with ``c_attn`` split by contiguous columns, which makes the attention gather and run
+    replicated: then every random op is replicated and one device's numbers are the oracle."""
+    from torch.distributed.tensor import Shard
+
     from hyper_parallel.models.hf_zoo import gpt2_tp_layouts
 
-    return {"layouts": gpt2_tp_layouts()}
+    layouts = gpt2_tp_layouts()
+    if attention_replicated:
+        layouts["transformer.h.*.attn.c_attn"] = {"parameter": {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}}
+    return {"layouts": layouts}
 
 
 def _tp_dropout_against_one_device() -> dict:
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     reference = build_model("hf_gpt2", **DROPOUT)
-    model = hp.parallelize(copy.deepcopy(reference), _tp_plan(), mesh)
+    model = hp.parallelize(copy.deepcopy(reference), _tp_plan(attention_replicated=True), mesh)
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
     losses = []
     for step in range(STEPS):

@@ -30,3 +30,42 @@ def test_gpt2_fsdp_tp_column_split_conv1d(dist4):
     assert _count(summary, "forward", "all_gather", "dp") == UNITS
     assert _count(summary, "backward", "all_gather", "dp") == UNITS
     assert _count(summary, "backward", "reduce_scatter", "dp") == UNITS
+
+
+def _mixed_precision_step() -> dict:
+    """bf16 parameters, fp32 reduction: hf_zoo's plan splits c_attn per third of q, k, v over tp
+    (``_StridedShard(split_factor=3)``), so its bias, a 1-D strided shard FSDP cannot nest its own
+    shard in, stays in its unit stored as computed (cast with the unit, its gradient all-reduced
+    over dp): against one device computing in bf16 from the same fp32 weights, two steps."""
+    import copy
+
+    import torch
+
+    import hyper_parallel as hp
+    from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model,
+                                               build_plan, global_batch, local_batch)
+
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = build_plan("gpt2_fsdp_tp")
+    plan["fully_shard"]["mixed_precision"] = policy
+    master = build_model("hf_gpt2")
+    model = hp.parallelize(copy.deepcopy(master), plan, mesh)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (master, model)]
+    for step in range(2):
+        full = global_batch("llama", 4, 16, seed=step + 1)
+        compute, ref_loss = bf16_reference_step(master, full)
+        loss = model(**local_batch(full, mesh)).loss
+        loss.backward()
+        assert_matches_bf16_reference(model, loss, compute, ref_loss, what=f"step {step} ")
+        for p, c in zip(master.parameters(), compute.parameters()):
+            p.grad = c.grad.float()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return model.compile_summary()["collectives"]["backward"]
+
+
+def test_gpt2_fsdp_tp_mixed_precision(dist4):
+    backward = dist4.run(_mixed_precision_step)[0]
+    assert _count({"collectives": {"backward": backward}}, "backward", "reduce_scatter", "dp") == UNITS

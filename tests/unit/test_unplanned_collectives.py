@@ -54,27 +54,47 @@ def test_one_kv_head_over_tp2_is_warned_with_the_module_and_its_entries_two_fit_
 
 
 
-def _compile_hf(arch: str) -> dict:
+def _compile_hf(arch: str, plan: dict | None = None) -> dict:
     from hyper_parallel.models.hf_zoo import hf_tp_plan, tiny_hf_model
     from hyper_parallel.testing.parity import local_batch
 
     with fake_world(2, 0):
         mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        pmodel = hp.parallelize(tiny_hf_model(arch), hf_tp_plan(arch), mesh)
+        pmodel = hp.parallelize(tiny_hf_model(arch), plan or hf_tp_plan(arch), mesh)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compile_for_inputs(pmodel, (), local_batch(global_batch(arch, 4, 16), mesh))
         return pmodel.compile_summary()
 
 
+def _gpt2_contiguous_column_split() -> dict:
+    """GPT-2's plan with c_attn split by contiguous columns (``Shard(1)``), as a Linear would be."""
+    from torch.distributed.tensor import Shard
+
+    from hyper_parallel.models.hf_zoo import gpt2_tp_layouts
+
+    layouts = gpt2_tp_layouts()
+    layouts["transformer.h.*.attn.c_attn"] = {"parameter": {"weight": {"tp": Shard(1)}, "bias": {"tp": Shard(0)}}}
+    return {"layouts": layouts}
+
+
 def test_transformers_models_gpt2_fused_qkv_warned_llama_quiet():
     """GPT-2's fused ``c_attn`` (q, k, v in one [in, 3 * hidden] weight) split by contiguous columns
-    puts each rank's columns across q, k and v: splitting them gathers per layer. HF Llama's
-    separate projections fit the plan."""
+    puts each rank's columns across q, k and v: splitting them gathers per layer. Split per third
+    (``_StridedShard(1, split_factor=3)``, hf_zoo's GPT-2 plan: propagation/fused_projections.py)
+    each rank holds its heads' q, k and v and nothing is gathered; HF Llama's separate projections
+    fit the plan."""
     if dist.is_initialized():
         pytest.skip("a default process group is already initialised in this process (leaked by another test)")
-    findings = _compile_hf("GPT2LMHeadModel")["unplanned_collectives"]
-    assert [f["module"] for f in findings] == ["transformer.h.0.attn", "transformer.h.1.attn"], findings
-    assert all(f["kinds"] == ["all_gather"] and f["axes"] == ["tp"] and f["count"] == 4 for f in findings)
-    assert all("aten.split" in f["example"] for f in findings)
+    findings = _compile_hf("GPT2LMHeadModel", _gpt2_contiguous_column_split())["unplanned_collectives"]
+    for layer in ("transformer.h.0.attn", "transformer.h.1.attn"):
+        mine = [f for f in findings if f["module"] == layer or f["module"].startswith(layer + ".")]
+        assert sum(f["count"] for f in mine) >= 3, findings
+    assert all(f["kinds"] == ["all_gather"] and f["axes"] == ["tp"] for f in findings)
+    assert any("aten.split" in f["example"] for f in findings)
+    strided = _compile_hf("GPT2LMHeadModel")
+    assert strided["unplanned_collectives"] == []
+    # Megatron's count: one all-reduce per row-parallel layer forward (c_proj of attention and MLP).
+    assert strided["collectives"]["forward"] == {"all_reduce": {"tp": strided["collectives"]["forward"]["all_reduce"]["tp"]}}
+    assert strided["collectives"]["forward"]["all_reduce"]["tp"]["count"] == 4
     assert _compile_hf("LlamaForCausalLM")["unplanned_collectives"] == []

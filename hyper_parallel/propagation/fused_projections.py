@@ -1,0 +1,149 @@
+"""Our rules for a fused projection split into its parts, and the parts' gradients joined again.
+
+GPT-2's ``c_attn`` computes q, k and v with one weight ``[hidden, 3 * hidden]`` and splits its
+output with ``.split(hidden, dim=2)``; Phi-3's ``qkv_proj`` and ``gate_up_proj`` do the same. A
+plain column split of such a weight gives rank 0 all of q and half of k, which the split cannot
+keep sharded: the output was all-gathered and the attention ran replicated on every rank. Planned
+as ``_StridedShard(1, split_factor=3)`` (each rank holds its columns of q, of k and of v, in that
+order), the projection's output is ``_StridedShard(dim, split_factor=3)``, and:
+
+* ``split`` / ``split_with_sizes`` of such a dim into ``split_factor`` equal parts gives each part
+  ``Shard(dim)``: this rank's part of it is its local third (DTensor's rule gathers instead);
+* ``cat`` of equal parts each ``Shard(dim)`` along ``dim`` (the split's backward) gives
+  ``_StridedShard(dim, split_factor=parts)``: this rank's parts side by side (DTensor's rule gathers
+  every part).
+
+Both compute on the local shards (:func:`local_kernel`) with no communication. Every other
+placement must leave ``dim`` alone (it is kept as it is); anything else is left to DTensor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.tensor import Shard
+
+from .. import compat
+
+aten = torch.ops.aten
+
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
+CAT_OPS = (aten.cat.default,)
+
+
+def _dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _part_sizes(op, args_schema: tuple, size: int) -> list[int] | None:
+    if op is aten.split.Tensor:
+        step = args_schema[1]
+        if not isinstance(step, int) or step <= 0:
+            return None
+        return [min(step, size - start) for start in range(0, size, step)]
+    sizes = args_schema[1]
+    return list(sizes) if all(isinstance(s, int) for s in sizes) else None
+
+
+def _strided_axis(placements, dim: int) -> int | None:
+    """The one mesh axis whose placement is a strided shard of ``dim``; None if none, or if any
+    other axis shards ``dim`` too."""
+    strided = [i for i, p in enumerate(placements) if isinstance(p, compat.StridedShard) and p.dim == dim]
+    others = [i for i, p in enumerate(placements)
+              if p.is_shard() and p.dim == dim and not isinstance(p, compat.StridedShard)]
+    return strided[0] if len(strided) == 1 and not others else None
+
+
+def _split_rule(op, args_schema: tuple):
+    x = args_schema[0]
+    if not isinstance(x, compat.DTensorSpec) or x.tensor_meta is None:
+        return None
+    shape = tuple(x.tensor_meta.shape)
+    dim = _dim(args_schema[2] if len(args_schema) > 2 else 0, len(shape))
+    axis = _strided_axis(x.placements, dim)
+    if axis is None:
+        return None
+    sizes = _part_sizes(op, args_schema, shape[dim])
+    factor = x.placements[axis].split_factor
+    if sizes is None or len(sizes) != factor or len(set(sizes)) != 1 or sizes[0] % x.mesh.size(axis):
+        return None
+    placements = list(x.placements)
+    placements[axis] = Shard(dim)
+    part_shape = shape[:dim] + (sizes[0],) + shape[dim + 1:]
+    meta = compat.TensorMeta(torch.Size(part_shape), tuple(x.tensor_meta.stride), x.tensor_meta.dtype)
+    part = compat.DTensorSpec(x.mesh, tuple(placements), tensor_meta=meta)
+    return tuple(part for _ in sizes), None
+
+
+def _cat_rule(op, args_schema: tuple):
+    parts = args_schema[0]
+    if not isinstance(parts, (list, tuple)) or len(parts) < 2:
+        return None
+    if not all(isinstance(p, compat.DTensorSpec) and p.tensor_meta is not None for p in parts):
+        return None
+    first = parts[0]
+    shape = tuple(first.tensor_meta.shape)
+    dim = _dim(args_schema[1] if len(args_schema) > 1 else 0, len(shape))
+    if any(tuple(p.tensor_meta.shape) != shape or p.placements != first.placements for p in parts):
+        return None
+    axes = [i for i, p in enumerate(first.placements) if p.is_shard() and p.dim == dim]
+    if len(axes) != 1 or isinstance(first.placements[axes[0]], compat.StridedShard):
+        return None
+    axis = axes[0]
+    if shape[dim] % first.mesh.size(axis):
+        return None
+    placements = list(first.placements)
+    placements[axis] = compat.StridedShard(dim, split_factor=len(parts))
+    out_shape = shape[:dim] + (shape[dim] * len(parts),) + shape[dim + 1:]
+    stride = tuple(int(torch.Size(out_shape[i + 1:]).numel()) for i in range(len(out_shape)))
+    meta = compat.TensorMeta(torch.Size(out_shape), stride, first.tensor_meta.dtype)
+    return compat.DTensorSpec(first.mesh, tuple(placements), tensor_meta=meta), None
+
+
+def rule(op, args_schema: tuple, kwargs_schema: dict):
+    """``(output_spec, None)`` for a split or cat this module decides (module docstring), else None."""
+    if kwargs_schema:
+        return None
+    if op in SPLIT_OPS:
+        return _split_rule(op, args_schema)
+    if op in CAT_OPS:
+        return _cat_rule(op, args_schema)
+    return None
+
+
+def local_kernel(op, layout):
+    """For lowering: the local split or cat of a node :func:`rule` decided, else None."""
+    if op in SPLIT_OPS and layout.inputs and isinstance(layout.output, tuple):
+        x = layout.inputs[0]
+        dim = next((p.dim for p in x.placements if isinstance(p, compat.StridedShard)), None)
+        if dim is None or not all(isinstance(o, compat.DTensorSpec) for o in layout.output):
+            return None
+        decided = _split_rule(op, (x, [o.tensor_meta.shape[dim] for o in layout.output], dim)
+                              if op is aten.split_with_sizes.default else
+                              (x, layout.output[0].tensor_meta.shape[dim], dim))
+        if decided is None or decided[0][0].placements != layout.output[0].placements:
+            return None
+        return functools.partial(_local_split, layout.output, dim)
+    if op in CAT_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
+        decided = _cat_rule(op, (list(layout.inputs), _strided_dim(layout.output)))
+        if decided is None or decided[0].placements != layout.output.placements:
+            return None
+        return functools.partial(_local_cat, layout.output)
+    return None
+
+
+def _strided_dim(spec) -> int:
+    return next((p.dim for p in spec.placements if isinstance(p, compat.StridedShard)), -1)
+
+
+def _local_split(out_specs, dim: int, x, *_args, **_kwargs):
+    local = compat.local_of(x)
+    pieces = torch.chunk(local, len(out_specs), dim=dim)
+    return tuple(compat.dtensor_from_spec(p, s) for p, s in zip(pieces, out_specs))
+
+
+def _local_cat(out_spec, parts, *_args, **_kwargs):
+    dim = _strided_dim(out_spec)
+    local = torch.cat([compat.local_of(p) for p in parts], dim=dim)
+    return compat.dtensor_from_spec(local, out_spec)
