@@ -198,6 +198,11 @@ def respec(spec, placements=None, *, mesh=None, tensor_meta=None) -> DTensorSpec
                        shard_order=order, use_strided_shard_as_shard_order=as_order)
 
 
+def foreach_mul_(tensors: list, scalar: float) -> None:
+    """``tensors[i] *= scalar`` for all of them in one call (``torch._foreach_mul_``)."""
+    torch._foreach_mul_(tensors, scalar)
+
+
 def dtensor_from_spec(local: torch.Tensor, spec) -> "torch.distributed.tensor.DTensor":
     """Wrap a local shard as a DTensor of ``spec`` without autograd or a consistency check."""
     from torch.distributed.tensor import DTensor

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import compat
+
 
 def total_norm(module, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                foreach: bool | None = None) -> torch.Tensor:
@@ -67,5 +69,5 @@ def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0, error_if_no
         for g in grads:
             g.mul_(coefficient)
     else:
-        torch._foreach_mul_(grads, coefficient)
+        compat.foreach_mul_(grads, coefficient)  # one dispatch for all DTensors, as torch's clip
     return norm
