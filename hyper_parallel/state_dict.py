@@ -160,7 +160,9 @@ def get_model_state_dict(model: nn.Module, options: Optional[StateDictOptions] =
             state.pop(key, None)
     if options.full_state_dict:
         pipeline = getattr(getattr(model, "_hp", None), "pipeline", None)
-        keep = not options.cpu_offload or _rank() == 0 or pipeline is not None
+        # Offloaded, only rank 0 keeps the result; under a pipeline it collects it from one rank
+        # per stage, those on its pp line (_across_stages).
+        keep = not options.cpu_offload or (_on_rank0_pp_line(model) if pipeline is not None else _rank() == 0)
         full: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, DTensor):
@@ -177,12 +179,10 @@ def _across_stages(model: nn.Module, stage_state: dict[str, Any], options: State
     """Under a pipeline plan a rank holds only its stages' entries (gathered whole over its stage
     mesh already): the pp ranks exchange them over the pp axis. With ``cpu_offload`` only global
     rank 0 keeps the result, so only the pp line through it sends (one rank per stage); without it
-    every pp line exchanges, and every rank gets every entry, in stage order."""
-    pipe = model._hp.pipeline
-    group = pipe.pp_group
-    first_of_stage = not any(model._hp.mesh.get_coordinate() or ())  # on global rank 0's pp line
+    every pp line exchanges, and every rank gets every entry, in pp rank order."""
+    group = model._hp.pipeline.pp_group
     if options.cpu_offload:
-        if not first_of_stage:
+        if not _on_rank0_pp_line(model):
             return {}
         parts = [None] * dist.get_world_size(group) if _rank() == 0 else None
         dist.gather_object(stage_state, parts, group_dst=0, group=group)
@@ -190,6 +190,11 @@ def _across_stages(model: nn.Module, stage_state: dict[str, Any], options: State
     parts = [None] * dist.get_world_size(group)
     dist.all_gather_object(parts, stage_state, group=group)
     return {k: v for part in parts for k, v in part.items()}
+
+
+def _on_rank0_pp_line(model: nn.Module) -> bool:
+    """Whether this rank's stage-mesh coordinates are all 0, as global rank 0's are."""
+    return not any(model._hp.mesh.get_coordinate() or ())
 
 
 def _to_cpu(value: Any) -> Any:
