@@ -112,29 +112,24 @@ def rule(op, args_schema: tuple, kwargs_schema: dict):
     return None
 
 
-def local_kernel(op, layout):
-    """For lowering: the local split or cat of a node :func:`rule` decided, else None."""
+def local_kernel(op, args: tuple, layout):
+    """For lowering: the local split or cat of a node :func:`rule` decided, else None. ``args`` are
+    the node's arguments (the dim is read from them)."""
     if op in SPLIT_OPS and layout.inputs and isinstance(layout.output, tuple):
-        x = layout.inputs[0]
-        dim = next((p.dim for p in x.placements if isinstance(p, compat.StridedShard)), None)
-        if dim is None or not all(isinstance(o, compat.DTensorSpec) for o in layout.output):
+        if not all(isinstance(o, compat.DTensorSpec) for o in layout.output):
             return None
-        decided = _split_rule(op, (x, [o.tensor_meta.shape[dim] for o in layout.output], dim)
-                              if op is aten.split_with_sizes.default else
-                              (x, layout.output[0].tensor_meta.shape[dim], dim))
-        if decided is None or decided[0][0].placements != layout.output[0].placements:
+        decided = _split_rule(op, (layout.inputs[0], *args[1:]))
+        if decided is None or any(d.placements != o.placements for d, o in zip(decided[0], layout.output)):
             return None
+        dim = _dim(args[2] if len(args) > 2 else 0, len(layout.inputs[0].tensor_meta.shape))
         return functools.partial(_local_split, layout.output, dim)
     if op in CAT_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
-        decided = _cat_rule(op, (list(layout.inputs), _strided_dim(layout.output)))
+        decided = _cat_rule(op, (list(layout.inputs), *args[1:]))
         if decided is None or decided[0].placements != layout.output.placements:
             return None
-        return functools.partial(_local_cat, layout.output)
+        dim = _dim(args[1] if len(args) > 1 else 0, len(layout.output.tensor_meta.shape))
+        return functools.partial(_local_cat, layout.output, dim)
     return None
-
-
-def _strided_dim(spec) -> int:
-    return next((p.dim for p in spec.placements if isinstance(p, compat.StridedShard)), -1)
 
 
 def _local_split(out_specs, dim: int, x, *_args, **_kwargs):
@@ -143,7 +138,6 @@ def _local_split(out_specs, dim: int, x, *_args, **_kwargs):
     return tuple(compat.dtensor_from_spec(p, s) for p, s in zip(pieces, out_specs))
 
 
-def _local_cat(out_spec, parts, *_args, **_kwargs):
-    dim = _strided_dim(out_spec)
+def _local_cat(out_spec, dim: int, parts, *_args, **_kwargs):
     local = torch.cat([compat.local_of(p) for p in parts], dim=dim)
     return compat.dtensor_from_spec(local, out_spec)

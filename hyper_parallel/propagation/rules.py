@@ -349,7 +349,7 @@ def local_kernel(op, args: tuple, layout, context=None, name: str = "", mask_wit
     sequence_parallel = cp_attention.local_kernel(op, layout, context, name, mask_within_causal)
     if sequence_parallel is not None:
         return sequence_parallel
-    view = strided_views.local_kernel(op, layout) or fused_projections.local_kernel(op, layout)
+    view = strided_views.local_kernel(op, layout) or fused_projections.local_kernel(op, args, layout)
     if view is not None:
         return view
     if op not in _VOCAB_PARALLEL_RULES or not layout.inputs or len(args) != _ARITY[op]:
