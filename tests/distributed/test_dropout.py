@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+from hyper_parallel.testing.parity import assert_same_step, build_model, global_batch, local_batch
 
 pytest.importorskip("transformers")
 
@@ -60,11 +60,7 @@ def _tp_dropout_against_one_device() -> dict:
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         ref.backward()
         loss.backward()
-        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step} loss: {m}")
-        grads = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
+        assert_same_step(model, loss, reference, ref, f"step {step}")
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
