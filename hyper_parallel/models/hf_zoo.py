@@ -189,10 +189,11 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
     * GPT-NeoX, Falcon (new decoder architecture): the fused ``query_key_value`` is laid out per
       head / per K/V group, so a column split keeps whole heads on a rank.
     * GPT-2: ``Conv1D`` weights are ``[in, out]``, so the plan is ``layouts=`` (weight ``Shard(1)`` +
-      bias ``Shard(0)`` column-parallel, weight ``Shard(0)`` row-parallel).
-    * Phi-3 returns ``None``: its fused ``qkv_proj`` is ``[q; k; v]`` and ``gate_up_proj``
-      ``[gate; up]``, so a contiguous column split gives rank 0 all of q and part of k (not whole
-      heads); a Megatron plan would need the weights re-ordered.
+      bias ``Shard(0)`` column-parallel, weight ``Shard(0)`` row-parallel); the fused ``c_attn``
+      is split per third of q, k, v (:func:`gpt2_tp_layouts`).
+    * Phi-3 returns ``None``: its fused ``qkv_proj`` is ``[q; k; v]`` with k and v narrower than q
+      under grouped-query attention, parts of unequal width that no strided shard describes (the
+      per-part split of propagation/fused_projections.py needs equal parts).
     """
     from hyper_parallel.models.plans import llama_tp_plan
 
