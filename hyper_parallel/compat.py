@@ -76,6 +76,7 @@ def torch_checkpoint_calls_marked(mark_region):
     finally:
         tc.CheckpointFunction, tc._checkpoint_without_reentrant_generator = saved
 
+
 def _saved_tensors_go_to_host() -> bool:
     """Whether the innermost saved-tensor hooks are ``save_on_cpu``'s (read while tracing too)."""
     top = torch._C._autograd._top_saved_tensors_default_hooks(True)
