@@ -31,6 +31,17 @@ def _caller_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
+def _check_gradients_and_step(model, reference, optimizers, step: int) -> None:
+    """Every gradient of ``model`` (gathered whole) equals the reference's; then both step."""
+    grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
 def _train_with_caller_loss(model_name: str, plan, shape: tuple, names: tuple) -> list:
     mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
     reference = build_model(model_name)
@@ -44,13 +55,7 @@ def _train_with_caller_loss(model_name: str, plan, shape: tuple, names: tuple) -
         loss = _caller_loss(_logits(model(input_ids=mine["input_ids"])), mine["labels"])
         ref_loss.backward()
         loss.backward()
-        grads = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _check_gradients_and_step(model, reference, optimizers, step)
         losses.append(loss.item())
     return losses
 
@@ -85,13 +90,7 @@ def _padded_labels_trainer_style() -> list:
         loss = summed / total * dist.get_world_size()
         ref_loss.backward()
         loss.backward()
-        grads = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        _check_gradients_and_step(model, reference, optimizers, step)
         counts.append(int((mine["labels"][:, 1:] != -100).sum()))
     return counts
 
