@@ -87,6 +87,9 @@ def shared_generator_state(mesh, axes: tuple[str, ...]) -> torch.Tensor | None:
         dist.all_gather(everyone, mine, group=group)
         if len({int(t) for t in everyone}) == 1:
             continue
+        if dist.get_group_rank(group, dist.get_rank()) == 0:  # the source keeps drawing from its own
+            dist.broadcast(state.to(device_type) if on_device else state.clone(), group_src=0, group=group)
+            continue
         buffer = state.clone().to(device_type) if on_device else state.clone()
         dist.broadcast(buffer, group_src=0, group=group)
         state = buffer.cpu()

@@ -52,11 +52,17 @@ def _tp_dropout_against_one_device() -> dict:
     model = hp.parallelize(copy.deepcopy(reference), _tp_plan(attention_replicated=True), mesh)
     optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
     losses = []
+    # Seeded once: each step draws on from where the last left off (rank 0's stream must advance
+    # as one device's does, also when its peers borrow its state).
+    reference_generator = torch.Generator().manual_seed(1000)  # rank 0's seed
+    torch.manual_seed(1000 + dist.get_rank())  # every rank its own
     for step in range(STEPS):
         batch = global_batch("llama", 4, 16, seed=step + 1)
-        torch.manual_seed(1000 * step)  # rank 0's seed
+        mine = torch.get_rng_state()
+        torch.set_rng_state(reference_generator.get_state())
         ref = reference(input_ids=batch["input_ids"], labels=batch["labels"]).loss
-        torch.manual_seed(1000 * step + dist.get_rank())  # every rank its own
+        reference_generator.set_state(torch.get_rng_state())
+        torch.set_rng_state(mine)
         loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
         ref.backward()
         loss.backward()
