@@ -5,10 +5,14 @@ thread each. Both sides replicate the same Llama (seed 0) over a 1-D data-parall
 rank feeds the same local batch (its slice of one global batch) to both:
 
 * hyper_parallel: ``hp.parallelize(model, {}, mesh)`` on a ``("dp",)`` mesh (an empty plan: every
-  parameter replicated, gradients all-reduced in DDP-style buckets, ``bucket_cap_mb=25`` with a
-  small first bucket, issued as backward produces them; compiled on the first call);
-* DDP: ``DistributedDataParallel(model)`` with its defaults (25 MB buckets, 1 MB first bucket), run
-  eagerly.
+  parameter replicated, gradients all-reduced in DDP-style buckets, issued as backward produces
+  them; compiled on the first call);
+* DDP: ``DistributedDataParallel(model)``, run eagerly.
+
+Both sides bucket alike, by DDP's rule: by default (no ``--bucket-cap-mb``) neither gets the option,
+so both cut 25 MB buckets after a 1 MiB first one; ``--bucket-cap-mb X`` passes ``bucket_cap_mb=X``
+to both, and then every bucket, the first one too, holds up to X MB (before 2026-11-28 hp kept a
+1 MiB first bucket there while DDP did not: one more collective on hp's side).
 
 A step is forward + backward + ``SGD.step`` + ``zero_grad``. Each side gets ``--warmup`` steps
 (hyper_parallel's first one compiles), then ``--steps`` timed steps interleaved hp / DDP so machine
@@ -51,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=12, help="timed steps per side (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank (default 1)")
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="both sides' bucket size (default 25)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket_cap_mb for both sides (default: not passed, DDP's 25 MB buckets after a 1 MiB first one)")
     p.add_argument("--reductions-in-flight", type=int, default=None,
                    help="hp's buckets in flight while backward goes on (default: hp's choice)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
@@ -75,12 +80,13 @@ def run(args: argparse.Namespace) -> dict | None:
     ref, batch, ref_loss0 = data_parallel_batch(args)
 
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    options = {"bucket_cap_mb": args.bucket_cap_mb}
+    options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     if args.reductions_in_flight is not None:
         options["reductions_in_flight"] = args.reductions_in_flight
     hp_model = hp.parallelize(copy.deepcopy(ref), {}, mesh, **options)
     hp_opt = torch.optim.SGD(hp_model.parameters(), lr=args.lr)
-    ddp_model = DistributedDataParallel(copy.deepcopy(ref), bucket_cap_mb=args.bucket_cap_mb)
+    ddp_options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    ddp_model = DistributedDataParallel(copy.deepcopy(ref), **ddp_options)
     ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=args.lr)
 
     measured = time_side_by_side((hp_model, hp_opt), (ddp_model, ddp_opt), batch, args.warmup, args.steps)
@@ -138,7 +144,7 @@ def print_table(r: dict) -> None:
     c = r["config"]
     print(f"\nDP dp={r['world_size']} Llama {c['layers']}L h{c['hidden']} ({c['params']:,} params), "
           f"global batch {c['global_batch']} ({c['local_batch']}/rank) x seq {c['seq_len']}, "
-          f"buckets {c['bucket_cap_mb']} MB, {r['threads_per_rank']} thread/rank, "
+          f"buckets {c['bucket_cap_mb'] or 'default (25 MB, 1 MiB first)'}{' MB' if c['bucket_cap_mb'] else ''}, {r['threads_per_rank']} thread/rank, "
           f"median of {r['steps']} steps (slowest rank)")
     l0, le = r["loss_step0"], r["loss_after_steps"]
     print(f"loss at step 0: single device {l0['single_device']:.6f}, hp {l0['hyper_parallel']:.6f}, "

@@ -59,7 +59,7 @@ def parallelize(
     disable_passes: tuple[str, ...] = (),
     prefetch_depth: int | None = None,
     reductions_in_flight: int | None = None,
-    bucket_cap_mb: float = 25,
+    bucket_cap_mb: float | None = None,
     memory_budget_bytes: int | None = None,
     materialize: bool = True,
     loss_fn=None,
@@ -81,7 +81,8 @@ def parallelize(
     FSDP2's, where units are prefetched, else 0: waited at once); on gloo process groups one
     collective of a group is in flight at a time whatever these say (passes/serialize_collectives.py);
     ``bucket_cap_mb``: size of the gradient all-reduce buckets of parameters FSDP does not
-    own (DDP's option and default); ``memory_budget_bytes``: the per-rank peak that
+    own, DDP's option and rule: None (default), 25 MB buckets after a 1 MiB first one; a size,
+    every bucket at most that, the first one too; ``memory_budget_bytes``: the per-rank peak that
     ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
     dumps of every stage. ``materialize=False``: a meta-device model keeps meta shards (planning
     only, see ``hyper_parallel.explain``: the module can be compiled and inspected, not run).
@@ -109,6 +110,7 @@ def parallelize(
     that all ranks run the same input signature.
     """
     bucket_cap_mb = options.check_bucket_cap_mb(bucket_cap_mb)
+    bucket_bytes, first_bucket_bytes = options.gradient_bucket_sizes(bucket_cap_mb)
     prefetch_depth = options.check_int("prefetch_depth", prefetch_depth, minimum=0)
     reductions_in_flight = options.check_int("reductions_in_flight", reductions_in_flight, minimum=0)
     memory_budget_bytes = options.check_memory_budget(memory_budget_bytes)
@@ -156,7 +158,8 @@ def parallelize(
     compile_options = CompileOptions(
         dump_dir=dump_dir, disable_passes=frozenset(disable_passes), prefetch_depth=prefetch_depth,
         reductions_in_flight=reductions_in_flight,
-        gradient_bucket_bytes=int(bucket_cap_mb * 1024 * 1024), memory_budget_bytes=memory_budget_bytes,
+        gradient_bucket_bytes=bucket_bytes, first_gradient_bucket_bytes=first_bucket_bytes,
+        memory_budget_bytes=memory_budget_bytes,
         check_inputs=check_inputs, timeout=timeout, recompile_limit=recompile_limit,
         fail_on_recompile_limit=fail_on_recompile_limit, codegen=codegen, repeated_blocks=repeated_blocks,
     )

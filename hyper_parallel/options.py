@@ -20,6 +20,8 @@ import shutil
 import socket
 import time
 
+from .passes.context import DEFAULT_FIRST_GRADIENT_BUCKET_BYTES, DEFAULT_GRADIENT_BUCKET_BYTES
+
 OWNER_FILE = "owner.json"
 _PROCESS_START = time.time()
 
@@ -35,10 +37,24 @@ def check_int(name: str, value, *, minimum: int, allow_none: bool = True):
     return value
 
 
-def check_bucket_cap_mb(value) -> float:
+def check_bucket_cap_mb(value) -> float | None:
+    """None (DDP's default buckets) or a positive size in MB."""
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"parallelize(bucket_cap_mb={value!r}): give a positive size in MB")
+        raise ValueError(f"parallelize(bucket_cap_mb={value!r}): give a positive size in MB, or None for DDP's "
+                         "default buckets")
     return float(value)
+
+
+def gradient_bucket_sizes(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(bucket bytes, first bucket bytes) for ``parallelize(bucket_cap_mb=...)``, DDP's rule: by
+    default 25 MB buckets after a 1 MiB first one (the gradients backward computes first, so their
+    reduction starts early); a size given by the caller caps every bucket, the first one too."""
+    if bucket_cap_mb is None:
+        return DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_FIRST_GRADIENT_BUCKET_BYTES
+    cap = int(bucket_cap_mb * 1024 * 1024)
+    return cap, cap
 
 
 def check_memory_budget(value) -> int | None:

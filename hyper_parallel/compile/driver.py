@@ -313,6 +313,7 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
             prefetch_depth=state.options.prefetch_depth, reductions_in_flight=state.options.reductions_in_flight,
             activation=dataclasses.replace(activation or state.activation, annotated=annotated),
             gradient_bucket_bytes=state.options.gradient_bucket_bytes,
+            first_gradient_bucket_bytes=state.options.first_gradient_bucket_bytes,
             disable_passes=state.options.disable_passes,
             on_pass=on_pass, timings={} if timings is None else timings,
         )

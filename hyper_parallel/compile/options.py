@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from ..passes.context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH, DEFAULT_REDUCTIONS_IN_FLIGHT
+from ..passes.context import (DEFAULT_FIRST_GRADIENT_BUCKET_BYTES, DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH,
+                             DEFAULT_REDUCTIONS_IN_FLIGHT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,6 +21,7 @@ class CompileOptions:
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH  # FSDP units whose all-gather is issued ahead
     reductions_in_flight: int = DEFAULT_REDUCTIONS_IN_FLIGHT  # gradient reductions of a kind in flight
     gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
+    first_gradient_bucket_bytes: int = DEFAULT_FIRST_GRADIENT_BUCKET_BYTES  # options.gradient_bucket_sizes
     memory_budget_bytes: int | None = None  # the per-rank peak recompute="auto" must fit
     check_inputs: bool | None = None  # None: ids and labels checked on the CPU only (runtime/input_check.py)
     timeout: datetime.timedelta | None = None  # how long this module's collectives wait for peers

@@ -14,7 +14,8 @@ Data-parallel (and tensor-parallel replicated) gradients are all-reduced per par
 which may leave those all-reduces at the end of backward; here consecutive gradients (in the order
 backward computes them, per reduce op, group and dtype) share one all-reduce of at most
 ``ctx.gradient_bucket_bytes`` (25 MB by default, as DDP; the first bucket at most
-``ctx.first_gradient_bucket_bytes``, 1 MiB, so the first reduction starts early), issued right
+``ctx.first_gradient_bucket_bytes``, 1 MiB by default, so the first reduction starts early; the
+bucket size when the caller set ``bucket_cap_mb``, as DDP: options.gradient_bucket_sizes), issued right
 after the last gradient of the bucket is computed and reduced in place on the packed buffer. A
 gradient alone in its bucket keeps its own all-reduce, moved right after the gradient. Before a
 reduction is fused, the local re-layout lowering put between a gradient and its collective (a

@@ -20,22 +20,22 @@ c10d = torch.ops._c10d_functional
 LAYERS = 8
 
 
-def _model(name):
+def _model(name, **config):
     if name == "hf_llama":
         pytest.importorskip("transformers")
         from hyper_parallel.models import tiny_hf_llama
 
-        return tiny_hf_llama(num_hidden_layers=LAYERS, use_cache=False)
-    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS))
+        return tiny_hf_llama(num_hidden_layers=LAYERS, use_cache=False, **config)
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS, **config))
 
 
-def _backward(name, mixed_precision, plan=None, world=2, **options):
+def _backward(name, mixed_precision, plan=None, world=2, config=None, **options):
     if plan is None:
         plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": mixed_precision}}
     with fake_world(world, 0):
         mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         with hp.init_empty_weights():
-            model = _model(name)
+            model = _model(name, **(config or {}))
         ids = torch.empty(2, 16, dtype=torch.long, device="meta")
         pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids}, **options)
     return list(pmodel.compiled_programs()[1].graph.nodes)
@@ -103,8 +103,8 @@ def test_reductions_stay_interleaved_with_recompute_swap_and_partial_reshard(ext
 @pytest.mark.parametrize("name", ["example", "hf_llama"])
 def test_data_parallel_buckets_are_issued_during_backward(name, depth):
     """DDP's buckets (a small bucket cap here, so there are several) are issued as soon as their
-    last gradient exists, in backward order, the first (small, as DDP's) right after the last
-    layer's backward; each is reduced in place; with prefetch depth 1 one is in flight while
+    last gradient exists, in backward order, the first right after the last layer's backward; each
+    is reduced in place; with prefetch depth 1 one is in flight while
     backward goes on, with depth 0 each is waited for at once (never more than the depth)."""
     nodes = _backward(name, None, plan={}, bucket_cap_mb=0.05, prefetch_depth=depth)
     position = {n: i for i, n in enumerate(nodes)}
@@ -125,6 +125,27 @@ def test_data_parallel_buckets_are_issued_during_backward(name, depth):
         assert all(w is r.next for r, w in zip(reductions, waits))
     else:  # all but the buckets of the last gradients (after the last matmul) overlap matmuls
         assert sum(overlapped) >= len(reductions) - 2, overlapped
+
+
+def _bucket_members(nodes) -> list[int]:
+    """Gradients per data-parallel bucket, in the order the program issues them."""
+    labels = [n.meta["hp_bucket"] for n in nodes if "gradient bucket" in n.meta.get("hp_bucket", "")
+              and n.target in (c10d.all_reduce_.default, c10d.all_reduce.default)]
+    return [int(label.split("(")[1].split()[0]) for label in labels]
+
+
+def test_bucket_sizes_follow_ddp_rule():
+    """DDP's rule for ``bucket_cap_mb``: left at its default, a 1 MiB first bucket (the lm_head's
+    gradient, which backward computes first: 1 MiB here) then 25 MB ones; given by the caller, every
+    bucket is at most that size, the first one too (DDP uses the cap for its first bucket then),
+    so 25 MB holds all 22 MiB of gradients of this 8-layer model in one bucket, and 2 MB cuts them
+    into 2 MB buckets from the first on (the lm_head's, the final norm's and the last down
+    projection's gradients: 1.5 MiB)."""
+    config = {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 1024}
+    assert _bucket_members(_backward("example", None, plan={}, config=config)) == [1, LAYERS * 9 + 2]
+    assert _bucket_members(_backward("example", None, plan={}, config=config, bucket_cap_mb=25)) == [LAYERS * 9 + 3]
+    two_mb = _bucket_members(_backward("example", None, plan={}, config=config, bucket_cap_mb=2))
+    assert two_mb[0] == 3 and len(two_mb) >= 11, two_mb
 
 
 def _backward_gradient_bytes(layers):
