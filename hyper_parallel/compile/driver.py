@@ -44,6 +44,7 @@ from ..progress import Progress
 from ..propagation.engine import PropagationReport, propagate
 from ..recompute import (annotated_regions, auto_candidates, capturing, forget_annotated_regions,
                          resolve_activation_plan)
+from ..runtime.attribute_guards import recording_reads
 from ..runtime.input_check import index_inputs
 from ..runtime.profiled import Ranges
 from ..runtime.program import CompiledProgram, flatten_placeholders
@@ -228,17 +229,20 @@ def capture_and_lower(
         })
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
     module.__class__, parallel_cls = state.original_cls, module.__class__
+    reads: list = []  # module attributes the forward reads: guarded per call (runtime/attribute_guards.py)
     try:
         started = time.perf_counter()
-        with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
-                (wrap_forward() if wrap_forward else contextlib.nullcontext()):
-            blocks = capture_blocks_once(
-                module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts,
-                state.options.repeated_blocks, forget_annotated_regions)
-            annotated = annotated_regions()
+        with recording_reads(module, reads):
+            with compat.reparametrize_module(module, fake_state, tie_weights=True), capturing(), \
+                    (wrap_forward() if wrap_forward else contextlib.nullcontext()):
+                blocks = capture_blocks_once(
+                    module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts,
+                    state.options.repeated_blocks, forget_annotated_regions)
+                annotated = annotated_regions()
         progress.record("capture", time.perf_counter() - started, blocks.traced)
     finally:
         module.__class__ = parallel_cls
+    state.attributes.add(reads)
     for graph in (blocks.captured, blocks.two, blocks.pristine):
         if graph is not None:
             _name_tied_parameters(graph, module)

@@ -92,6 +92,7 @@ class PipelineState:
     loss_fn: Callable | None
     cache: dict = dataclasses.field(default_factory=dict)
     last: PipelineEntry | None = None
+    last_variant: int | None = None  # the module attribute variant of the last step (attribute_guards.py)
     # This rank's parameters' (requires_grad, dtype) when the first step compiled (every stage
     # program was captured with those, on every rank).
     param_state: dict | None = None
@@ -251,9 +252,13 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     # another batch shape would otherwise wait forever for its stage peers.
     state.calls += 1
     autocast = autocast_state()  # the stage programs hold the casts of the state they were captured in
+    # Module attribute values the stage programs read (runtime/attribute_guards.py) pick them too.
+    variant, values = state.attributes.variant()
     text = "\n".join([*(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat)),
-                      f"autocast: {describe_autocast(autocast)}"])
-    agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text), lambda: text,
+                      f"autocast: {describe_autocast(autocast)}", f"module attribute values: variant {variant}"])
+    changed = state.attributes.changes(pipe.last_variant, values) if variant != pipe.last_variant else ""
+    agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text),
+          lambda: text + (f" ({changed})" if changed else ""),
           empty_problem(flat, lambda: paths) or _parameter_change_problem(module, pipe), timeout=state.options.timeout)
     # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
     forward = state.original_cls.forward.__get__(module)
@@ -261,12 +266,16 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
     mbs = micro_batches(flat, plan.num_microbatches, labels, specs)
 
-    key = (in_spec, tuple(signature(x) for x in mbs[0]), autocast)
+    key = (in_spec, tuple(signature(x) for x in mbs[0]), autocast, variant)
     entry = pipe.cache.get(key)
     if entry is None:
+        state.attributes.remember(values)
+        if changed and current_rank() == 0:
+            log.info("recompiling the %s pipeline: module attributes the stage programs read changed: %s",
+                     state.original_cls.__name__, changed)
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
         entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
-    pipe.last = entry
+    pipe.last, pipe.last_variant = entry, variant
     # Replicated dropout draws alike on its stage peers, once for the whole step (random_state.py).
     shared = shared_generator_state(state.mesh, entry.random_axes) if entry.random_axes else None
     with programs_run_as_captured(), drawing_from(state.mesh.device_type, shared):

@@ -38,6 +38,7 @@ from ..plan import ResolvedPlan
 from ..propagation.accumulation import GRAD_ACCUM
 from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
+from .attribute_guards import AttributeGuards
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
 from .grad_norm import clip_grad_norm_
@@ -64,6 +65,7 @@ class ParallelState:
         self.plan_swap = plan_swap  # the plan's swap entry (recompute="auto" re-resolves with it)
         self.calls = 0  # calls so far, named in errors ("call 3")
         self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
+        self.attributes = AttributeGuards()  # module attribute values the programs read (a key part)
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.fsdp_flags = FsdpFlags()
         self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
@@ -201,9 +203,11 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     # parameters that required them then, and computes in the parameters' dtypes then: all three
     # pick the program (a model cast with .to(torch.bfloat16) after training compiles its own).
     params = list(module.named_parameters())
+    # What the programs read from module attributes (a dropout's p, config flags) picks one too.
+    variant, values = state.attributes.variant()
     key = ProgramKey(in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
                      autocast_state(), tuple(fqn for fqn, p in params if not p.requires_grad),
-                     tuple(p.dtype for _, p in params))
+                     tuple(p.dtype for _, p in params), variant)
     entry = state.cache.get(key)
     state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
@@ -215,10 +219,13 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     if entry is not None and problem is None:
         problem = _index_problem(state, entry, flat)
     what = f"call {state.calls} of {state.original_cls.__name__}"
-    describe = lambda: _describe_call(key, flat, args, kwargs)  # noqa: E731
+    last_variant = state.last_key.attributes if state.last_key is not None else None
+    changed = lambda: state.attributes.changes(last_variant, values)  # noqa: E731
+    describe = lambda: _describe_call(key, flat, args, kwargs, changed())  # noqa: E731
     agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.options.timeout)
     if entry is None:
-        before_compile(state, key, paths)
+        state.attributes.remember(values)
+        before_compile(state, key, paths, changed())
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
         entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
         state.cache[key] = entry
@@ -236,14 +243,17 @@ def _index_problem(state: ParallelState, entry: CompiledEntry, flat) -> str | No
     return index_problem(entry.index_inputs, flat, force=bool(state.options.check_inputs))
 
 
-def _describe_call(key, flat, args, kwargs) -> str:
-    """The call signature the ranks agree on, one line per input (what an error shows)."""
+def _describe_call(key, flat, args, kwargs, attributes: str = "") -> str:
+    """The call signature the ranks agree on, one line per input (what an error shows; the digest
+    is of the text without ``attributes``, the changed attribute values: ranks agree on the
+    variant number, whatever values of their own it stands for)."""
     lines = [f"input '{p}': {format_signature(s)}" for p, s in zip(flat_paths((args, kwargs)), key.signatures)]
     # A few frozen names and a digest of all of them (two sets of one size may share their first names).
     frozen = f"{describe_frozen(key.frozen)} [set {digest_of(repr(key.frozen)) % 16**8:08x}]"
     return "\n".join([*lines, f"input structure: {key.in_spec}", f"FSDP flags: {key.flags}", f"prefetch: {key.prefetch}",
                        f"autocast: {describe_autocast(key.autocast)}", f"parameters with requires_grad=False: {frozen}",
-                       f"parameter dtypes: {describe_dtypes(key.dtypes)} [{digest_of(repr(key.dtypes)) % 16**8:08x}]"])
+                       f"parameter dtypes: {describe_dtypes(key.dtypes)} [{digest_of(repr(key.dtypes)) % 16**8:08x}]",
+                       f"module attribute values: variant {key.attributes}" + (f" ({attributes})" if attributes else "")])
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

@@ -32,10 +32,12 @@ class ProgramKey(NamedTuple):
     autocast: tuple  # runtime/autocast_state.autocast_state(): the program holds the region's casts
     frozen: tuple[str, ...]  # parameters with requires_grad=False: the program computes no gradient for them
     dtypes: tuple  # every parameter's dtype, in named_parameters() order (model.to(torch.bfloat16))
+    attributes: int = 0  # the variant of the module attribute values programs read (attribute_guards.py)
 
 
-def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str]) -> str:
-    """The difference between two program-cache keys, worded."""
+def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str], attributes: str = "") -> str:
+    """The difference between two program-cache keys, worded; ``attributes``: the changed module
+    attribute values (AttributeGuards.changes), worded by the caller, which holds them."""
     if old is None:
         return "first call"
     changes = []
@@ -54,6 +56,8 @@ def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str]) -> s
         changes.append(f"parameters requiring gradients: {describe_frozen(set(old.frozen) ^ set(new.frozen))} changed")
     if old.dtypes != new.dtypes:
         changes.append(f"parameter dtypes: {describe_dtypes(old.dtypes)} -> {describe_dtypes(new.dtypes)}")
+    if old.attributes != new.attributes:
+        changes.append(f"module attributes the program reads: {attributes or f'variant {new.attributes}'}")
     return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")
 
 
@@ -73,14 +77,14 @@ def describe_dtypes(dtypes) -> str:
     return ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none"
 
 
-def before_compile(state, key, paths) -> None:
+def before_compile(state, key, paths, attributes: str = "") -> None:
     """Account for the compile of ``key`` about to start on ``state`` (a ParallelState); ``paths``
     gives the flat input paths (only called when something must be worded)."""
     number = len(state.cache) + 1
     if number == 1:
         return
     name = state.original_cls.__name__
-    reason = what_changed(state.last_key, key, paths())
+    reason = what_changed(state.last_key, key, paths(), attributes)
     limit = state.options.recompile_limit
     if number > limit and state.options.fail_on_recompile_limit:
         raise ValueError(
