@@ -36,8 +36,9 @@ import torch.nn as nn
 _MISSING = object()  # an attribute deleted since it was recorded
 _PLAIN = (bool, int, float, str, type(None), torch.dtype)
 # nn.Module's own machinery (its call path reads ``_compiled_call_impl`` on every module), not the
-# model's settings; ``training`` stays: it is what dropout and friends read.
-_MODULE_INTERNALS = frozenset(dir(nn.Module)) | {"_compiled_call_impl"} - {"training"}
+# model's settings; ``training`` too: every module's is in the cache key already (the train/eval
+# mode, runtime/module.py:entry_for), so guarding it again would only repeat it in the recompile log.
+_MODULE_INTERNALS = frozenset(dir(nn.Module)) | {"_compiled_call_impl", "training"}
 
 
 def _plain(value) -> bool:
