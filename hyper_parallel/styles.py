@@ -128,8 +128,46 @@ def _set(obj: Any, name: str, value: Any) -> None:
     object.__setattr__(obj, name, value)
 
 
+def _lora_adapters(module: nn.Module) -> list[str] | None:
+    """The adapter names of a PEFT LoRA layer around an ``nn.Linear`` (peft's ``lora.Linear``:
+    ``base_layer``, and ``lora_A`` / ``lora_B`` ModuleDicts of Linears per adapter), else None.
+    Recognised by its structure, so peft need not be imported here."""
+    base = getattr(module, "base_layer", None)
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    if isinstance(base, nn.Linear) and isinstance(lora_a, nn.ModuleDict) and isinstance(lora_b, nn.ModuleDict):
+        return list(lora_a.keys())
+    return None
+
+
+def _lora_params(style: ParallelStyle, module_fqn: str, module: nn.Module, adapters: list[str],
+                 base: dict[str, Placement], a: Placement, b: Placement) -> dict[str, Placement]:
+    """A LoRA layer's placements: the base Linear's as the style gives them, each adapter's
+    ``lora_A`` weight ``a`` and ``lora_B`` weight ``b`` (its bias, peft's ``lora_bias``, as the base
+    bias). Colwise: A replicated, B sharded on the output features as the base weight, so the
+    adapter's output is sharded as the base's. Rowwise: A sharded on the input features as the base
+    weight, B replicated: both paths give partial sums, reduced once. DoRA is refused: its weight
+    norm needs each output row whole."""
+    magnitude = getattr(module, "lora_magnitude_vector", None)
+    if magnitude is not None and len(magnitude):
+        raise TypeError(
+            f"{type(style).__name__} cannot shard the DoRA layer {module_fqn!r} (use_dora=True): DoRA scales "
+            "by the norm of each row of the whole weight. Leave this module out of the tensor-parallel plan, "
+            "or use LoRA without DoRA"
+        )
+    params = {f"base_layer.{name}": placement for name, placement in base.items()}
+    for adapter in adapters:
+        params[f"lora_A.{adapter}.weight"] = a
+        params[f"lora_B.{adapter}.weight"] = b
+        if getattr(module.lora_B[adapter], "bias", None) is not None:
+            params[f"lora_B.{adapter}.bias"] = base.get("bias", Replicate())
+        if getattr(module.lora_A[adapter], "bias", None) is not None:
+            params[f"lora_A.{adapter}.bias"] = Replicate()
+    return params
+
+
 def _unsupported_module(style: ParallelStyle, module_fqn: str, module: nn.Module) -> TypeError:
-    """The TypeError for Colwise/Rowwise on something that is neither nn.Linear nor nn.Embedding."""
+    """The TypeError for Colwise/Rowwise on something that is neither nn.Linear nor nn.Embedding
+    (nor a PEFT LoRA layer around an nn.Linear)."""
     style_name = type(style).__name__
     shown = module_fqn or "<root module>"
     examples = [
@@ -150,7 +188,7 @@ def _unsupported_module(style: ParallelStyle, module_fqn: str, module: nn.Module
         )
     return TypeError(
         f"{style_name} cannot be applied to module {shown!r} ({type(module).__name__}): it only "
-        f"shards nn.Linear and nn.Embedding; {hint}"
+        f"shards nn.Linear, nn.Embedding and PEFT LoRA layers around an nn.Linear; {hint}"
     )
 
 
@@ -173,6 +211,10 @@ class _LinearStyle(ParallelStyle):
 class ColwiseParallel(_LinearStyle):
     """Shard a Linear's output features (weight and bias ``S(0)``) or an Embedding's columns (weight ``S(1)``).
 
+    On a PEFT LoRA layer around a Linear (``lora.Linear``): the base Linear as above, each adapter's
+    ``lora_A`` replicated and ``lora_B`` ``S(0)``, so the plan written for a model applies unchanged to
+    its ``get_peft_model`` wrapper (FQNs gain peft's ``base_model.model.`` prefix).
+
     The input must be Replicate on the tensor-parallel axis; the output leaves the module as
     ``output_layouts`` (default ``S(-1)``, sharded on the last dim). ``input_layouts`` (default R)
     only documents how the input arrives. ``use_local_output`` is kept for API parity; compiled
@@ -181,10 +223,14 @@ class ColwiseParallel(_LinearStyle):
 
     def resolve(self, module_fqn: str, module: nn.Module, axis: str) -> StyleConstraints:
         """Linear: weight/bias S(0); Embedding: weight S(1); input R; output ``output_layouts`` (S(-1))."""
-        if isinstance(module, nn.Linear):
+        adapters = _lora_adapters(module)
+        linear = module.base_layer if adapters is not None else module
+        if isinstance(linear, nn.Linear):
             params = {"weight": Shard(0)}
-            if module.bias is not None:
+            if linear.bias is not None:
                 params["bias"] = Shard(0)
+            if adapters is not None:
+                params = _lora_params(self, module_fqn, module, adapters, params, a=Replicate(), b=Shard(0))
         elif isinstance(module, nn.Embedding):
             params = {"weight": Shard(1)}
         else:
@@ -201,6 +247,9 @@ class ColwiseParallel(_LinearStyle):
 class RowwiseParallel(_LinearStyle):
     """Shard a Linear's input features (weight ``S(1)``, bias R) or an Embedding's rows (weight ``S(0)``).
 
+    On a PEFT LoRA layer around a Linear: the base Linear as above, each adapter's ``lora_A`` ``S(1)``
+    and ``lora_B`` replicated (the adapter's output is a partial sum, reduced with the base's).
+
     A Linear needs its input sharded on the last dim (``S(-1)``); an Embedding needs replicated
     indices. Either produces partial sums, reduced to ``output_layouts`` (default R) as the output
     leaves the module. ``input_layouts`` (default ``S(-1)``) only documents how the input arrives.
@@ -208,11 +257,15 @@ class RowwiseParallel(_LinearStyle):
 
     def resolve(self, module_fqn: str, module: nn.Module, axis: str) -> StyleConstraints:
         """Linear: weight S(1), bias R, input S(-1); Embedding: weight S(0), input R; output ``output_layouts`` (R)."""
-        if isinstance(module, nn.Linear):
+        adapters = _lora_adapters(module)
+        linear = module.base_layer if adapters is not None else module
+        if isinstance(linear, nn.Linear):
             params = {"weight": Shard(1)}
-            if module.bias is not None:
+            if linear.bias is not None:
                 # The bias is added once, after the partial sums are reduced.
                 params["bias"] = Replicate()
+            if adapters is not None:
+                params = _lora_params(self, module_fqn, module, adapters, params, a=Shard(1), b=Replicate())
             desired_input: Placement = Shard(-1)
         elif isinstance(module, nn.Embedding):
             params = {"weight": Shard(0)}

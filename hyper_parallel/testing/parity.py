@@ -200,10 +200,14 @@ def run_parity(
 
 def assert_same_step(parallel, loss, reference, ref_loss, what: str = "") -> None:
     """The parallel model's loss and every parameter's gradient (gathered whole) equal the
-    single-device reference's, with ``assert_close`` defaults; ``what`` prefixes the messages."""
+    single-device reference's, with ``assert_close`` defaults; ``what`` prefixes the messages.
+    A frozen parameter (requires_grad=False, e.g. a LoRA model's base) has no gradient on either side."""
     torch.testing.assert_close(loss.detach(), ref_loss.detach(), msg=lambda m: f"{what} loss: {m}")
     ref_params = dict(reference.named_parameters())
     for name, p in parallel.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None and ref_params[name].grad is None, f"{what} frozen {name} got a gradient"
+            continue
         torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
                                    msg=lambda m, name=name: f"{what} grad of {name}: {m}")
 

@@ -133,7 +133,7 @@ def test_colwise_rowwise_reject_other_modules(style):
     with pytest.raises(
         TypeError,
         match=rf"{name} cannot be applied to module 'model.layers.0.mlp' \(MLP\): it only shards "
-        rf"nn.Linear and nn.Embedding; apply {name} to its Linear/Embedding children instead, e.g. "
+        rf"nn.Linear, nn.Embedding and PEFT LoRA layers around an nn.Linear; apply {name} to its Linear/Embedding children instead, e.g. "
         r"'model.layers.0.mlp.gate_proj' or 'model.layers.0.mlp.down_proj'",
     ):
         style.resolve("model.layers.0.mlp", MLP(), "tp")
