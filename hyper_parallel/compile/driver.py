@@ -192,6 +192,17 @@ class Lowered:
     repeated_blocks: str = ""
 
 
+@contextlib.contextmanager
+def training_grad_mode():
+    """Compile as for training, whatever grad mode the call that compiles comes in. The cache key
+    has no grad mode: a first call under ``torch.no_grad()`` (an evaluation before training) or
+    ``torch.inference_mode()`` captured a program without a backward, which the training calls then
+    reused, so ``loss.backward()`` raised that the loss requires no grad. Calls without grad run the
+    training program's forward (what they did after a training call already)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
 def capture_and_lower(
     module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
     dumper: Dumper, wrap_forward=None, progress: Progress | None = None,

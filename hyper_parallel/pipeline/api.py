@@ -46,6 +46,7 @@ from ..compile.capture import flat_paths
 from ..compile.gc_freeze import older_objects_frozen
 from ..compile.driver import (
     capture_and_lower, copy_graph_module, current_rank, format_signature, run_pass_pipeline, signature,
+    training_grad_mode,
 )
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..ir import meta
@@ -274,12 +275,17 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
             log.info("recompiling the %s pipeline: module attributes the stage programs read changed: %s",
                      state.original_cls.__name__, changed)
         mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
-        entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
+        with training_grad_mode():
+            entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
     pipe.last, pipe.last_variant = entry, variant
     # Replicated dropout draws alike on its stage peers, once for the whole step (random_state.py).
     shared = shared_generator_state(state.mesh, entry.random_axes) if entry.random_axes else None
+    # Under torch.no_grad() / inference_mode a step is an evaluation: the forward of every
+    # micro-batch and the loss, no backward (it used to run backward and add gradients anyway,
+    # which the next training step's optimizer then applied).
+    forward_only = not torch.is_grad_enabled()
     with programs_run_as_captured(), drawing_from(state.mesh.device_type, shared):
-        loss, count, grads = entry.executor.run(module, mbs)
+        loss, count, grads = entry.executor.run(module, mbs, forward_only=forward_only)
     loss, count = _broadcast_loss(pipe, loss, count, entry)
     if count is not None:  # the gradients are of the summed loss (pipeline/loss.py)
         for g in grads.values():

@@ -188,11 +188,14 @@ class PipelineExecutor:
         return mb * self.num_transfers + self.tag_of[(transfer.name, transfer.dst)]
 
     # --- one step ------------------------------------------------------------------------------
-    def run(self, module, micro_batches: list[list]) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
+    def run(self, module, micro_batches: list[list], forward_only: bool = False,
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict]:
         """Run the schedule. ``micro_batches[mb]``: the flat inputs of micro-batch ``mb``. Returns
         (on the last stage's rank the loss, else None; there the step's token count when the loss
         is a token mean, else None; {parameter FQN: local gradient}). With a token count the
-        gradients are those of the summed loss: the caller divides them by the count."""
+        gradients are those of the summed loss: the caller divides them by the count.
+        ``forward_only``: the schedule's forward, receive and send steps of the forward only (an
+        evaluation: no activation kept, no gradient)."""
         params = {fqn: p for fqn, p in module.named_parameters()}
         buffers = {fqn: b for fqn, b in module.named_buffers()}
         received: dict = {}  # (value name, dst stage, mb) -> tensor (being received while in pending_recv)
@@ -211,6 +214,8 @@ class PipelineExecutor:
 
         for step in self.schedule:
             kind, s, mb = step.step_type, step.stage, step.micro_batch
+            if forward_only and kind not in _FORWARD_STEPS:
+                continue
             program = program_for(self.programs[s], mb, self.sync_mb)
             if kind in (T.FWD_RECV, T.BWD_RECV):
                 phase = FORWARD if kind is T.FWD_RECV else BACKWARD
@@ -253,7 +258,8 @@ class PipelineExecutor:
                 with torch.no_grad():  # the programs are forward and backward already
                     outs = program.run("forward")(*primals)
                 n = program.num_forward_outputs
-                saved[(s, mb)] = list(outs[n:])
+                if not forward_only:
+                    saved[(s, mb)] = list(outs[n:])
                 self._route(program.sends[FORWARD], outs[n - len(program.sends[FORWARD]):n], s, mb, FORWARD,
                             outgoing, received)
                 results = {info.kind: value.detach() for value, info in zip(outs[:n], program.graph.outputs)
@@ -384,6 +390,9 @@ class PipelineExecutor:
                 received[(t.name, t.dst, mb)] = value
             else:
                 outgoing.setdefault((s, mb, phase), {})[t] = value
+
+
+_FORWARD_STEPS = (T.FORWARD, T.FWD_RECV, T.FWD_SEND)
 
 
 @dataclasses.dataclass

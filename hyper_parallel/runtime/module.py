@@ -25,6 +25,7 @@ from ..compile.capture import flat_paths
 from ..compile.options import CompileOptions
 from ..compile.driver import (
     CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,
+    training_grad_mode,
 )
 from ..debug import group_axis_names
 from ..fsdp.flags import FsdpFlags, program_key
@@ -227,7 +228,8 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
         state.attributes.remember(values)
         before_compile(state, key, paths, changed())
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
-        entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
+        with training_grad_mode():
+            entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
         state.cache[key] = entry
         # Ids and labels could not be checked before the program existed: once more after compiling.
         if entry.index_inputs and state.options.check_inputs is not False:

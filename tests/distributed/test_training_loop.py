@@ -63,3 +63,44 @@ def test_trainer_style_loop_matches_one_device(dist2, tmp_path):
     pytest.importorskip("transformers")
     norms = dist2.run(_trainer_style_loop, str(tmp_path))
     assert norms[0] == norms[1] and all(n > 1.0 for n in norms[0]), norms  # clipping was active
+
+
+def _evaluate_first(plan_name: str, mode: str) -> dict:
+    """An evaluation before training (under ``torch.no_grad()`` or ``torch.inference_mode()``) is
+    the first call, so it compiles; then training. The first call used to capture a program
+    without backward, which training reused: ``loss.backward()`` raised that the loss needs no grad."""
+    plans = {"dp": ({}, "dp"), "fsdp": ({"fully_shard": {"units": ["model.layers.*", ""]}}, "dp_shard"),
+             "pipeline": ({"pipeline": hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B",
+                                                         num_microbatches=2)}, "pp")}
+    plan, axis = plans[plan_name]
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
+    reference = build_model("hf_llama")
+    model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
+    full = global_batch("llama", 4, 16, ignore_fraction=0.3)
+    mine = full if plan_name == "pipeline" else local_batch(full, mesh)
+    run = (lambda: model.step(mine)) if plan_name == "pipeline" else (lambda: model(**mine).loss)
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        evaluated = run()
+    loss = run()
+    if plan_name != "pipeline":
+        loss.backward()
+    ref_loss = reference(**full).loss
+    ref_loss.backward()
+    torch.testing.assert_close(evaluated, ref_loss.detach())
+    torch.testing.assert_close(loss.detach(), ref_loss.detach())
+    grads = dict(reference.named_parameters())
+    compared = 0
+    for name, p in model.named_parameters():
+        if p.grad is None and plan_name == "pipeline" and not p.to_local().numel():
+            continue  # another stage's parameter
+        torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
+        compared += 1
+    return {"compared": compared, "programs": len(model._hp.pipeline.cache if plan_name == "pipeline" else model._hp.cache)}
+
+
+@pytest.mark.parametrize("plan_name,mode", [("dp", "no_grad"), ("fsdp", "inference_mode"), ("pipeline", "no_grad")])
+def test_evaluation_before_training(dist2, plan_name, mode):
+    pytest.importorskip("transformers")
+    results = dist2.run(_evaluate_first, plan_name, mode)
+    assert all(r["compared"] > 0 for r in results), results
+    assert results[0]["programs"] == 1  # the evaluation ran the training program's forward
