@@ -194,11 +194,10 @@ class Lowered:
 
 @contextlib.contextmanager
 def training_grad_mode():
-    """Compile as for training, whatever grad mode the call that compiles comes in. The cache key
-    has no grad mode: a first call under ``torch.no_grad()`` (an evaluation before training) or
-    ``torch.inference_mode()`` captured a program without a backward, which the training calls then
-    reused, so ``loss.backward()`` raised that the loss requires no grad. Calls without grad run the
-    training program's forward (what they did after a training call already)."""
+    """Compile a pipeline's stage programs as for training, whatever grad mode the step that
+    compiles comes in: a first step under ``torch.no_grad()`` (an evaluation before training)
+    captured stages without a backward, which training then reused. A step without gradients runs
+    the forward steps of the same programs (pipeline/runtime.py, ``forward_only``)."""
     with torch.inference_mode(False), torch.enable_grad():
         yield
 

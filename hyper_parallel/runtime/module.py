@@ -25,7 +25,6 @@ from ..compile.capture import flat_paths
 from ..compile.options import CompileOptions
 from ..compile.driver import (
     CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,
-    training_grad_mode,
 )
 from ..debug import group_axis_names
 from ..fsdp.flags import FsdpFlags, program_key
@@ -208,7 +207,13 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     variant, values = state.attributes.variant()
     key = ProgramKey(in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
                      autocast_state(), tuple(fqn for fqn, p in params if not p.requires_grad),
-                     tuple(p.dtype for _, p in params), variant)
+                     tuple(p.dtype for _, p in params), variant, torch.is_grad_enabled())
+    # A call without gradients (torch.no_grad, inference_mode) runs the training program's forward
+    # when there is one, else compiles a forward-only program (no activations kept: an evaluation
+    # or a frozen reference model). A training call never runs a forward-only program: a first
+    # call under no_grad (an evaluation before training) used to leave training without backward.
+    if not key.backward and key not in state.cache and key._replace(backward=True) in state.cache:
+        key = key._replace(backward=True)
     entry = state.cache.get(key)
     state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
@@ -228,8 +233,7 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
         state.attributes.remember(values)
         before_compile(state, key, paths, changed())
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
-        with training_grad_mode():
-            entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
+        entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
         state.cache[key] = entry
         # Ids and labels could not be checked before the program existed: once more after compiling.
         if entry.index_inputs and state.options.check_inputs is not False:
@@ -255,7 +259,8 @@ def _describe_call(key, flat, args, kwargs, attributes: str = "") -> str:
     return "\n".join([*lines, f"input structure: {key.in_spec}", f"FSDP flags: {key.flags}", f"prefetch: {key.prefetch}",
                        f"autocast: {describe_autocast(key.autocast)}", f"parameters with requires_grad=False: {frozen}",
                        f"parameter dtypes: {describe_dtypes(key.dtypes)} [{digest_of(repr(key.dtypes)) % 16**8:08x}]",
-                       f"module attribute values: variant {key.attributes}" + (f" ({attributes})" if attributes else "")])
+                       f"module attribute values: variant {key.attributes}" + (f" ({attributes})" if attributes else ""),
+                       f"program with backward: {key.backward}"])
 
 
 def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:

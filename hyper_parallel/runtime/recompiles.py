@@ -33,6 +33,7 @@ class ProgramKey(NamedTuple):
     frozen: tuple[str, ...]  # parameters with requires_grad=False: the program computes no gradient for them
     dtypes: tuple  # every parameter's dtype, in named_parameters() order (model.to(torch.bfloat16))
     attributes: int = 0  # the variant of the module attribute values programs read (attribute_guards.py)
+    backward: bool = True  # compiled with gradients enabled (a call under torch.no_grad compiles without)
 
 
 def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str], attributes: str = "") -> str:
@@ -56,6 +57,9 @@ def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str], attr
         changes.append(f"parameters requiring gradients: {describe_frozen(set(old.frozen) ^ set(new.frozen))} changed")
     if old.dtypes != new.dtypes:
         changes.append(f"parameter dtypes: {describe_dtypes(old.dtypes)} -> {describe_dtypes(new.dtypes)}")
+    if old.backward != new.backward:
+        changes.append("a call with gradients enabled, and the program for these inputs was compiled under "
+                       "torch.no_grad() (without backward)" if new.backward else "a call under torch.no_grad()")
     if old.attributes != new.attributes:
         changes.append(f"module attributes the program reads: {attributes or f'variant {new.attributes}'}")
     return "; ".join(changes[:4]) + (f"; and {len(changes) - 4} more" if len(changes) > 4 else "")

@@ -67,8 +67,11 @@ def test_trainer_style_loop_matches_one_device(dist2, tmp_path):
 
 def _evaluate_first(plan_name: str, mode: str) -> dict:
     """An evaluation before training (under ``torch.no_grad()`` or ``torch.inference_mode()``) is
-    the first call, so it compiles; then training. The first call used to capture a program
-    without backward, which training reused: ``loss.backward()`` raised that the loss needs no grad."""
+    the first call, so it compiles; then training. The first call captured a program without
+    backward, which training reused: ``loss.backward()`` raised that the loss needs no grad. Now
+    the evaluation's program is forward-only (it keeps no activation: a frozen reference model
+    stays lean) and training compiles its own; a pipeline compiles its training stages either way
+    and runs only their forward steps for the evaluation."""
     plans = {"dp": ({}, "dp"), "fsdp": ({"fully_shard": {"units": ["model.layers.*", ""]}}, "dp_shard"),
              "pipeline": ({"pipeline": hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B",
                                                          num_microbatches=2)}, "pp")}
@@ -81,6 +84,7 @@ def _evaluate_first(plan_name: str, mode: str) -> dict:
     run = (lambda: model.step(mine)) if plan_name == "pipeline" else (lambda: model(**mine).loss)
     with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
         evaluated = run()
+    saved_by_evaluation = None if plan_name == "pipeline" else len(model._hp.last.program.saved_for_backward())
     loss = run()
     if plan_name != "pipeline":
         loss.backward()
@@ -95,7 +99,8 @@ def _evaluate_first(plan_name: str, mode: str) -> dict:
             continue  # another stage's parameter
         torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
         compared += 1
-    return {"compared": compared, "programs": len(model._hp.pipeline.cache if plan_name == "pipeline" else model._hp.cache)}
+    return {"compared": compared, "saved_by_evaluation": saved_by_evaluation,
+            "programs": len(model._hp.pipeline.cache if plan_name == "pipeline" else model._hp.cache)}
 
 
 @pytest.mark.parametrize("plan_name,mode", [("dp", "no_grad"), ("fsdp", "inference_mode"), ("pipeline", "no_grad")])
@@ -103,4 +108,7 @@ def test_evaluation_before_training(dist2, plan_name, mode):
     pytest.importorskip("transformers")
     results = dist2.run(_evaluate_first, plan_name, mode)
     assert all(r["compared"] > 0 for r in results), results
-    assert results[0]["programs"] == 1  # the evaluation ran the training program's forward
+    if plan_name == "pipeline":
+        assert results[0]["programs"] == 1  # the evaluation ran the training stages' forward steps
+    else:
+        assert results[0]["programs"] == 2 and results[0]["saved_by_evaluation"] == 0, results
