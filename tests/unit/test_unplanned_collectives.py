@@ -64,7 +64,22 @@ def _compile_hf(arch: str, plan: dict | None = None) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             compile_for_inputs(pmodel, (), local_batch(global_batch(arch, 4, 16), mesh))
-        return pmodel.compile_summary()
+        forward = pmodel.compiled_programs()[0]
+        return {**pmodel.compile_summary(), "forward_all_reduce_sources": [
+            _source_module(n.args[0]) for n in forward.graph.nodes if "all_reduce" in str(n.target)]}
+
+
+def _source_module(node) -> str:
+    """The module that computed ``node``, looking through the reshapes lowering adds (no module)."""
+    from hyper_parallel.compile.capture import module_fqn_of
+
+    for _ in range(4):
+        if module_fqn_of(node):
+            return module_fqn_of(node)
+        node = next((a for a in node.args if hasattr(a, "meta")), None)
+        if node is None:
+            break
+    return ""
 
 
 def _gpt2_contiguous_column_split() -> dict:
@@ -97,4 +112,7 @@ def test_transformers_models_gpt2_fused_qkv_warned_llama_quiet():
     # Megatron's count: one all-reduce per row-parallel layer forward (c_proj of attention and MLP).
     assert strided["collectives"]["forward"] == {"all_reduce": {"tp": strided["collectives"]["forward"]["all_reduce"]["tp"]}}
     assert strided["collectives"]["forward"]["all_reduce"]["tp"]["count"] == 4
+    # ... and where Megatron has them: each reduces the output of a row-parallel c_proj, in order.
+    assert strided["forward_all_reduce_sources"] == [
+        f"transformer.h.{i}.{part}.c_proj" for i in range(2) for part in ("attn", "mlp")], strided["forward_all_reduce_sources"]
     assert _compile_hf("LlamaForCausalLM")["unplanned_collectives"] == []
