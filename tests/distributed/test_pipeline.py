@@ -271,3 +271,41 @@ def test_clip_grad_norm_over_all_stages(dist2, dist4, shape, names):
     pool = dist4 if len(shape) == 2 else dist2
     norms = pool.run(_clip_across_stages, shape, names)
     assert all(n == norms[0] for n in norms), norms  # every rank clips by the same norm
+
+
+def _clip_across_stages_bf16() -> list:
+    """``model.clip_grad_norm_`` under pp x FSDP with bf16 parameters and fp32 reduction, padded
+    labels: the norm over every stage's fp32 gradients equals one device computing in bf16 from the
+    same fp32 weights (within bf16's tolerance), and the clipped gradients are that device's scaled
+    by the same factor."""
+    import copy
+
+    import torch
+
+    from hyper_parallel.testing.parity import bf16_reference_step, build_model, global_batch, local_batch
+
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = {"pipeline": hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B", num_microbatches=2),
+            "fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": policy}}
+    reference = build_model("hf_llama")
+    model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
+    full = global_batch("llama", 4, 16, seed=1, ignore_fraction=0.3)
+    model.step(local_batch(full, mesh))
+    compute, _ = bf16_reference_step(reference, full)
+    ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
+    ref_norm = torch.nn.utils.get_total_norm(list(ref_grads.values()))
+    norm = model.clip_grad_norm_(0.1)
+    torch.testing.assert_close(norm, ref_norm, rtol=2e-2, atol=0)
+    scale = 0.1 / (ref_norm + 1e-6)
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name] * scale, rtol=5e-2, atol=2e-4,
+                                   msg=lambda m, n=name: f"clipped grad of {n}: {m}")
+    return [norm.item()]
+
+
+def test_clip_grad_norm_over_all_stages_bf16(dist4):
+    pytest.importorskip("transformers")
+    norms = dist4.run(_clip_across_stages_bf16)
+    assert all(n == norms[0] for n in norms), norms
