@@ -46,6 +46,8 @@ def what_changed(old: ProgramKey | None, new: ProgramKey, paths: list[str], attr
         changes.append("the inputs' structure (arguments or their nesting) changed")
     else:
         changes += [f"input '{path}': {format_signature(a)} -> {format_signature(b)}"
+                    + (" (a Python number is part of the program: pass a tensor to reuse one program for every value)"
+                       if a[0] == b[0] == "const" and a[1] in ("int", "float") else "")
                     for path, a, b in zip(paths, old.signatures, new.signatures) if a != b]
     if old.flags != new.flags:
         changes.append(f"FSDP flags or train/eval mode: {old.flags} -> {new.flags}")
