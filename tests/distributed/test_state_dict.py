@@ -441,3 +441,50 @@ def test_pipeline_checkpoint_resumes_in_a_pipeline_and_without(dist2, tmp_path):
     for result in dist2.run(_pipeline_checkpoint_resume, path):
         assert result["pipeline"] == result["uninterrupted"], result
         torch.testing.assert_close(result["fsdp"], result["uninterrupted"], rtol=1e-5, atol=1e-6)
+
+
+def _pipeline_fsdp_bf16_checkpoint_resume(path: str) -> dict:
+    """The same under pp x FSDP with bf16 parameters and fp32 reduction (fp32 shards stored, bf16
+    compute), padded labels: resumed into the same plan, the losses continue the uninterrupted run
+    exactly; into FSDP alone on all 4 ranks, within bf16's tolerance (another reduction order)."""
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp = {"units": ["model.layers.*", ""], "mixed_precision": policy}
+    plan = {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B", "num_microbatches": 2},
+            "fully_shard": fsdp}
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
+
+    def train(model, optimizer, steps: range, mesh) -> list:
+        losses = []
+        for step in steps:
+            batch = local_batch(global_batch("llama", 8, 16, seed=step + 1, ignore_fraction=0.3), mesh)
+            if "pp" in mesh.mesh_dim_names:
+                loss = model.step(batch)
+            else:
+                loss = model(**batch).loss
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    model = hp.parallelize(build_model("hf_llama"), plan, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, range(2), mesh)
+    hp.save_checkpoint(path, model, optimizer)
+    uninterrupted = train(model, optimizer, range(2, 4), mesh)
+    resumed = {}
+    fsdp_mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
+    for name, other_plan, other_mesh in (("pipeline", plan, mesh), ("fsdp", {"fully_shard": fsdp}, fsdp_mesh)):
+        other = hp.parallelize(build_model("hf_llama", seed=7), other_plan, other_mesh)
+        other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
+        hp.load_checkpoint(path, other, other_optimizer)
+        resumed[name] = train(other, other_optimizer, range(2, 4), other_mesh)
+    return {"uninterrupted": uninterrupted, **resumed}
+
+
+def test_pipeline_fsdp_bf16_checkpoint_resumes(dist4, tmp_path):
+    pytest.importorskip("transformers")
+    path = str(tmp_path / "pp_fsdp_bf16_ckpt")
+    for result in dist4.run(_pipeline_fsdp_bf16_checkpoint_resume, path):
+        assert result["pipeline"] == result["uninterrupted"], result
+        torch.testing.assert_close(result["fsdp"], result["uninterrupted"], rtol=2e-2, atol=2e-2)
