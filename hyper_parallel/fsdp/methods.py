@@ -9,7 +9,12 @@ reshard after forward / backward, the reduce op, and which units ``unshard()`` g
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 from .unshard import UnshardHandle, gather_unit
+
+log = logging.getLogger(__name__)
 
 
 class FsdpMethods:
@@ -22,6 +27,37 @@ class FsdpMethods:
         unit must have the same value when the next forward runs (one program for the model)."""
         _check_bool("set_requires_gradient_sync", requires_gradient_sync)
         self._set_flag("gradient_sync", requires_gradient_sync, self._flag_units("set_requires_gradient_sync", recurse))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's and FSDP1's context manager: backward passes inside it accumulate gradients
+        without reducing them, and the first backward after it reduces their sum with its own. With
+        FSDP units it is ``set_requires_gradient_sync(False)`` inside and ``True`` after it: one
+        reduce-scatter per unit for the whole accumulation. Gradients no FSDP unit owns (every
+        gradient of a data-parallel plan) are still all-reduced by each backward: the numbers are
+        the same (the reductions are linear), the communication is not skipped yet, which a warning
+        says once."""
+        state = self._hp
+        if state.pipeline is not None:
+            raise ValueError(
+                "no_sync() does not apply to a pipeline plan: pmodel.step() already reduces the gradients "
+                "once per step, over all of its micro-batches"
+            )
+        if state.resolved.fsdp is None:
+            if "no_sync" not in state.warned:
+                state.warned.add("no_sync")
+                log.warning(
+                    "no_sync(): this plan has no fully_shard units, so every backward still all-reduces its "
+                    "gradients (the accumulated numbers are the same as DDP's no_sync; the communication is not "
+                    "skipped yet). FSDP units accumulate without communication: ParallelPlan(fully_shard=...)"
+                )
+            yield
+            return
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients over the shard axis but skips the all-reduce over

@@ -151,3 +151,55 @@ def test_reshard_after_backward_false_skips_forward_gathers(dist2):
     assert later[0] == 0  # later micro-steps use what backward kept
     assert gathers[2][0] == 0 and gathers[3][0] == UNITS  # a new step (after opt.step) gathers again
     assert gathers[-1][0] == UNITS, "values kept before an optimizer step must not be used after it"
+
+
+def _no_sync_accumulation(plan_name: str) -> dict:
+    """DDP's / FSDP1's idiom: ``with model.no_sync(): loss.backward()`` for every micro-batch but
+    the last, padded labels (ranks count different tokens), 2 optimizer steps of 3 micro-batches
+    against one device accumulating the same micro-batch losses. FSDP: nothing is reduced inside
+    the context, one reduce-scatter per unit after it; data parallelism: a warning once, every
+    backward still all-reduces, the same numbers. ``model.no_sync()`` used to be an AttributeError."""
+    import contextlib
+    import logging
+
+    records = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Records()
+    logging.getLogger("hyper_parallel").addHandler(handler)
+    try:
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        plan = {"fully_shard": {"units": ["model.layers.*", ""]}} if plan_name == "fsdp" else {}
+        reference = build_model("llama")
+        model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+        reductions = []
+        for step in range(2):
+            full = global_batch("llama", 12, 16, seed=step + 1, ignore_fraction=0.3)
+            for i in range(3):
+                micro = {k: v[i::3] for k, v in full.items()}
+                (reference(**micro)["loss"] / 3).backward()
+                with model.no_sync() if i < 2 else contextlib.nullcontext():
+                    (model(**local_batch(micro, mesh))["loss"] / 3).backward()
+                backward = model.compile_summary()["collectives"]["backward"]
+                reductions.append(sum(v["count"] for kind in ("reduce_scatter", "all_reduce")
+                                      for v in backward.get(kind, {}).values()))
+            _check_grads(model, reference)
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
+        warnings = [m for m in records if m.startswith("no_sync()")]
+        return {"reductions": reductions, "warnings": len(warnings)}
+    finally:
+        logging.getLogger("hyper_parallel").removeHandler(handler)
+
+
+def test_no_sync_accumulates_as_one_device(dist2):
+    fsdp = dist2.run(_no_sync_accumulation, "fsdp")[0]
+    assert fsdp["reductions"][:2] == [0, 0] and fsdp["reductions"][2] >= UNITS, fsdp  # reduced once
+    assert fsdp["warnings"] == 0
+    dp = dist2.run(_no_sync_accumulation, "dp")[0]
+    assert all(r > 0 for r in dp["reductions"]) and dp["warnings"] == 1, dp
