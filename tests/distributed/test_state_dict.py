@@ -396,6 +396,23 @@ def test_save_pretrained_under_a_pipeline_gathers_the_stages(dist2, tmp_path):
     assert stage0 and stage1 and not set(stage0) & set(stage1)  # each rank held only its stage
 
 
+def _train_steps(model, optimizer, steps: range, mesh, rows: int = 4, ignore_fraction: float = 0.0) -> list:
+    """Optimizer steps on batches ``steps`` (seeded by the step), through ``step()`` under a
+    pipeline; each rank's slice of the batch over the data-parallel axes. The losses."""
+    losses = []
+    for step in steps:
+        batch = local_batch(global_batch("llama", rows, 16, seed=step + 1, ignore_fraction=ignore_fraction), mesh)
+        if "pp" in mesh.mesh_dim_names:
+            loss = model.step(batch)
+        else:
+            loss = model(**batch).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _pipeline_checkpoint_resume(path: str) -> dict:
     """hp.save_checkpoint of a pipelined model (each pp rank holds only its stage), resumed into a
     fresh pipeline and into FSDP without a pipeline: the resumed losses continue the uninterrupted
@@ -403,21 +420,7 @@ def _pipeline_checkpoint_resume(path: str) -> dict:
     with the other stages' keys "missing"."""
     plan = {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B", "num_microbatches": 2}}
     pp_mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-
-    def train(model, optimizer, steps: range, mesh) -> list:
-        losses = []
-        for step in steps:
-            batch = global_batch("llama", 4, 16, seed=step + 1)
-            if "pp" in mesh.mesh_dim_names:
-                loss = model.step(batch)
-            else:
-                loss = model(**local_batch(batch, mesh)).loss
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses
-
+    train = _train_steps
     model = hp.parallelize(build_model("hf_llama"), plan, pp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, optimizer, range(2), pp_mesh)
@@ -454,18 +457,7 @@ def _pipeline_fsdp_bf16_checkpoint_resume(path: str) -> dict:
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp_shard"))
 
     def train(model, optimizer, steps: range, mesh) -> list:
-        losses = []
-        for step in steps:
-            batch = local_batch(global_batch("llama", 8, 16, seed=step + 1, ignore_fraction=0.3), mesh)
-            if "pp" in mesh.mesh_dim_names:
-                loss = model.step(batch)
-            else:
-                loss = model(**batch).loss
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        return losses
+        return _train_steps(model, optimizer, steps, mesh, rows=8, ignore_fraction=0.3)
 
     model = hp.parallelize(build_model("hf_llama"), plan, mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
