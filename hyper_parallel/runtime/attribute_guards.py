@@ -19,8 +19,10 @@ torch.compile guards these reads; so does this module:
   stays put (a rank's own index) is no disagreement, while a value changed on some ranks only is
   one (a ValueError on every rank naming the attribute, not two programs that would hang).
 
-Not seen: values read through other objects (a dict of settings, a module-level global), and an
-attribute missing when captured (``getattr(config, "x", default)``) that is set later.
+Not seen: values read through other objects (a dict of settings, a module-level global), an
+attribute missing when captured (``getattr(config, "x", default)``) that is set later, and, with
+``repeated_blocks``, a value changed on one of the blocks that are copied rather than traced only
+(the traced blocks' reads are recorded; a value changed on every block is seen through them).
 """
 
 from __future__ import annotations
