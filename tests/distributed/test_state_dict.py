@@ -421,20 +421,26 @@ def _pipeline_checkpoint_resume(path: str) -> dict:
     plan = {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B", "num_microbatches": 2}}
     pp_mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     train = _train_steps
-    model = hp.parallelize(build_model("hf_llama"), plan, pp_mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optimizer, range(2), pp_mesh)
-    hp.save_checkpoint(path, model, optimizer)
-    uninterrupted = train(model, optimizer, range(2, 4), pp_mesh)
-
-    resumed = {}
     fsdp_mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
-    for name, other_plan, mesh in (("pipeline", plan, pp_mesh),
-                                   ("fsdp", {"fully_shard": {"units": ["model.layers.*", ""]}}, fsdp_mesh)):
-        other = hp.parallelize(build_model("hf_llama", seed=7), other_plan, mesh)
+    return _save_and_resume(path, plan, pp_mesh, {"fsdp": ({"fully_shard": {"units": ["model.layers.*", ""]}}, fsdp_mesh)},
+                            train)
+
+
+def _save_and_resume(path: str, plan: dict, mesh, others: dict, train) -> dict:
+    """Train 2 steps under ``plan``, save, train 2 more (uninterrupted); then a fresh model (another
+    seed) under the same plan ("pipeline") and under each of ``others`` ({name: (plan, mesh)}) loads
+    the checkpoint and trains the same 2 steps. The losses of each run."""
+    model = hp.parallelize(build_model("hf_llama"), plan, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, optimizer, range(2), mesh)
+    hp.save_checkpoint(path, model, optimizer)
+    uninterrupted = train(model, optimizer, range(2, 4), mesh)
+    resumed = {}
+    for name, (other_plan, other_mesh) in {"pipeline": (plan, mesh), **others}.items():
+        other = hp.parallelize(build_model("hf_llama", seed=7), other_plan, other_mesh)
         other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
         hp.load_checkpoint(path, other, other_optimizer)
-        resumed[name] = train(other, other_optimizer, range(2, 4), mesh)
+        resumed[name] = train(other, other_optimizer, range(2, 4), other_mesh)
     return {"uninterrupted": uninterrupted, **resumed}
 
 
@@ -459,19 +465,8 @@ def _pipeline_fsdp_bf16_checkpoint_resume(path: str) -> dict:
     def train(model, optimizer, steps: range, mesh) -> list:
         return _train_steps(model, optimizer, steps, mesh, rows=8, ignore_fraction=0.3)
 
-    model = hp.parallelize(build_model("hf_llama"), plan, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train(model, optimizer, range(2), mesh)
-    hp.save_checkpoint(path, model, optimizer)
-    uninterrupted = train(model, optimizer, range(2, 4), mesh)
-    resumed = {}
     fsdp_mesh = hp.init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
-    for name, other_plan, other_mesh in (("pipeline", plan, mesh), ("fsdp", {"fully_shard": fsdp}, fsdp_mesh)):
-        other = hp.parallelize(build_model("hf_llama", seed=7), other_plan, other_mesh)
-        other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-2)
-        hp.load_checkpoint(path, other, other_optimizer)
-        resumed[name] = train(other, other_optimizer, range(2, 4), other_mesh)
-    return {"uninterrupted": uninterrupted, **resumed}
+    return _save_and_resume(path, plan, mesh, {"fsdp": ({"fully_shard": fsdp}, fsdp_mesh)}, train)
 
 
 def test_pipeline_fsdp_bf16_checkpoint_resumes(dist4, tmp_path):
