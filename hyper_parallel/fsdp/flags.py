@@ -45,6 +45,12 @@ class FsdpFlags:
         return FsdpFlags(tuple(sorted(((k, v) for k, v in values.items() if v != default or k[0] != field),
                                       key=lambda kv: kv[0])))
 
+    def restored(self, field: str, earlier: "FsdpFlags") -> "FsdpFlags":
+        """These flags with ``field`` on every unit as it was in ``earlier`` (the rest as now)."""
+        kept = [(k, v) for k, v in self.values if k[0] != field]
+        back = [(k, v) for k, v in earlier.values if k[0] == field]
+        return FsdpFlags(tuple(sorted(kept + back, key=lambda kv: kv[0])))
+
     def get(self, field: str, unit: str) -> Any:
         return dict(self.values).get((field, unit), FIELDS[field][1])
 

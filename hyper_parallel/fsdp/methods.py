@@ -30,34 +30,29 @@ class FsdpMethods:
 
     @contextlib.contextmanager
     def no_sync(self):
-        """DDP's and FSDP1's context manager: backward passes inside it accumulate gradients
-        without reducing them, and the first backward after it reduces their sum with its own. With
-        FSDP units it is ``set_requires_gradient_sync(False)`` inside and ``True`` after it: one
-        reduce-scatter per unit for the whole accumulation. Gradients no FSDP unit owns (every
-        gradient of a data-parallel plan) are still all-reduced by each backward: the numbers are
-        the same (the reductions are linear), the communication is not skipped yet, which a warning
-        says once."""
+        """DDP's and FSDP1's context manager: forward and backward passes inside it accumulate
+        gradients without communication, and the first backward after it reduces their sum with its
+        own (in its bucketed, overlapped reductions). Gradients no FSDP unit owns (every gradient of
+        a data-parallel plan) are kept unreduced as DDP keeps them; FSDP units' as
+        ``set_requires_gradient_sync(False)`` inside and ``True`` after it (one reduce-scatter per
+        unit for the whole accumulation). Reductions over non-data axes (a sequence-parallel norm
+        weight's over the tensor-parallel axis) still run. Numerics equal reducing every
+        micro-step. The previous setting returns on exit (nesting is fine)."""
         state = self._hp
         if state.pipeline is not None:
             raise ValueError(
                 "no_sync() does not apply to a pipeline plan: pmodel.step() already reduces the gradients "
                 "once per step, over all of its micro-batches"
             )
-        if state.resolved.fsdp is None:
-            if "no_sync" not in state.warned:
-                state.warned.add("no_sync")
-                log.warning(
-                    "no_sync(): this plan has no fully_shard units, so every backward still all-reduces its "
-                    "gradients (the accumulated numbers are the same as DDP's no_sync; the communication is not "
-                    "skipped yet). FSDP units accumulate without communication: ParallelPlan(fully_shard=...)"
-                )
-            yield
-            return
-        self.set_requires_gradient_sync(False)
+        before = state.replicated_sync, state.fsdp_flags
+        state.replicated_sync = False
+        if state.resolved.fsdp is not None:
+            self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.set_requires_gradient_sync(True)
+            state.replicated_sync = before[0]
+            state.fsdp_flags = state.fsdp_flags.restored("gradient_sync", before[1])
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters gradients over the shard axis but skips the all-reduce over
@@ -124,6 +119,7 @@ class FsdpMethods:
         see) and the parameters' ``.grad``."""
         self._require_fsdp("zero_grads")
         self._hp.accumulator.buffers.clear()
+        self._hp.replicated_accumulator.buffers.clear()
         for p in self.parameters():
             p.grad = None
 

@@ -74,7 +74,7 @@ def _fsdp_unshard(captured, ctx):
 
 
 def _gradient_accumulation(captured, ctx):
-    insert_gradient_accumulation(captured, ctx.resolved.fsdp)
+    insert_gradient_accumulation(captured, ctx.resolved)
     return captured
 
 

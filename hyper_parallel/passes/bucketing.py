@@ -193,16 +193,18 @@ def _fuse_all_gather(graph, members, label):
 
 def _relayout_early(graph, members) -> None:
     """Move the local re-layout lowering put before each member's reduction (a dim-1 shard's
-    split and cat: pure ops, role "redistribute", no collective) from where lowering emitted it,
-    the graph's output at the end of backward, to right after the values it reads, so the
-    reduction can follow the gradient instead of waiting for the end of backward."""
+    split and cat: pure ops, role "redistribute", no collective) and the add of a gradient kept by
+    earlier accumulation micro-steps (role "accumulate", propagation/accumulation.py) from where
+    lowering emitted them, the graph's output at the end of backward, to right after the values
+    they read, so the reduction can follow the gradient instead of waiting for the end of backward."""
     where: dict | None = None  # positions, built when a chain moves (most members have none)
     for member in members:
         chain: set = set()
         stack = [member.args[0]]
         while stack:
             node = stack.pop()
-            if (node in chain or node.op != "call_function" or not meta.is_redistribute(node)
+            moves = meta.is_redistribute(node) or node.meta.get(meta.ROLE) == meta.ROLE_ACCUMULATE
+            if (node in chain or node.op != "call_function" or not moves
                     or node.is_impure() or getattr(node.target, "namespace", None) == "_c10d_functional"):
                 continue
             chain.add(node)
@@ -425,7 +427,6 @@ def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int, first_cap_bytes: i
     the all-reduces themselves at the end of backward), cut into DDP's gradient buckets per (reduce
     op, group, dtype): the first at most ``first_cap_bytes`` (DDP's 1 MiB first bucket, so the first
     reduction starts early in backward), the others at most ``cap_bytes``."""
-    order = _position(graph)
     candidates = []
     for node in graph.nodes:
         if node.op != "call_function" or node.target is not c10d.all_reduce.default or meta.BUCKET in node.meta:
@@ -433,6 +434,10 @@ def _gradient_all_reduce_buckets(graph, fsdp, cap_bytes: int, first_cap_bytes: i
         param = node.meta.get(meta.GRAD_OF)
         if param and (fsdp is None or param not in fsdp.unit_of) and _single_wait(node) is not None:
             candidates.append(node)
+    # What lowering emitted at the output between a gradient and its all-reduce (a re-layout, the
+    # add of an accumulated gradient) moves next to the gradient first, so the order is backward's.
+    _relayout_early(graph, candidates)
+    order = _position(graph)
     candidates.sort(key=lambda n: order[n.args[0]])
     buckets: list[list[torch.fx.Node]] = []
     current: dict[tuple, tuple[list, int, int]] = {}  # key -> (open bucket, its bytes, its cap)

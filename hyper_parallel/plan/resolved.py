@@ -80,6 +80,12 @@ class ResolvedPlan:
     experts: dict = field(default_factory=dict, hash=False)
     # context_parallel: cp.resolve.ContextPlan, or None. Its axis shards inputs' sequence dim (1).
     context: Any = field(default=None, hash=False)
+    # Gradient accumulation of the parameters no FSDP unit owns (``model.no_sync()``,
+    # propagation/accumulation.py): False keeps their gradients this rank's partial sums over the
+    # data-parallel axes (nothing all-reduced); ``replicated_pending``: the program adds such sums
+    # kept by earlier micro-steps before it reduces. Set per call by the runtime, never by a plan.
+    replicated_sync: bool = True
+    replicated_pending: bool = False
 
     @property
     def sequence_axes(self) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ from ..ir.kinds import InputKind, OutputKind
 from ..layout import format_placements
 from ..moe.propagation import expert_op_layout
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
-from .accumulation import GRAD_ACCUM
+from .accumulation import GRAD_ACCUM, unreduced_placements
 from .attention_rules import sequence_sharded_attention
 from .rules import NoShardingRule, has_partial, propagate_op, propagate_token_mean
 from .unshard import GATHERED, PREGATHERED
@@ -219,9 +219,12 @@ class _Propagator:
             return NodeLayout(spec, (), "placeholder")
         elif info.kind == GRAD_ACCUM:  # gradients pending from earlier micro-steps
             fsdp = self.resolved.fsdp
-            placements = fsdp.gradient_placements(
-                info.name, fsdp.accumulated, self.axis_names, self.resolved.param_placements[info.name]
-            )
+            if fsdp is not None and info.name in fsdp.unit_of:
+                placements = fsdp.gradient_placements(
+                    info.name, fsdp.accumulated, self.axis_names, self.resolved.param_placements[info.name]
+                )
+            else:  # a replicated parameter's, kept by no_sync() micro-steps
+                placements = unreduced_placements(self.resolved, info.name)
             return NodeLayout(make_spec(self.mesh, placements, val), (), "placeholder")
         elif info.kind == InputKind.INPUT:
             override = self.resolved.inputs.get(info.name)
@@ -382,6 +385,8 @@ class _Propagator:
         storage = self.resolved.param_placements[param]
         fsdp = self.resolved.fsdp
         if fsdp is None or param not in fsdp.unit_of:
+            if not self.resolved.replicated_sync:  # no_sync(): this rank's partial sum, kept aside
+                return unreduced_placements(self.resolved, param) or storage
             return storage
         # Accumulating: unreduced, or reduced over the shard axis only (fsdp.plan.GRADIENT_LAYOUTS).
         return fsdp.gradient_placements(param, fsdp.gradient_layout, self.axis_names, storage)

@@ -35,7 +35,7 @@ from ..fsdp.unshard import GatheredParams, watch_optimizers
 from ..memory import estimate_program
 from ..pipeline.api import call_arguments, loss_of
 from ..plan import ResolvedPlan
-from ..propagation.accumulation import GRAD_ACCUM
+from ..propagation.accumulation import GRAD_ACCUM, deferred_replicated
 from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
 from .attribute_guards import AttributeGuards
@@ -70,6 +70,10 @@ class ParallelState:
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.fsdp_flags = FsdpFlags()
         self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
+        # no_sync(): gradients of parameters no FSDP unit owns stay unreduced (replicated_sync
+        # False), kept here between micro-steps (propagation/accumulation.py).
+        self.replicated_sync = True
+        self.replicated_accumulator = GradientAccumulator()
         self.gathered = GatheredParams(parameters)  # by unshard(), or kept by backward for the next forward
         watch_optimizers(self.gathered)
         self.last: CompiledEntry | None = None  # the program the last call ran
@@ -88,14 +92,18 @@ class ParallelState:
         return {**specs, **self.released}
 
     def resolved_for_flags(self) -> ResolvedPlan:
-        fsdp = self.resolved.fsdp
-        if fsdp is None:
-            return self.resolved
+        resolved = self.resolved
         # Gradients pending from earlier micro-steps become inputs of this program, added to its
         # own gradients before they are reduced (propagation/accumulation.py).
+        pending = self.replicated_accumulator.pending is not None
+        if not self.replicated_sync or pending:
+            resolved = dataclasses.replace(resolved, replicated_sync=self.replicated_sync, replicated_pending=pending)
+        fsdp = resolved.fsdp
+        if fsdp is None:
+            return resolved
         fsdp = self.fsdp_flags.apply(fsdp, accumulated=self.accumulator.pending,
                                      pregathered=tuple(sorted(self.gathered.units)))
-        return dataclasses.replace(self.resolved, fsdp=fsdp)
+        return dataclasses.replace(resolved, fsdp=fsdp)
 
 
 _NOT_TRACED = ("a parallelized module runs its own compiled programs, which torch.compile does not trace "
@@ -206,7 +214,10 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     params = list(module.named_parameters())
     # What the programs read from module attributes (a dropout's p, config flags) picks one too.
     variant, values = state.attributes.variant()
-    key = ProgramKey(in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,), repr(prefetch),
+    replicated = () if resolved.replicated_sync and not resolved.replicated_pending else (
+        ("no_sync" if not resolved.replicated_sync else "sync", "pending" if resolved.replicated_pending else "none"),)
+    key = ProgramKey(in_spec, tuple(signature(x) for x in flat), program_key(resolved.fsdp) + (mode,) + replicated,
+                     repr(prefetch),
                      autocast_state(), tuple(fqn for fqn, p in params if not p.requires_grad),
                      tuple(p.dtype for _, p in params), variant, torch.is_grad_enabled())
     # A call without gradients (torch.no_grad, inference_mode) runs the training program's forward
@@ -269,6 +280,9 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     primals = []
+    # A call without gradients (an evaluation between accumulation micro-steps) runs no backward:
+    # the gradients kept for the next synchronising step stay where they are.
+    grad_enabled = torch.is_grad_enabled()
     for info in captured.inputs:
         if info.kind == InputKind.PARAM:  # a DTensor: the program unwraps it (program._RunStep)
             primals.append(params[info.name])
@@ -277,7 +291,10 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
         elif info.kind == InputKind.INPUT:
             primals.append(flat[info.index])
         elif info.kind == GRAD_ACCUM:
-            primals.append(_pending_gradient(module._hp.accumulator, info.name, entry, len(primals)))
+            fsdp = entry.resolved.fsdp
+            owner = module._hp.accumulator if fsdp is not None and info.name in fsdp.unit_of \
+                else module._hp.replicated_accumulator
+            primals.append(_pending_gradient(owner, info.name, entry, len(primals), take=grad_enabled))
         elif info.kind == PREGATHERED:
             primals.append(module._hp.gathered.take(entry.resolved.fsdp.unit_of[info.name], info.name))
     module._hp.gathered.clear()  # consumed by this forward
@@ -336,37 +353,46 @@ def _keep_gathered_hook(module: ParallelModule, entry: CompiledEntry):
     return keep
 
 
-def _pending_gradient(accumulator: GradientAccumulator, fqn: str, entry: CompiledEntry, primal_index: int):
-    """The gradient of ``fqn`` accumulated by earlier micro-steps (zeros if it got none there)."""
-    if fqn in accumulator.buffers:
+def _pending_gradient(accumulator: GradientAccumulator, fqn: str, entry: CompiledEntry, primal_index: int,
+                      take: bool = True):
+    """The gradient of ``fqn`` accumulated by earlier micro-steps (zeros if it got none there, or
+    when the call will not run backward: ``take`` False leaves it for the next one that will)."""
+    if take and fqn in accumulator.buffers:
         return accumulator.take(fqn)
     val = list(entry.program.forward_gm.graph.find_nodes(op="placeholder"))[primal_index].meta["val"]
     return torch.zeros(val.shape, dtype=val.dtype, device=val.device)
 
 
 def _gradient_hook(module: ParallelModule, entry: CompiledEntry):
-    """What backward does with FSDP gradients that are not final yet (accumulation micro-steps)."""
-    fsdp = entry.resolved.fsdp
-    if fsdp is None:
-        return None
-    accumulator = module._hp.accumulator
-    layout = fsdp.gradient_layout
-    if layout != "reduced":
-        primal_params = [
-            info.name if info.kind == InputKind.PARAM and info.name in fsdp.unit_of else None
-            for info in entry.captured.inputs if info.kind != InputKind.TANGENT
-        ]
-        return accumulator.keep_hook(primal_params, layout)
+    """What backward does with gradients that are not final yet (accumulation micro-steps): FSDP
+    gradients under set_requires_gradient_sync(False) and the other parameters' under no_sync()
+    are kept aside; a synchronising step checks that it reduced everything kept."""
+    fsdp, resolved = entry.resolved.fsdp, entry.resolved
+    state = module._hp
+    primals = [info for info in entry.captured.inputs if info.kind != InputKind.TANGENT]
+    hooks = []
+    if fsdp is not None and fsdp.gradient_layout != "reduced":
+        params = [info.name if info.kind == InputKind.PARAM and info.name in fsdp.unit_of else None for info in primals]
+        hooks.append(state.accumulator.keep_hook(params, fsdp.gradient_layout))
+    if not resolved.replicated_sync:
+        deferred = deferred_replicated(resolved, [info.name for info in primals if info.kind == InputKind.PARAM])
+        params = [info.name if info.kind == InputKind.PARAM and info.name in deferred else None for info in primals]
+        hooks.append(state.replicated_accumulator.keep_hook(params, "unreduced"))
+    checked = [acc for acc, synced in ((state.accumulator, fsdp is not None and fsdp.gradient_layout == "reduced"),
+                                       (state.replicated_accumulator, resolved.replicated_sync)) if synced]
 
-    def check_nothing_left(grads):
-        if accumulator.buffers:
-            raise RuntimeError(
-                "gradient accumulation: gradients of "
-                f"{sorted(accumulator.buffers)[:3]} were accumulated without sync but this "
-                "synchronising step did not reduce them (a micro-step's backward ran after this "
-                "step's forward, or the parameters got no gradient here); run each backward before "
-                "the next forward"
-            )
+    def on_gradients(grads):
+        for hook in hooks:
+            grads = hook(grads)
+        for accumulator in checked:
+            if accumulator.buffers:
+                raise RuntimeError(
+                    "gradient accumulation: gradients of "
+                    f"{sorted(accumulator.buffers)[:3]} were accumulated without sync but this "
+                    "synchronising step did not reduce them (a micro-step's backward ran after this "
+                    "step's forward, or the parameters got no gradient here); run each backward before "
+                    "the next forward"
+                )
         return grads
 
-    return check_nothing_left
+    return on_gradients

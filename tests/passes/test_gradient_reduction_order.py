@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hyper_parallel as hp
+from hyper_parallel.api import compile_for_inputs
 from hyper_parallel.explain import compile_for_explain, fake_world
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
 
@@ -29,7 +30,11 @@ def _model(name, **config):
     return LlamaForCausalLM(LlamaConfig(num_hidden_layers=LAYERS, **config))
 
 
-def _backward(name, mixed_precision, plan=None, world=2, config=None, **options):
+def _backward(name, mixed_precision, plan=None, world=2, config=None, pending=None, **options):
+    """The compiled backward's nodes. ``pending``: compile the program of the synchronising
+    micro-step after accumulation ("fsdp": FSDP gradients kept by set_requires_gradient_sync(False)
+    micro-steps, "replicated": data-parallel ones kept under no_sync()), as the runtime does when
+    an earlier micro-step left gradients in its accumulator (its contents do not matter here)."""
     if plan is None:
         plan = {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": mixed_precision}}
     with fake_world(world, 0):
@@ -37,7 +42,15 @@ def _backward(name, mixed_precision, plan=None, world=2, config=None, **options)
         with hp.init_empty_weights():
             model = _model(name, **(config or {}))
         ids = torch.empty(2, 16, dtype=torch.long, device="meta")
-        pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids}, **options)
+        if pending is None:
+            pmodel = compile_for_explain(model, plan, mesh, (), {"input_ids": ids, "labels": ids}, **options)
+        else:
+            pmodel = hp.parallelize(model, plan, mesh, materialize=False, **options)
+            state = pmodel._hp
+            accumulator, layout = ((state.accumulator, "unsharded") if pending == "fsdp"
+                                   else (state.replicated_accumulator, "unreduced"))
+            accumulator.buffers["kept"], accumulator.layout = torch.zeros(1), layout
+            compile_for_inputs(pmodel, (), {"input_ids": ids, "labels": ids})
     return list(pmodel.compiled_programs()[1].graph.nodes)
 
 
@@ -125,6 +138,38 @@ def test_data_parallel_buckets_are_issued_during_backward(name, depth):
         assert all(w is r.next for r, w in zip(reductions, waits))
     else:  # all but the buckets of the last gradients (after the last matmul) overlap matmuls
         assert sum(overlapped) >= len(reductions) - 2, overlapped
+
+
+@pytest.mark.parametrize("mixed_precision", [None, BF16_FP32], ids=["fp32", "bf16-params-fp32-reduce"])
+def test_accumulated_fsdp_gradients_are_reduced_during_backward(mixed_precision):
+    """The synchronising micro-step of gradient accumulation adds the gradients kept by earlier
+    micro-steps before reducing. Lowering emitted those adds at the end of backward, and every
+    unit's reduce-scatter waited there for them: no overlap on the step that reduces. Each unit's
+    add now follows its gradient, and its reduce-scatter is interleaved as without accumulation."""
+    nodes = _backward("example", mixed_precision, pending="fsdp")
+    position = {n: i for i, n in enumerate(nodes)}
+    scatters = [position[n] for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
+    matmuls = [position[n] for n in nodes if n.target is torch.ops.aten.mm.default]
+    adds = [n for n in nodes if n.meta.get("hp_role") == "accumulate"]
+    assert len(scatters) == LAYERS + 1 and len(adds) == LAYERS * 9 + 3, len(adds)  # one per parameter
+    assert scatters[0] < len(nodes) / 2, (scatters[0], len(nodes))
+    assert sum(s < matmuls[-1] for s in scatters) >= LAYERS - 1, (scatters, matmuls[-1])
+
+
+def test_accumulated_data_parallel_gradients_are_reduced_during_backward():
+    """The same for data parallelism's buckets after ``no_sync()`` micro-steps: each bucket is
+    issued once its gradients and their kept sums are added, in backward order, overlapping the
+    layers before it (as in test_data_parallel_buckets_are_issued_during_backward)."""
+    nodes = _backward("example", None, plan={}, bucket_cap_mb=0.05, pending="replicated")
+    position = {n: i for i, n in enumerate(nodes)}
+    reductions = [n for n in nodes if n.target in (c10d.all_reduce_.default, c10d.all_reduce.default)
+                  and "gradient bucket" in n.meta.get("hp_bucket", "")]
+    labels = [int(n.meta["hp_bucket"].split()[2]) for n in reductions]
+    matmuls = [position[n] for n in nodes if n.target is torch.ops.aten.mm.default]
+    assert len(reductions) >= 4 and labels == sorted(labels), labels
+    assert any(n.meta.get("hp_role") == "accumulate" for n in nodes)
+    assert position[reductions[0]] < len(nodes) / 2, (position[reductions[0]], len(nodes))
+    assert sum(position[r] < matmuls[-1] for r in reductions) >= len(reductions) - 2
 
 
 def _bucket_members(nodes) -> list[int]:
