@@ -4,17 +4,14 @@ Most of them change what the next program does, so they set flags on the module'
 ``runtime.module.ParallelState.resolved_for_flags`` turns into a program variant (compiled once per combination):
 gradient sync and the HSDP all-reduce (accumulation in the graph, propagation/accumulation.py),
 reshard after forward / backward, the reduce op, and which units ``unshard()`` gathered ahead
-(fsdp/unshard.py).
+(fsdp/unshard.py). ``no_sync()`` (DDP's name) also covers the parameters no FSDP unit owns.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 
 from .unshard import UnshardHandle, gather_unit
-
-log = logging.getLogger(__name__)
 
 
 class FsdpMethods:

@@ -66,7 +66,6 @@ class ParallelState:
         self.calls = 0  # calls so far, named in errors ("call 3")
         self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
         self.attributes = AttributeGuards()  # module attribute values the programs read (a key part)
-        self.warned: set[str] = set()  # warnings given once per module
         # Program-changing flags (HSDPModule methods); each combination is compiled once.
         self.fsdp_flags = FsdpFlags()
         self.accumulator = GradientAccumulator()  # FSDP gradients pending between micro-steps
