@@ -110,38 +110,64 @@ class AgreementError(ValueError):
     """Ranks disagree on what to run, or one rank found a problem with its inputs."""
 
 
-def agree(mesh, what: str, digest: int, describe, problem: str | None = None, *, timeout=None) -> None:
+def agree(mesh, what: str, digest: int, describe, problem: str | None = None, *, timeout=None,
+          wait: bool = True) -> "PendingAgreement | None":
     """Raise :class:`AgreementError` (a ValueError) on every rank of ``mesh`` unless all of them
     pass the same ``digest`` and none a ``problem``.
 
     ``what`` names the moment ("parallelize", "call 3 of LlamaForCausalLM"); ``describe()`` gives
     this rank's human-readable version of what the digest covers, gathered only when digests differ
     so the error can show both sides. ``timeout``: a timedelta for the exchange, or None for the
-    group's own."""
+    group's own. ``wait=False``: where the exchange is one collective (a mesh over the whole
+    world), issue it and return a :class:`PendingAgreement` whose ``wait()`` checks it; the caller
+    must wait before it issues any other collective (runtime/agreement_gate.py). Otherwise (and
+    always when ``wait``) the check is done on return, and None is returned."""
     if not dist.is_initialized() or mesh.size() == 1:
         if problem:
             raise AgreementError(f"{what}: {problem}")
-        return
-    for group in _exchange_groups(mesh, timeout):
-        size = dist.get_world_size(group)
+        return None
+    groups = _exchange_groups(mesh, timeout)
+    for group in groups:
+        pending = PendingAgreement(mesh, group, what, digest, describe, problem)
+        if not wait and len(groups) == 1:
+            return pending
+        pending.wait()
+    return None
+
+
+class PendingAgreement:
+    """One agreement exchange in flight (an all-gather of two int64 per rank over ``group``)."""
+
+    def __init__(self, mesh, group, what: str, digest: int, describe, problem: str | None):
+        self.group, self.what, self.describe, self.problem = group, what, describe, problem
         mine = torch.tensor([digest, 1 if problem else 0], dtype=torch.int64)
         if group is not None and mesh.device_type != "cpu" and dist.get_backend(group) != "gloo":
             mine = mine.to(mesh.device_type)  # a device mesh axis group (sub-mesh case)
-        everyone = [torch.empty_like(mine) for _ in range(size)]
+        self.everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         try:
-            dist.all_gather(everyone, mine, group=group)
+            self.work = dist.all_gather(self.everyone, mine, group=group, async_op=True)
         except RuntimeError as exc:
-            raise RuntimeError(
-                f"{what}: rank {dist.get_rank()} timed out or lost a peer while checking that every "
-                f"rank runs the same step ({exc}). A peer is not running this step: it raised an "
-                "error, exited, or is stuck elsewhere; see that rank's output."
-            ) from exc
-        digests = {int(t[0]) for t in everyone}
-        if len(digests) == 1 and not any(int(t[1]) for t in everyone):
-            continue
-        details = [None] * size
-        dist.all_gather_object(details, (dist.get_rank(), describe(), problem), group=group)
-        raise AgreementError(_disagreement(what, details))
+            raise self._lost(exc) from exc
+
+    def wait(self) -> None:
+        """Raise :class:`AgreementError` on every rank unless all digests match and none has a problem."""
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise self._lost(exc) from exc
+        digests = {int(t[0]) for t in self.everyone}
+        if len(digests) == 1 and not any(int(t[1]) for t in self.everyone):
+            return
+        details = [None] * len(self.everyone)
+        dist.all_gather_object(details, (dist.get_rank(), self.describe(), self.problem), group=self.group)
+        raise AgreementError(_disagreement(self.what, details))
+
+    def _lost(self, exc: Exception) -> RuntimeError:
+        return RuntimeError(
+            f"{self.what}: rank {dist.get_rank()} timed out or lost a peer while checking that every "
+            f"rank runs the same step ({exc}). A peer is not running this step: it raised an "
+            "error, exited, or is stuck elsewhere; see that rank's output."
+        )
 
 
 def _disagreement(what: str, details: list) -> str:

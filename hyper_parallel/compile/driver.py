@@ -44,6 +44,7 @@ from ..progress import Progress
 from ..propagation.engine import PropagationReport, propagate
 from ..recompute import (annotated_regions, auto_candidates, capturing, forget_annotated_regions,
                          resolve_activation_plan)
+from ..runtime.agreement_gate import insert_gate
 from ..runtime.attribute_guards import recording_reads
 from ..runtime.input_check import index_inputs
 from ..runtime.profiled import Ranges
@@ -381,6 +382,8 @@ def finish(
     flatten_placeholders(local, captured)
     with progress.phase("partition"):
         program = CompiledProgram.from_joint(local, captured)
+    # A call reusing this program waits for the ranks' agreement right before the first collective.
+    insert_gate(program.forward_gm)
     program.tangent_scales = data_parallel_tangent_scales(mesh, resolved_plan, lowered.report)
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)

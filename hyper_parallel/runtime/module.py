@@ -38,6 +38,7 @@ from ..plan import ResolvedPlan
 from ..propagation.accumulation import GRAD_ACCUM, deferred_replicated
 from ..propagation.unshard import PREGATHERED
 from ..spmd import agree, digest_of
+from . import agreement_gate
 from .attribute_guards import AttributeGuards
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
@@ -124,9 +125,14 @@ class ParallelModule(FsdpMethods, nn.Module):
     def forward(self, *args, **kwargs):  # noqa: D401 - same signature as the user's model
         compat.count_as_compiled_frame()
         entry, flat = entry_for(self, args, kwargs)
-        if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
-            return _meta_outputs(entry)
-        return _run(self, entry, flat)
+        try:
+            if any(isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+                return _meta_outputs(entry)
+            return _run(self, entry, flat)
+        finally:
+            # A forward without collectives, or one that raised before its first: the agreement
+            # is settled before the call returns (a disagreement is the error then).
+            agreement_gate.await_agreement()
 
     def step(self, inputs, targets=None) -> torch.Tensor:
         """Forward and backward of one training step; returns the (global, detached) loss and
@@ -239,7 +245,11 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     last_variant = state.last_key.attributes if state.last_key is not None else None
     changed = lambda: state.attributes.changes(last_variant, values)  # noqa: E731
     describe = lambda: _describe_call(key, flat, args, kwargs, changed())  # noqa: E731
-    agree(state.mesh, what, state.digests[key], describe, problem, timeout=state.options.timeout)
+    # Reusing a program: the exchange is waited for before the call's first collective
+    # (agreement_gate.py), overlapping the forward up to there. Compiling or a problem: now.
+    overlap = entry is not None and problem is None
+    agreement_gate.begin(agree(state.mesh, what, state.digests[key], describe, problem,
+                               timeout=state.options.timeout, wait=not overlap))
     if entry is None:
         state.attributes.remember(values)
         before_compile(state, key, paths, changed())
@@ -303,7 +313,10 @@ def _run(module: ParallelModule, entry: CompiledEntry, flat) -> Any:
     entry.program.bind_buffers(module)  # buffers updated in forward (BatchNorm running statistics)
     entry.program.on_error = _error_context(module, entry)
     # Replicated dropout draws alike on the ranks of its axes (random_state.py).
-    shared = shared_generator_state(module._hp.mesh, entry.random_axes) if entry.random_axes else None
+    shared = None
+    if entry.random_axes:  # a collective of the runtime's own: after the agreement
+        agreement_gate.await_agreement()
+        shared = shared_generator_state(module._hp.mesh, entry.random_axes)
     with drawing_from(module._hp.mesh.device_type, shared):
         outs = list(entry.program(*primals))
     for index, sub_mesh, placements in entry.returned:  # still sharded: a DTensor, not gathered

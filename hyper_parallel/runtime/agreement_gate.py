@@ -1,0 +1,59 @@
+"""The per-call agreement, waited for where the program first needs it.
+
+Before every call the ranks exchange a digest of what they are about to run (spmd.agree), so a rank
+that would run another program than its peers raises a ValueError instead of hanging in a
+collective. The exchange is one small all-gather over a gloo group, and its cost is a
+synchronisation: every rank waits for the slowest to reach it (7-10 ms with 4 ranks on 2 CPU cores,
+``bench/bench_sync_cost.py``; one host round trip per rank on a cluster). It is only needed before
+the first collective the call issues. So a call that reuses a cached program issues the exchange
+without waiting (:func:`begin`), and the compile driver puts an :func:`await_agreement` node right
+before the forward program's first collective (:func:`insert_gate`): the exchange is in flight
+while the forward computes up to there (data parallelism's whole forward, up to the loss's
+all-reduce). The runtime also waits before any collective it issues itself (the shared dropout
+state, random_state.py) and when the forward returns, so no call leaves with the exchange pending. A
+call that compiles, or that found a problem with its inputs, waits at once (compiling runs
+collectives of its own). A disagreement raises the same AgreementError on every rank from where it
+is waited: on a rank that runs a cached program that is the gate, before any collective of it.
+
+One call at a time per process (the runtime is not re-entrant across modules mid-call: a module's
+forward runs to the end before the next call begins), so the pending exchange is a module global.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import has_side_effect
+
+from ..ir.collectives import collective_kind
+
+_pending: list = []  # at most one spmd.PendingAgreement
+
+
+def begin(pending) -> None:
+    """Hold ``pending`` (an spmd.PendingAgreement, or None) until the next :func:`await_agreement`.
+    One still held from an earlier call (compiled for inspection, never run) is waited first."""
+    await_agreement()
+    if pending is not None:
+        _pending.append(pending)
+
+
+@has_side_effect
+def await_agreement() -> None:
+    """Wait for the pending agreement, if any: AgreementError on every rank when ranks disagree.
+    A node of the forward program (kept by dead-code elimination and placed by :func:`insert_gate`),
+    also called by the runtime; nothing to do once waited."""
+    if _pending:
+        _pending.pop().wait()
+
+
+def insert_gate(gm: torch.fx.GraphModule) -> bool:
+    """Put an :func:`await_agreement` call right before ``gm``'s first collective; returns whether
+    there was one (without, the runtime waits when the program returns)."""
+    first = next((n for n in gm.graph.nodes if collective_kind(n) is not None
+                  or getattr(n.target, "namespace", None) == "_c10d_functional"), None)
+    if first is None:
+        return False
+    with gm.graph.inserting_before(first):
+        gm.graph.call_function(await_agreement)
+    gm.recompile()
+    return True
