@@ -30,6 +30,7 @@ from .plan import ResolvedPlan
 from .plan.resolution import resolve
 from .progress import enable_default_logging
 from .pipeline.module import PipelinedModule
+from .runtime.agreement_gate import await_agreement
 from .runtime.module import ParallelModule, ParallelState, entry_for
 from .runtime.replaced_parameters import remember_replacements
 from .runtime.save_pretrained import SavePretrainedFull
@@ -47,7 +48,10 @@ def compile_for_inputs(module: nn.Module, args: tuple = (), kwargs: dict | None 
     then describe that program (planning, ``hyper_parallel.explain``)."""
     if not isinstance(module, ParallelModule):
         raise TypeError(f"compile_for_inputs needs a module returned by hp.parallelize, got {type(module).__name__}")
-    entry_for(module, tuple(args), dict(kwargs or {}))
+    try:
+        entry_for(module, tuple(args), dict(kwargs or {}))
+    finally:  # nothing runs: the agreement of a reused program is settled here
+        await_agreement()
 
 
 def parallelize(
