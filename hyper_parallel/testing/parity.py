@@ -227,10 +227,14 @@ def bf16_reference_step(master: torch.nn.Module, batch: dict) -> tuple[torch.nn.
 def assert_matches_bf16_reference(model, loss, compute: torch.nn.Module, ref_loss, what: str = "") -> None:
     """A mixed-precision step (bf16 compute, fp32 reduction) against :func:`bf16_reference_step`'s
     ``compute`` copy and loss: the loss and every fp32 gradient within bf16's tolerances (the two
-    runs round partial sums at different points)."""
+    runs round partial sums at different points). A frozen parameter (a LoRA model's base) has no
+    gradient on either side."""
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}loss: {m}")
-    ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
+    ref_grads = {n: p.grad.float() for n, p in compute.named_parameters() if p.requires_grad}
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert p.grad is None and name not in ref_grads, f"{what}frozen {name} got a gradient"
+            continue
         assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=5e-2, atol=2e-3,
                                    msg=lambda m, name=name: f"{what}grad of {name}: {m}")

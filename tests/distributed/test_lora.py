@@ -9,8 +9,8 @@ replicated. So the plan written for the model applies to its peft wrapper with p
 ``base_model.model.`` prefix, and the adapters add no collective.
 
 The oracle: one device running the same peft model, loss and every trainable gradient (peft
-freezes the base) over 2 SGD steps with padded labels; in bf16 mixed precision under FSDP x TP the
-tp peers agree and the loss stays within bf16 of one device's."""
+freezes the base) over 2 SGD steps with padded labels; in bf16 mixed precision under FSDP x TP
+each step's loss and adapter gradients stay within bf16 of one device computing in bf16."""
 
 import copy
 
@@ -19,7 +19,8 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.models.plans import llama_tp_plan
-from hyper_parallel.testing.parity import assert_same_step, build_model, global_batch, local_batch
+from hyper_parallel.testing.parity import (assert_matches_bf16_reference, assert_same_step, bf16_reference_step,
+                                           build_model, global_batch, local_batch)
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -80,6 +81,13 @@ def test_lora_under_tp_matches_one_device(dist2):
 
 
 def _fsdp_tp_bf16() -> dict:
+    """2 SGD steps under FSDP x TP with bf16 parameters and fp32 reduction, padded labels, against
+    one device computing in bf16 from the same fp32 weights (``bf16_reference_step``), which then
+    takes the same fp32 step: step 0's loss and every adapter gradient within bf16's tolerances,
+    step 1's loss. (Step 1's adapter gradients are not compared: in bf16 they are far from their
+    fp32 values on both sides, measured against an fp32 run from the same weights: the worst
+    adapter gradient off by 22% of its largest element for the bf16 reference, 13% for hp, whose
+    fp32 reduction keeps more. Without LoRA both stay within 1.5%; in fp32 this plan is exact.)"""
     import torch.distributed as dist
 
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -88,27 +96,31 @@ def _fsdp_tp_bf16() -> dict:
     reference = _lora(build_model("hf_llama"))
     model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    losses, ref_losses = [], []
+    ref_params = dict(reference.named_parameters())
+    losses = []
     for step in range(2):
         full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
         loss = model(**local_batch(full, mesh)).loss
         loss.backward()
+        compute, ref_loss = bf16_reference_step(reference, full)
+        if step == 0:
+            assert_matches_bf16_reference(model, loss.detach(), compute, ref_loss.detach(), what="step 0 ")
+        else:
+            torch.testing.assert_close(loss.detach(), ref_loss.detach().float(), rtol=1e-2, atol=1e-2)
+        with torch.no_grad():  # the reference's fp32 weights take the step its bf16 copy's gradients give
+            for name, p in compute.named_parameters():
+                if p.requires_grad:
+                    ref_params[name].add_(p.grad.float(), alpha=-0.5)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-        with torch.no_grad():
-            ref_losses.append(reference(**full).loss.item())
-        if step == 0:  # the reference takes no step: compare the first loss only
-            torch.testing.assert_close(loss.detach(), torch.tensor(ref_losses[0]), rtol=2e-2, atol=2e-2)
-    grads_finite = all(torch.isfinite(p.to_local()).all().item() for p in model.parameters())
-    return {"rank": dist.get_rank(), "tp_rank": mesh.get_local_rank("tp"), "losses": losses, "finite": grads_finite}
+    return {"rank": dist.get_rank(), "losses": losses}
 
 
 def test_lora_under_fsdp_tp_bf16(dist4):
     results = dist4.run(_fsdp_tp_bf16)
     by_dp: dict = {}
     for r in results:
-        assert r["finite"], r
         by_dp.setdefault(r["rank"] // 2, []).append(r["losses"])
     for peers in by_dp.values():
         assert peers[0] == peers[1], peers  # tp peers return one loss
