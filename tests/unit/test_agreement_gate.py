@@ -37,6 +37,22 @@ def test_gate_sits_right_before_the_first_collective(plan):
         assert gates[0] < matmuls[0]
 
 
+def test_gate_stays_in_place_around_inductor_regions():
+    """codegen="inductor" hands only compute runs to Inductor; the gate, not compute, stays a node
+    of the program between the last region and the first collective."""
+    with fake_world(2, 0):
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        with hp.init_empty_weights():
+            model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2))
+        ids = torch.empty(2, 16, dtype=torch.long, device="meta")
+        pmodel = compile_for_explain(model, {}, mesh, (), {"input_ids": ids, "labels": ids}, codegen="inductor")
+    nodes = list(pmodel.generated_programs()[0].gm.graph.nodes)
+    gate = next(i for i, n in enumerate(nodes) if n.target is await_agreement)
+    first = next(i for i, n in enumerate(nodes) if collective_kind(n) is not None)
+    regions = [i for i, n in enumerate(nodes) if n.op == "call_module"]
+    assert gate + 1 == first and regions and regions[0] < gate, (gate, first, regions)
+
+
 def test_program_without_collectives_gets_no_gate():
     """(The runtime waits when such a forward returns.) A gate, where inserted, is kept by
     dead-code elimination though nothing reads it: it has a side effect."""
