@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+from hyper_parallel.testing.parity import assert_same_step, build_model, build_plan, global_batch, local_batch
 
 STEPS = 3
 
@@ -63,6 +63,37 @@ def test_trainer_style_loop_matches_one_device(dist2, tmp_path):
     pytest.importorskip("transformers")
     norms = dist2.run(_trainer_style_loop, str(tmp_path))
     assert norms[0] == norms[1] and all(n > 1.0 for n in norms[0]), norms  # clipping was active
+
+
+def _evaluate_first_composed(model_name: str, plan_name: str, names: tuple) -> dict:
+    """The evaluation-first case on the composed plans (a 2 x 2 mesh): the forward-only program
+    went through passes written for joint graphs (sequence parallelism's gathers, expert
+    dispatch and combine, ring attention); its loss, then a training step's loss and every
+    gradient, equal one device's."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    reference = build_model(model_name, num_hidden_layers=2)
+    model = hp.parallelize(copy.deepcopy(reference), build_plan(plan_name), mesh)
+    full = global_batch(model_name, 4, 16, ignore_fraction=0.3)
+    with torch.no_grad():
+        evaluated = model(**local_batch(full, mesh)).loss
+    saved_by_evaluation = len(model._hp.last.program.saved_for_backward())
+    loss = model(**local_batch(full, mesh)).loss
+    loss.backward()
+    ref_loss = reference(**full).loss
+    ref_loss.backward()
+    torch.testing.assert_close(evaluated, ref_loss.detach())
+    assert_same_step(model, loss, reference, ref_loss, what=plan_name)
+    return {"saved_by_evaluation": saved_by_evaluation, "programs": len(model._hp.cache)}
+
+
+@pytest.mark.parametrize("model_name,plan_name,names", [
+    ("hf_llama", "sp", ("dp", "tp")), ("moe", "ep", ("dp", "ep")), ("llama", "cp", ("dp", "cp")),
+], ids=["dp-x-sp", "dp-x-ep", "dp-x-cp"])
+def test_evaluation_before_training_composed(dist4, model_name, plan_name, names):
+    if model_name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    results = dist4.run(_evaluate_first_composed, model_name, plan_name, names)
+    assert all(r == {"saved_by_evaluation": 0, "programs": 2} for r in results), results
 
 
 def _evaluate_first(plan_name: str, mode: str) -> dict:
