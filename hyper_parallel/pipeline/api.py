@@ -52,6 +52,8 @@ from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..ir import meta
 from ..progress import Progress
 from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
+from ..runtime import agreement_gate
+from ..runtime.agreement_gate import insert_gate
 from ..runtime.autocast_state import autocast_state, describe as describe_autocast, programs_run_as_captured
 from ..runtime.partition import partition_by_phase
 from ..runtime.random_state import drawing_from, replicated_random_axes, shared_generator_state
@@ -98,6 +100,9 @@ class PipelineState:
     # program was captured with those, on every rank).
     param_state: dict | None = None
     warned_clipping: bool = False  # the note on clipping under a pipeline, logged at the first compile
+    # Steps' (input structure, whole-input signatures, autocast, attribute variant) that found a
+    # compiled entry: a step with one of these waits for the agreement where it first needs it.
+    reused: set = dataclasses.field(default_factory=set)
 
     @property
     def pp_group(self):
@@ -258,42 +263,55 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     text = "\n".join([*(f"input '{p}': {format_signature(signature(x))}" for p, x in zip(paths, flat)),
                       f"autocast: {describe_autocast(autocast)}", f"module attribute values: variant {variant}"])
     changed = state.attributes.changes(pipe.last_variant, values) if variant != pipe.last_variant else ""
-    agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text),
-          lambda: text + (f" ({changed})" if changed else ""),
-          empty_problem(flat, lambda: paths) or _parameter_change_problem(module, pipe), timeout=state.options.timeout)
-    # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
-    forward = state.original_cls.forward.__get__(module)
-    names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
-    labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
-    mbs = micro_batches(flat, plan.num_microbatches, labels, specs)
+    problem = empty_problem(flat, lambda: paths) or _parameter_change_problem(module, pipe)
+    # A step whose inputs found a compiled entry before waits for the exchange only before its first
+    # transfer or collective (runtime/agreement_gate.py): the first stage starts computing at once.
+    # Otherwise now: cutting micro-batches or compiling could raise or communicate on one rank.
+    seen = (in_spec, tuple(signature(x) for x in flat), autocast, variant)
+    agreement_gate.begin(agree(pipe.mesh, f"step {state.calls} of {state.original_cls.__name__}", digest_of(text),
+                               lambda: text + (f" ({changed})" if changed else ""), problem,
+                               timeout=state.options.timeout, wait=seen not in pipe.reused or problem is not None))
+    try:
+        # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
+        forward = state.original_cls.forward.__get__(module)
+        names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
+        labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
+        mbs = micro_batches(flat, plan.num_microbatches, labels, specs)
 
-    key = (in_spec, tuple(signature(x) for x in mbs[0]), autocast, variant)
-    entry = pipe.cache.get(key)
-    if entry is None:
-        state.attributes.remember(values)
-        if changed and current_rank() == 0:
-            log.info("recompiling the %s pipeline: module attributes the stage programs read changed: %s",
-                     state.original_cls.__name__, changed)
-        mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
-        with training_grad_mode():
-            entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
-    pipe.last, pipe.last_variant = entry, variant
-    # Replicated dropout draws alike on its stage peers, once for the whole step (random_state.py).
-    shared = shared_generator_state(state.mesh, entry.random_axes) if entry.random_axes else None
-    # Under torch.no_grad() / inference_mode a step is an evaluation: the forward of every
-    # micro-batch and the loss, no backward (it used to run backward and add gradients anyway,
-    # which the next training step's optimizer then applied).
-    forward_only = not torch.is_grad_enabled()
-    with programs_run_as_captured(), drawing_from(state.mesh.device_type, shared):
-        loss, count, grads = entry.executor.run(module, mbs, forward_only=forward_only)
-    loss, count = _broadcast_loss(pipe, loss, count, entry)
-    if count is not None:  # the gradients are of the summed loss (pipeline/loss.py)
-        for g in grads.values():
-            g.div_(count)
-    _accumulate_gradients(module, grads)
-    if state.options.dump_dir:
-        _dump_timeline(state, entry)
-    return loss
+        key = (in_spec, tuple(signature(x) for x in mbs[0]), autocast, variant)
+        entry = pipe.cache.get(key)
+        if entry is None:
+            state.attributes.remember(values)
+            if changed and current_rank() == 0:
+                log.info("recompiling the %s pipeline: module attributes the stage programs read changed: %s",
+                         state.original_cls.__name__, changed)
+            mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
+            with training_grad_mode():
+                entry = pipe.cache[key] = compile_pipeline(module, mb_args, mb_kwargs, mbs[0])
+        pipe.last, pipe.last_variant = entry, variant
+        pipe.reused.add(seen)
+        # Replicated dropout draws alike on its stage peers, once for the whole step (random_state.py).
+        shared = None
+        if entry.random_axes:  # a collective: after the agreement
+            agreement_gate.await_agreement()
+            shared = shared_generator_state(state.mesh, entry.random_axes)
+        # Under torch.no_grad() / inference_mode a step is an evaluation: the forward of every
+        # micro-batch and the loss, no backward (it used to run backward and add gradients anyway,
+        # which the next training step's optimizer then applied).
+        forward_only = not torch.is_grad_enabled()
+        with programs_run_as_captured(), drawing_from(state.mesh.device_type, shared):
+            loss, count, grads = entry.executor.run(module, mbs, forward_only=forward_only)
+        agreement_gate.await_agreement()  # a stage that ran no transfer or collective waits here
+        loss, count = _broadcast_loss(pipe, loss, count, entry)
+        if count is not None:  # the gradients are of the summed loss (pipeline/loss.py)
+            for g in grads.values():
+                g.div_(count)
+        _accumulate_gradients(module, grads)
+        if state.options.dump_dir:
+            _dump_timeline(state, entry)
+        return loss
+    finally:
+        agreement_gate.await_agreement()
 
 
 def _parameter_change_problem(module, pipe: PipelineState) -> str | None:
@@ -438,6 +456,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             gm = run_pass_pipeline(state, state.resolved, variant.gm, {}, None, lowered.annotated,
                                    stage_dumper.graph, seconds)
             forward_gm, backward_gm, _ = partition_by_phase(gm, variant.num_forward_outputs)
+            insert_gate(forward_gm)  # a reused step's agreement is waited for before the first collective
             stage_dumper.graph("forward", forward_gm)
             stage_dumper.graph("backward", backward_gm)
             program = StageProgram(s, forward_gm, backward_gm, variant)

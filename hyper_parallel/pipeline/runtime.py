@@ -49,6 +49,7 @@ from ..ir.kinds import InputKind, OutputKind
 from ..errors import internal_error
 from ..passes.pipeline_split import LOSS_COUNT, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
 from ..ir.phase import BACKWARD, FORWARD
+from ..runtime.agreement_gate import await_agreement
 from ..runtime.partition import BackwardSplit, split_backward
 from .. import compat
 from .loss import summed_loss
@@ -217,6 +218,11 @@ class PipelineExecutor:
             if forward_only and kind not in _FORWARD_STEPS:
                 continue
             program = program_for(self.programs[s], mb, self.sync_mb)
+            # Transfers and backward programs (their reductions) come after the step's agreement;
+            # a forward program waits for it at its own first collective (runtime/agreement_gate.py),
+            # so the first stage computes while it is exchanged.
+            if kind not in _FORWARD_STEPS:
+                await_agreement()
             if kind in (T.FWD_RECV, T.BWD_RECV):
                 phase = FORWARD if kind is T.FWD_RECV else BACKWARD
                 ops, keys = [], []
@@ -227,6 +233,7 @@ class PipelineExecutor:
                     ops.append(dist.P2POp(dist.irecv, buf, self._peer(t.src), self.pp_group, self._tag(t, mb)))
                     keys.append(((t.name, s, mb), buf))
                 if ops:
+                    await_agreement()
                     works = dist.batch_isend_irecv(ops)
                     for (key, buf), work in zip(keys, works):
                         received[key] = buf
@@ -239,6 +246,7 @@ class PipelineExecutor:
                     ops.append(dist.P2POp(dist.isend, value, self._peer(t.dst), self.pp_group, self._tag(t, mb)))
                     values.append(value)
                 if ops:
+                    await_agreement()
                     in_flight_sends.extend((work, values) for work in dist.batch_isend_irecv(ops))
                 # Drop what has been sent (a GPipe first stage would otherwise hold every
                 # micro-batch's activations until the step ends).

@@ -69,6 +69,30 @@ def test_input_faults_raise_on_every_rank(dist2, plan):
     assert time.monotonic() - start < LIMIT_S
 
 
+def pipeline_signature_fault() -> dict:
+    """A pipeline step after the first: rank 0 (stage 0) reuses its programs, so it issues the
+    agreement and starts its first micro-batch before waiting (at its first send); rank 1 passes
+    another sequence length and waits at once. Both raise the disagreement, then train on."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    plan = {"pipeline": hp.PipelinePlan(split_points=["model.layers.1"], schedule="1F1B", num_microbatches=2)}
+    model = hp.parallelize(build_model("llama", num_hidden_layers=2), plan, mesh)
+    model.step(global_batch("llama", 4, 16))
+    rank1 = dist.get_rank() == 1
+    out = {"signature": error_message(lambda: model.step(global_batch("llama", 4, 8 if rank1 else 16)))}
+    out["healthy"] = error_message(lambda: model.step(global_batch("llama", 4, 16)))
+    return out
+
+
+def test_pipeline_step_disagreement_raises_on_every_rank(dist2):
+    start = time.monotonic()
+    for out in dist2.run_with_timeout(LIMIT_S, pipeline_signature_fault):
+        message = out["signature"]
+        assert message.startswith("AgreementError: step 2 of LlamaForCausalLM"), message
+        assert "int64[4, 16]" in message and "int64[4, 8]" in message, message
+        assert out["healthy"] == "no error"
+    assert time.monotonic() - start < LIMIT_S
+
+
 def out_of_range_ids_unchecked() -> str:
     model = _model("tp", check_inputs=False)
     batch = global_batch("llama", 4, 16)
