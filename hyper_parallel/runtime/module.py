@@ -145,6 +145,16 @@ class ParallelModule(FsdpMethods, nn.Module):
         loss.backward()
         return loss.detach()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and the gradients kept by accumulation micro-steps
+        (``no_sync()``, ``set_requires_gradient_sync(False)``) dropped too: under DDP those live in
+        ``.grad`` and this call clears them, so a loop that abandons an accumulation (a skipped
+        step) must not find them added to the next one. (``optimizer.zero_grad()`` reaches only
+        ``.grad``, as with FSDP2's accumulated gradients.)"""
+        super().zero_grad(set_to_none)
+        self._hp.accumulator.buffers.clear()
+        self._hp.replicated_accumulator.buffers.clear()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`` with the total norm over every

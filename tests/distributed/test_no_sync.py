@@ -133,3 +133,28 @@ def test_no_sync_under_expert_and_context_parallelism(dist4, model_name, plan, n
     inside, synced = reductions[0::2], reductions[1::2]
     assert all(not r for r in inside), inside  # nothing reduced over any data axis
     assert all(r.get(a, 0) > 0 for r in synced for a in names), synced
+
+
+def _abandoned_accumulation(plan: str) -> None:
+    """A loop that abandons an accumulation (a skipped step: ``model.zero_grad()`` after a no-sync
+    micro-step) and starts over: the kept gradients went into the next step's (DDP keeps them in
+    ``.grad``, which ``zero_grad`` clears; here they are kept aside, which it did not reach)."""
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    reference = build_model("llama")
+    model = hp.parallelize(copy.deepcopy(reference), build_plan(plan), mesh)
+    full = global_batch("llama", 8, 16, seed=1, ignore_fraction=0.3)
+    micro = [{k: v[i::2] for k, v in full.items()} for i in range(2)]
+    with model.no_sync():
+        model(**local_batch(global_batch("llama", 4, 16, seed=9), mesh))["loss"].backward()
+    model.zero_grad()  # abandoned
+    for i, batch in enumerate(micro):
+        (reference(**batch)["loss"] / 2).backward()
+        with model.no_sync() if i == 0 else contextlib.nullcontext():
+            loss = model(**local_batch(batch, mesh))["loss"] / 2
+            loss.backward()
+    assert_same_step(model, loss, reference, (reference(**micro[1])["loss"] / 2), what=plan)
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp"])
+def test_zero_grad_drops_kept_gradients(dist2, plan):
+    dist2.run(_abandoned_accumulation, plan)
