@@ -141,12 +141,13 @@ def test_data_parallel_buckets_are_issued_during_backward(name, depth):
 
 
 @pytest.mark.parametrize("mixed_precision", [None, BF16_FP32], ids=["fp32", "bf16-params-fp32-reduce"])
-def test_accumulated_fsdp_gradients_are_reduced_during_backward(mixed_precision):
+@pytest.mark.parametrize("name", ["example", "hf_llama"])
+def test_accumulated_fsdp_gradients_are_reduced_during_backward(name, mixed_precision):
     """The synchronising micro-step of gradient accumulation adds the gradients kept by earlier
     micro-steps before reducing. Lowering emitted those adds at the end of backward, and every
     unit's reduce-scatter waited there for them: no overlap on the step that reduces. Each unit's
     add now follows its gradient, and its reduce-scatter is interleaved as without accumulation."""
-    nodes = _backward("example", mixed_precision, pending="fsdp")
+    nodes = _backward(name, mixed_precision, pending="fsdp")
     position = {n: i for i, n in enumerate(nodes)}
     scatters = [position[n] for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
     matmuls = [position[n] for n in nodes if n.target is torch.ops.aten.mm.default]
@@ -156,11 +157,12 @@ def test_accumulated_fsdp_gradients_are_reduced_during_backward(mixed_precision)
     assert sum(s < matmuls[-1] for s in scatters) >= LAYERS - 1, (scatters, matmuls[-1])
 
 
-def test_accumulated_data_parallel_gradients_are_reduced_during_backward():
+@pytest.mark.parametrize("name", ["example", "hf_llama"])
+def test_accumulated_data_parallel_gradients_are_reduced_during_backward(name):
     """The same for data parallelism's buckets after ``no_sync()`` micro-steps: each bucket is
     issued once its gradients and their kept sums are added, in backward order, overlapping the
     layers before it (as in test_data_parallel_buckets_are_issued_during_backward)."""
-    nodes = _backward("example", None, plan={}, bucket_cap_mb=0.05, pending="replicated")
+    nodes = _backward(name, None, plan={}, bucket_cap_mb=0.05, pending="replicated")
     position = {n: i for i, n in enumerate(nodes)}
     reductions = [n for n in nodes if n.target in (c10d.all_reduce_.default, c10d.all_reduce.default)
                   and "gradient bucket" in n.meta.get("hp_bucket", "")]
