@@ -11,6 +11,7 @@ micro-step, and where the collectives sit in the compiled backward."""
 
 import contextlib
 import copy
+import functools
 
 import pytest
 import torch
@@ -98,38 +99,64 @@ def test_no_sync_skips_data_parallel_reductions(dist4, mixed_precision):
             torch.testing.assert_close(b[name], a[name], msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _plan_accumulation(model_name: str, plan: str, names: tuple) -> list:
+# transformers' Mixtral with its router's auxiliary loss, through grouped experts (as
+# tests/distributed/test_expert_parallel.py runs it).
+HF_MOE = {"experts_implementation": "batched_mm", "output_router_logits": True, "router_aux_loss_coef": 0.01}
+
+
+def _plan_accumulation(model_name: str, plan: str, names: tuple, mixed_precision: bool) -> list:
     """2 optimizer steps of 2 micro-batches (the first under no_sync) on a 2 x 2 mesh, padded
-    labels; one device's gradients after each step. Returns each backward's reductions by axis."""
+    labels, fp32 or under bf16 autocast (both sides); one device's gradients after each step.
+    Returns each backward's reductions by axis."""
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
-    reference = build_model(model_name, num_hidden_layers=2)
+    overrides = HF_MOE if "Mixtral" in model_name else {}
+    reference = build_model(model_name, num_hidden_layers=2, **overrides)
     model = hp.parallelize(copy.deepcopy(reference), build_plan(plan), mesh)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=mixed_precision)
     reductions = []
     for step in range(2):
         full = global_batch(model_name, 8, 16, seed=step + 1, ignore_fraction=0.3)
         for i in range(2):
             micro = {k: v[i::2] for k, v in full.items()}
-            ref_loss = reference(**micro).loss / 2
+            with autocast():
+                ref_loss = reference(**micro).loss / 2
             ref_loss.backward()
             with model.no_sync() if i == 0 else contextlib.nullcontext():
-                loss = model(**local_batch(micro, mesh)).loss / 2
+                with autocast():
+                    loss = model(**local_batch(micro, mesh)).loss / 2
                 loss.backward()
-            torch.testing.assert_close(loss.detach(), ref_loss.detach())
+            torch.testing.assert_close(loss.detach(), ref_loss.detach(), **_tolerance(mixed_precision))
             reductions.append(_backward_reductions(model))
-        assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
+        if mixed_precision:
+            ref_grads = dict((n, p.grad) for n, p in reference.named_parameters())
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **_tolerance(True),
+                                           msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        else:
+            assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
     return reductions
 
 
-@pytest.mark.parametrize("model_name,plan,names", [
-    ("moe", "ep", ("dp", "ep")),  # the expert axis is a data axis for everything but the experts
-    ("llama", "cp", ("dp", "cp")),  # gradients are partial sums over the sequence axis too
-], ids=["dp-x-ep", "dp-x-cp"])
-def test_no_sync_under_expert_and_context_parallelism(dist4, model_name, plan, names):
-    reductions = dist4.run(_plan_accumulation, model_name, plan, names)[0]
+def _tolerance(mixed_precision: bool) -> dict:
+    """bf16 autocast rounds where the two sides' reduction orders differ: the DP test's bounds."""
+    return {"rtol": 5e-2, "atol": 2e-3} if mixed_precision else {}
+
+
+@pytest.mark.parametrize("model_name,plan,names,mixed_precision", [
+    # The expert axis is a data axis for everything but the experts.
+    ("hf:MixtralForCausalLM", "ep", ("dp", "ep"), False),
+    ("hf:MixtralForCausalLM", "ep", ("dp", "ep"), True),
+    # Gradients are partial sums over the sequence axis too.
+    ("hf:LlamaForCausalLM", "cp", ("dp", "cp"), False),
+    ("hf:LlamaForCausalLM", "cp", ("dp", "cp"), True),
+], ids=["dp-x-ep-fp32", "dp-x-ep-bf16-autocast", "dp-x-cp-fp32", "dp-x-cp-bf16-autocast"])
+def test_no_sync_under_expert_and_context_parallelism(dist4, model_name, plan, names, mixed_precision):
+    pytest.importorskip("transformers")
+    reductions = dist4.run(_plan_accumulation, model_name, plan, names, mixed_precision)[0]
     inside, synced = reductions[0::2], reductions[1::2]
     assert all(not r for r in inside), inside  # nothing reduced over any data axis
     assert all(r.get(a, 0) > 0 for r in synced for a in names), synced
@@ -140,7 +167,7 @@ def _abandoned_accumulation(plan: str) -> None:
     micro-step) and starts over: the kept gradients went into the next step's (DDP keeps them in
     ``.grad``, which ``zero_grad`` clears; here they are kept aside, which it did not reach)."""
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    reference = build_model("llama")
+    reference = build_model("hf_llama")
     model = hp.parallelize(copy.deepcopy(reference), build_plan(plan), mesh)
     full = global_batch("llama", 8, 16, seed=1, ignore_fraction=0.3)
     micro = [{k: v[i::2] for k, v in full.items()} for i in range(2)]

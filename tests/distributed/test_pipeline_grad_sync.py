@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.compat import TorchDispatchMode
+from hyper_parallel.ir.collectives import collective_kind
+from hyper_parallel.runtime.agreement_gate import await_agreement
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
 NUM_MICROBATCHES = 4
@@ -105,7 +107,22 @@ def pipeline_parity(plan: dict, split_points, schedule: str, stages_per_rank: in
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         losses.append(loss.item())
     return {"rank": dist.get_rank(), "summary": pmodel.compile_summary(), "report": pmodel.pipeline_report(),
-            "measured": measured, "losses": losses, "params": sorted(n for n, _ in pmodel.named_parameters())}
+            "measured": measured, "losses": losses, "params": sorted(n for n, _ in pmodel.named_parameters()),
+            "gates": _gate_positions(pmodel._hp.pipeline.last)}
+
+
+def _gate_positions(entry) -> dict:
+    """{stage forward program: (indices of its agreement waits, index of its first collective)}, for
+    this rank's stages, both variants."""
+    positions = {}
+    for s, program in entry.programs.items():
+        for variant, p in (("no sync", program), ("sync", program.sync)):
+            if p is None:
+                continue
+            nodes = list(p.forward_gm.graph.nodes)
+            first = next((i for i, n in enumerate(nodes) if collective_kind(n) is not None), None)
+            positions[f"stage{s} {variant}"] = ([i for i, n in enumerate(nodes) if n.target is await_agreement], first)
+    return positions
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +178,12 @@ def test_gradients_reduced_once_per_step_at_single_device_parity(dist4, plain, c
         pp_rank = r["rank"] // 2
         assert r["report"]["gradient_reductions_per_step"][pp_rank] == summary["gradient_reductions_per_step"]
         assert r["report"]["collectives_per_step"][pp_rank] == summary["collectives_per_step"]
+        # A reused step's agreement is waited for right before each stage forward's first
+        # collective (FSDP's all-gathers), and nowhere in a forward that has none.
+        for name, (gates, first) in r["gates"].items():
+            assert gates == ([] if first is None else [first - 1]), (case, name, gates, first)
+    if family == "fsdp":
+        assert all(first is not None for r in results for _, first in r["gates"].values()), results[0]["gates"]
 
 
 def test_plain_reference_reduces_each_gradient_once(plain):
