@@ -9,6 +9,10 @@ rank feeds the same local batch (its slice of one global batch) to both:
   them; compiled on the first call);
 * DDP: ``DistributedDataParallel(model)``, run eagerly.
 
+``--codegen inductor`` compiles hp's compute between collectives with Inductor
+(``parallelize(codegen="inductor")``; the first step then takes about a minute longer); DDP stays
+eager either way.
+
 Both sides bucket alike, by DDP's rule: by default (no ``--bucket-cap-mb``) neither gets the option,
 so both cut 25 MB buckets after a 1 MiB first one; ``--bucket-cap-mb X`` passes ``bucket_cap_mb=X``
 to both, and then every bucket, the first one too, holds up to X MB (before 2026-11-28 hp kept a
@@ -59,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bucket_cap_mb for both sides (default: not passed, DDP's 25 MB buckets after a 1 MiB first one)")
     p.add_argument("--reductions-in-flight", type=int, default=None,
                    help="hp's buckets in flight while backward goes on (default: hp's choice)")
+    p.add_argument("--codegen", choices=["eager", "inductor"], default="eager",
+                   help="hp's parallelize(codegen=...): inductor compiles the compute between collectives "
+                        "(DDP stays eager: the peer a user would otherwise run)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
@@ -83,7 +90,7 @@ def run(args: argparse.Namespace) -> dict | None:
     options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     if args.reductions_in_flight is not None:
         options["reductions_in_flight"] = args.reductions_in_flight
-    hp_model = hp.parallelize(copy.deepcopy(ref), {}, mesh, **options)
+    hp_model = hp.parallelize(copy.deepcopy(ref), {}, mesh, codegen=args.codegen, **options)
     hp_opt = torch.optim.SGD(hp_model.parameters(), lr=args.lr)
     ddp_options = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
     ddp_model = DistributedDataParallel(copy.deepcopy(ref), **ddp_options)
@@ -117,6 +124,7 @@ def run(args: argparse.Namespace) -> dict | None:
             "seq_len": args.seq_len, "global_batch": args.batch, "local_batch": args.batch // world,
             "params": ref.num_parameters(), "bucket_cap_mb": args.bucket_cap_mb,
         },
+        "codegen": args.codegen,
         "threads_per_rank": args.threads,
         "warmup": args.warmup,
         "steps": args.steps,
@@ -144,7 +152,8 @@ def print_table(r: dict) -> None:
     c = r["config"]
     print(f"\nDP dp={r['world_size']} Llama {c['layers']}L h{c['hidden']} ({c['params']:,} params), "
           f"global batch {c['global_batch']} ({c['local_batch']}/rank) x seq {c['seq_len']}, "
-          f"buckets {c['bucket_cap_mb'] or 'default (25 MB, 1 MiB first)'}{' MB' if c['bucket_cap_mb'] else ''}, {r['threads_per_rank']} thread/rank, "
+          f"buckets {c['bucket_cap_mb'] or 'default (25 MB, 1 MiB first)'}{' MB' if c['bucket_cap_mb'] else ''}, "
+          f"hp codegen={r['codegen']}, {r['threads_per_rank']} thread/rank, "
           f"median of {r['steps']} steps (slowest rank)")
     l0, le = r["loss_step0"], r["loss_after_steps"]
     print(f"loss at step 0: single device {l0['single_device']:.6f}, hp {l0['hyper_parallel']:.6f}, "

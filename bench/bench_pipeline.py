@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--loss-rtol", type=float, default=1e-4, help="step-0 loss agreement required (relative)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: configs {QUICK_CONFIGS}, seq 32, 1 warm-up + 3 timed steps")
+    p.add_argument("--codegen", choices=["eager", "inductor"], default="eager",
+                   help="hp's parallelize(codegen=...): inductor compiles each stage's compute between its "
+                        "transfers and collectives (torch's stages stay eager)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -153,7 +156,7 @@ def _build(ref, args, schedule_name: str, m: int):
     mesh = hp.init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
     plan = hp.PipelinePlan(axis="pp", split_points=_split_points(world, args.layers_per_stage),
                            schedule=schedule_name, num_microbatches=m, overlap_p2p=args.overlap_p2p)
-    hp_model = hp.parallelize(copy.deepcopy(ref), {"pipeline": plan}, mesh)
+    hp_model = hp.parallelize(copy.deepcopy(ref), {"pipeline": plan}, mesh, codegen=args.codegen)
     hp_opt = torch.optim.SGD(hp_model.parameters(), lr=args.lr)
 
     per = args.layers_per_stage
@@ -325,7 +328,7 @@ def run(args: argparse.Namespace) -> None:
 def print_table(r: dict) -> None:
     c = r["config"]
     print(f"\nPipeline, Llama h{c['hidden']} ({c['layers_per_stage']} layers per stage), batch {c['batch']} x seq "
-          f"{c['seq_len']}, {r['threads_per_rank']} thread/rank, {r['cpu_count']} CPU cores "
+          f"{c['seq_len']}, hp codegen={r['hp_codegen']}, {r['threads_per_rank']} thread/rank, {r['cpu_count']} CPU cores "
           f"(pp > cores: oversubscribed), median of {r['steps']} steps (slowest rank)")
     for w in r["worlds"]:
         print(f"pp={w['world']}: {w['layers']} layers, {w['params']:,} params, single-device step-0 loss "
@@ -374,6 +377,7 @@ def main(argv=None) -> None:
                    "heads": args.heads, "kv_heads": args.kv_heads, "vocab": args.vocab, "seq_len": args.seq_len,
                    "batch": args.batch},
         "hp_overlap_p2p": args.overlap_p2p,
+        "hp_codegen": args.codegen,
         "threads_per_rank": args.threads,
         "cpu_count": os.cpu_count(),
         "note": "pp ranks > CPU cores means oversubscribed: ranks time-share cores",

@@ -23,6 +23,8 @@ from typing import Any, Iterable, Sequence
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from hyper_parallel import compat
+
 __all__ = [
     "Placement",
     "Shard",
@@ -89,7 +91,7 @@ def normalize_placements(
     """
     result = []
     for placement in placements:
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, compat.StridedShard)):  # (a strided shard is no Shard subclass)
             dim = placement.dim + ndim if placement.dim < 0 else placement.dim
             if not 0 <= dim < ndim:
                 raise ValueError(
@@ -97,9 +99,16 @@ def normalize_placements(
                     f"dim {placement.dim} but the tensor has {ndim} dims"
                 )
             if dim != placement.dim:
-                placement = Shard(dim)
+                placement = with_shard_dim(placement, dim)
         result.append(placement)
     return tuple(result)
+
+
+def with_shard_dim(placement, dim: int):
+    """``placement`` sharding ``dim`` instead: a strided shard keeps its split factor."""
+    if isinstance(placement, compat.StridedShard):
+        return compat.StridedShard(dim, split_factor=placement.split_factor)
+    return Shard(dim)
 
 
 def _normalize_dim_entry(entry: Any, where: str) -> tuple[str, ...] | None:

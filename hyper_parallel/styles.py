@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from hyper_parallel import compat
 from hyper_parallel.layout import (
     Placement,
     Replicate,
@@ -219,12 +220,30 @@ class ColwiseParallel(_LinearStyle):
     ``output_layouts`` (default ``S(-1)``, sharded on the last dim). ``input_layouts`` (default R)
     only documents how the input arrives. ``use_local_output`` is kept for API parity; compiled
     modules exchange plain tensors, so it has no effect.
+
+    ``parts`` (hyper_parallel's, default 1): a fused Linear whose output features are ``parts``
+    equal projections side by side, as Phi-3's ``qkv_proj`` ([q; k; v] with as many key/value
+    heads as query heads) and ``gate_up_proj`` ([gate; up]). Each part is split over the axis
+    (weight and bias ``_StridedShard(0, split_factor=parts)``, output ``_StridedShard(-1)`` alike), so
+    every rank holds its heads' q, k and v and the model's split of the output stays local
+    (propagation/fused_projections.py); a plain column split would hand rank 0 all of q and gather.
     """
 
+    parts: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.parts, bool) or not isinstance(self.parts, int) or self.parts < 1:
+            raise ValueError(f"ColwiseParallel: parts must be a positive int (the number of equal projections "
+                             f"fused in the weight, e.g. 3 for [q; k; v]), got {self.parts!r}")
+
     def resolve(self, module_fqn: str, module: nn.Module, axis: str) -> StyleConstraints:
-        """Linear: weight/bias S(0); Embedding: weight S(1); input R; output ``output_layouts`` (S(-1))."""
+        """Linear: weight/bias S(0) (strided over ``parts``); Embedding: weight S(1); input R; output
+        ``output_layouts`` (S(-1), strided over ``parts``)."""
         adapters = _lora_adapters(module)
         linear = module.base_layer if adapters is not None else module
+        if self.parts > 1:
+            return self._resolve_fused(module_fqn, module, linear, adapters)
         if isinstance(linear, nn.Linear):
             params = {"weight": Shard(0)}
             if linear.bias is not None:
@@ -239,6 +258,25 @@ class ColwiseParallel(_LinearStyle):
             params=params,
             inputs=(Replicate(),),
             outputs=(self.output_layouts or Shard(-1),),
+            declared_inputs=(self.input_layouts or Replicate(),),
+        )
+
+
+    def _resolve_fused(self, module_fqn: str, module: nn.Module, linear, adapters) -> StyleConstraints:
+        if not isinstance(module, nn.Linear):
+            kind = "a LoRA layer" if adapters is not None else type(module).__name__
+            raise TypeError(f"ColwiseParallel(parts={self.parts}) on {module_fqn!r}: fused projections are split on "
+                            f"nn.Linear only, not {kind}; use parts=1 or leave the module out of the plan")
+        if module.out_features % self.parts:
+            raise ValueError(
+                f"ColwiseParallel(parts={self.parts}) on {module_fqn!r}: its {module.out_features} output "
+                f"features are not {self.parts} equal parts; parts is for weights of equal projections side by side")
+        strided = compat.StridedShard(0, split_factor=self.parts)
+        params = {"weight": strided} | ({"bias": strided} if module.bias is not None else {})
+        return StyleConstraints(
+            params=params,
+            inputs=(Replicate(),),
+            outputs=(self.output_layouts or compat.StridedShard(-1, split_factor=self.parts),),
             declared_inputs=(self.input_layouts or Replicate(),),
         )
 

@@ -79,7 +79,30 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
             local = balancer.redistribute(local, src, dst, _move)
         else:
             local = _move(local, src, dst)
+        local = _in_memory_order_of(local, current.tensor_meta)
     return compat.dtensor_from_spec(local, dst)
+
+
+def _in_memory_order_of(local: torch.Tensor, tensor_meta) -> torch.Tensor:
+    """``local`` with its dims laid out in memory in the order of the whole tensor's strides.
+
+    The program was captured on whole tensors, and a ``view`` in it may rely on their layout (CPU
+    flash attention returns [B, H, S, D] laid out as [B, S, H, D]; transposed back, it views
+    without a copy). A collective hands back a dense shard in its own order (a shard-to-shard
+    all-to-all puts its pieces side by side along the new dim), which such a view cannot take."""
+    if tensor_meta is None or local.dim() != len(tensor_meta.shape) or local.dim() < 2:
+        return local
+    whole = tensor_meta.stride
+    order = sorted(range(local.dim()), key=lambda d: (-whole[d], d))
+    expected = [0] * local.dim()
+    step = 1
+    for d in reversed(order):
+        expected[d] = step
+        step *= local.shape[d]
+    if all(size <= 1 or a == b for size, a, b in zip(local.shape, local.stride(), expected)):
+        return local
+    inverse = sorted(range(local.dim()), key=order.__getitem__)
+    return local.permute(order).contiguous().permute(inverse)
 
 
 def _move(local: torch.Tensor, src, dst) -> torch.Tensor:

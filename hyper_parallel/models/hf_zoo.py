@@ -52,7 +52,10 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
     "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
         _DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=8, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention"]), "sdpa"),
-    "Phi3ForCausalLM": ("Phi3Config", dict(_DECODER, pad_token_id=0, bos_token_id=1, eos_token_id=2), "sdpa"),
+    # As many key/value heads as query heads, as Phi-3-mini and Phi-3.5-mini: the fused [q; k; v]
+    # is three equal parts (hf_tp_plan).
+    "Phi3ForCausalLM": ("Phi3Config", dict(_DECODER, num_key_value_heads=_DECODER["num_attention_heads"],
+                                           pad_token_id=0, bos_token_id=1, eos_token_id=2), "sdpa"),
     "GPTNeoXForCausalLM": ("GPTNeoXConfig", dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=128, use_cache=False, tie_word_embeddings=False), "sdpa"),
@@ -191,9 +194,13 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
     * GPT-2: ``Conv1D`` weights are ``[in, out]``, so the plan is ``layouts=`` (weight ``Shard(1)`` +
       bias ``Shard(0)`` column-parallel, weight ``Shard(0)`` row-parallel); the fused ``c_attn``
       is split per third of q, k, v (:func:`gpt2_tp_layouts`).
-    * Phi-3 returns ``None``: its fused ``qkv_proj`` is ``[q; k; v]`` with k and v narrower than q
-      under grouped-query attention, parts of unequal width that no strided shard describes (the
-      per-part split of propagation/fused_projections.py needs equal parts).
+    * Phi-3: the fused ``qkv_proj`` ([q; k; v]) and ``gate_up_proj`` ([gate; up]) are
+      ``ColwiseParallel(parts=3)`` / ``parts=2``: each part split over tp, so every rank holds its
+      heads' q, k and v and its columns of gate and up. For Phi-3-mini and Phi-3.5-mini (as many
+      key/value heads as query heads). Under grouped-query attention (Phi-3-medium, Phi-4-mini) k
+      and v are narrower than q, parts of unequal width no strided shard describes: the plan then
+      works but gathers each layer's projection output (``parallelize`` warns of the collectives
+      it adds); leave ``qkv_proj`` and ``o_proj`` out of the plan to keep the attention replicated.
     """
     from hyper_parallel.models.plans import llama_tp_plan
 
@@ -239,5 +246,9 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
                        ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
                        ("attention.output.dense", "output.dense"))
     else:  # Phi3ForCausalLM
-        return None
+        from hyper_parallel.styles import ColwiseParallel
+
+        tp = {**lm, f"{layer}.self_attn.qkv_proj": ColwiseParallel(parts=3),
+              f"{layer}.mlp.gate_up_proj": ColwiseParallel(parts=2),
+              **_megatron(layer, (), ("self_attn.o_proj", "mlp.down_proj"))}
     return {"tensor_parallel": tp}

@@ -44,7 +44,7 @@ from ..compile.capture import describe_node as _describe
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.kinds import InputKind, OutputKind
-from ..layout import format_placements
+from ..layout import format_placements, with_shard_dim
 from ..moe.propagation import expert_op_layout
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from .accumulation import GRAD_ACCUM, unreduced_placements
@@ -90,8 +90,8 @@ def make_spec(mesh, placements, val) -> compat.DTensorSpec:
 
 
 def normalize_placement(p, ndim: int):
-    if isinstance(p, Shard) and p.dim < 0:
-        return Shard(p.dim + ndim)
+    if isinstance(p, (Shard, compat.StridedShard)) and p.dim < 0:
+        return with_shard_dim(p, p.dim + ndim)
     return p
 
 

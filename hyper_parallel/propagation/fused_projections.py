@@ -30,6 +30,8 @@ aten = torch.ops.aten
 
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default)
 CAT_OPS = (aten.cat.default,)
+SLICE_OPS = (aten.slice.Tensor,)
+SLICE_BACKWARD_OPS = (aten.slice_backward.default,)
 
 
 def _dim(dim: int, ndim: int) -> int:
@@ -76,6 +78,78 @@ def _split_rule(op, args_schema: tuple):
     return tuple(part for _ in sizes), None
 
 
+def _slice_part(args_schema: tuple) -> tuple[int, int, int] | None:
+    """(mesh axis, dim, part index) when the slice takes exactly one of the ``split_factor`` equal
+    parts of a strided-sharded dim (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``, ``qkv[..., q + k:]``),
+    else None."""
+    x = args_schema[0]
+    if not isinstance(x, compat.DTensorSpec) or x.tensor_meta is None:
+        return None
+    shape = tuple(x.tensor_meta.shape)
+    dim = _dim(args_schema[1] if len(args_schema) > 1 else 0, len(shape))
+    start = args_schema[2] if len(args_schema) > 2 else None
+    end = args_schema[3] if len(args_schema) > 3 else None
+    step = args_schema[4] if len(args_schema) > 4 else 1
+    axis = _strided_axis(x.placements, dim)
+    if axis is None or step != 1 or not all(v is None or isinstance(v, int) for v in (start, end)):
+        return None
+    size, factor = shape[dim], x.placements[axis].split_factor
+    start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
+    end = size if end is None else min(max(end + size if end < 0 else end, 0), size)
+    part = size // factor
+    if size % factor or part % x.mesh.size(axis) or start % part or end - start != part:
+        return None
+    return axis, dim, start // part
+
+
+def _slice_rule(op, args_schema: tuple):
+    found = _slice_part(args_schema)
+    if found is None:
+        return None
+    axis, dim, _ = found
+    x = args_schema[0]
+    placements = list(x.placements)
+    placements[axis] = Shard(dim)
+    shape = list(x.tensor_meta.shape)
+    shape[dim] //= x.placements[axis].split_factor
+    meta = compat.TensorMeta(torch.Size(shape), tuple(x.tensor_meta.stride), x.tensor_meta.dtype)
+    return compat.DTensorSpec(x.mesh, tuple(placements), tensor_meta=meta), None
+
+
+def _slice_backward_part(args_schema: tuple) -> tuple[int, int, int, int] | None:
+    """(mesh axis, dim, part index, parts) when a slice's gradient, ``Shard(dim)`` over one axis,
+    goes back into one of the equal parts of a ``dim`` of ``parts`` times its size (the backward of
+    :func:`_slice_rule`), else None."""
+    grad = args_schema[0]
+    if len(args_schema) != 6 or not isinstance(grad, compat.DTensorSpec) or grad.tensor_meta is None:
+        return None
+    _, sizes, dim, start, end, step = args_schema
+    if not all(isinstance(v, int) for v in (*sizes, dim, start, end, step)) or step != 1:
+        return None
+    dim = _dim(dim, len(sizes))
+    axes = [i for i, p in enumerate(grad.placements) if p.is_shard() and p.dim == dim]
+    if len(axes) != 1 or isinstance(grad.placements[axes[0]], compat.StridedShard):
+        return None
+    part, size = grad.tensor_meta.shape[dim], sizes[dim]
+    start = start + size if start < 0 else start
+    if part == 0 or size % part or size == part or start % part or min(end, size) - start != part:
+        return None
+    return axes[0], dim, start // part, size // part
+
+
+def _slice_backward_rule(op, args_schema: tuple):
+    found = _slice_backward_part(args_schema)
+    if found is None:
+        return None
+    axis, dim, _, parts = found
+    grad, sizes = args_schema[0], tuple(args_schema[1])
+    placements = list(grad.placements)
+    placements[axis] = compat.StridedShard(dim, split_factor=parts)
+    stride = tuple(int(torch.Size(sizes[i + 1:]).numel()) for i in range(len(sizes)))
+    meta = compat.TensorMeta(torch.Size(sizes), stride, grad.tensor_meta.dtype)
+    return compat.DTensorSpec(grad.mesh, tuple(placements), tensor_meta=meta), None
+
+
 def _cat_rule(op, args_schema: tuple):
     parts = args_schema[0]
     if not isinstance(parts, (list, tuple)) or len(parts) < 2:
@@ -109,6 +183,10 @@ def rule(op, args_schema: tuple, kwargs_schema: dict):
         return _split_rule(op, args_schema)
     if op in CAT_OPS:
         return _cat_rule(op, args_schema)
+    if op in SLICE_OPS:
+        return _slice_rule(op, args_schema)
+    if op in SLICE_BACKWARD_OPS:
+        return _slice_backward_rule(op, args_schema)
     return None
 
 
@@ -129,13 +207,42 @@ def local_kernel(op, args: tuple, layout):
             return None
         dim = _dim(args[1] if len(args) > 1 else 0, len(layout.output.tensor_meta.shape))
         return functools.partial(_local_cat, layout.output, dim)
+    if op in SLICE_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
+        decided = _slice_rule(op, (layout.inputs[0], *args[1:]))
+        if decided is None or decided[0].placements != layout.output.placements:
+            return None
+        _, dim, index = _slice_part((layout.inputs[0], *args[1:]))
+        factor = _split_factor(layout.inputs[0], dim)
+        return functools.partial(_local_part, layout.output, dim, index, factor)
+    if op in SLICE_BACKWARD_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
+        decided = _slice_backward_rule(op, (layout.inputs[0], *args[1:]))
+        if decided is None or decided[0].placements != layout.output.placements:
+            return None
+        _, dim, index, parts = _slice_backward_part((layout.inputs[0], *args[1:]))
+        return functools.partial(_local_part_backward, layout.output, dim, index, parts)
     return None
+
+
+def _split_factor(spec, dim: int) -> int:
+    return spec.placements[_strided_axis(spec.placements, dim)].split_factor
 
 
 def _local_split(out_specs, dim: int, x, *_args, **_kwargs):
     local = compat.local_of(x)
     pieces = torch.chunk(local, len(out_specs), dim=dim)
     return tuple(compat.dtensor_from_spec(p, s) for p, s in zip(pieces, out_specs))
+
+
+def _local_part(out_spec, dim: int, index: int, factor: int, x, *_args, **_kwargs):
+    local = compat.local_of(x)
+    return compat.dtensor_from_spec(torch.chunk(local, factor, dim=dim)[index], out_spec)
+
+
+def _local_part_backward(out_spec, dim: int, index: int, parts: int, grad, *_args, **_kwargs):
+    """This rank's gradient of its local parts: zeros, but ``grad``'s local shard in part ``index``."""
+    local = compat.local_of(grad)
+    pieces = [local if i == index else torch.zeros_like(local) for i in range(parts)]
+    return compat.dtensor_from_spec(torch.cat(pieces, dim=dim), out_spec)
 
 
 def _local_cat(out_spec, dim: int, parts, *_args, **_kwargs):

@@ -37,7 +37,7 @@ MATRIX = {
     "Qwen3ForCausalLM": ("dp", "fsdp", "tp"),
     "Gemma2ForCausalLM": ("dp", "tp"),
     "Gemma3ForCausalLM": ("dp", "fsdp"),
-    "Phi3ForCausalLM": ("dp", "fsdp"),  # no Megatron plan: fused [q; k; v] (hf_tp_plan's docstring)
+    "Phi3ForCausalLM": ("dp", "fsdp", "tp"),  # tp: fused [q; k; v] and [gate; up] split per part
     "GPTNeoXForCausalLM": ("dp", "tp"),
     "OPTForCausalLM": ("dp", "fsdp", "tp"),
     "GPT2LMHeadModel": ("dp", "tp"),
@@ -76,9 +76,23 @@ def _plan(arch: str, plan: str):
         return {}
     if plan == "fsdp":
         return hf_fsdp_plan(arch)
+    if plan == "tp_layouts":
+        return _megatron_as_parameter_layouts()
     tp = hf_tp_plan(arch)
     assert tp is not None, f"{arch} has no tensor-parallel plan in hf_zoo"
     return tp
+
+
+def _megatron_as_parameter_layouts() -> dict:
+    """Megatron's placements for a Llama-style model given as ``layouts`` alone (no style: no
+    boundary constraint on any activation): propagation picks every activation's layout itself."""
+    from torch.distributed.tensor import Shard
+
+    layer = "model.layers.*"
+    col, row = ({"parameter": {"weight": {"tp": Shard(d)}}} for d in (0, 1))
+    return {"layouts": {**{f"{layer}.self_attn.{n}_proj": col for n in "qkv"},
+                        f"{layer}.mlp.gate_proj": col, f"{layer}.mlp.up_proj": col,
+                        f"{layer}.self_attn.o_proj": row, f"{layer}.mlp.down_proj": row}}
 
 
 def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int = 16, **call) -> dict:
@@ -91,7 +105,7 @@ def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int
 
     start, cpu = time.perf_counter(), time.process_time()
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),),
-                               mesh_dim_names=("tp",) if plan == "tp" else ("dp",))
+                               mesh_dim_names=("tp",) if plan.startswith("tp") else ("dp",))
     reference = tiny_hf_model(arch)
     parallel = hp.parallelize(copy.deepcopy(reference), _plan(arch, plan), mesh)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
@@ -127,6 +141,16 @@ def test_hf_model_parity(dist2, arch, plan):
         assert results[0]["counts"] != results[1]["counts"], results[0]["counts"]
     unexpected = results[0]["fallback_ops"] - KNOWN_FALLBACKS.get(arch, set())
     assert not unexpected, [f for f in results[0]["fallbacks"] if any(op in f for op in unexpected)]
+
+
+def test_parameter_layouts_alone(dist2):
+    """Parameter placements without styles leave the activations to propagation, which here moves
+    the attention output from head-sharded to batch-sharded (an all-to-all). CPU flash attention's
+    output is [B, H, S, D] laid out as [B, S, H, D], so the captured program transposes it back and
+    views it without a copy; the all-to-all's shard came back laid out as its shape, and that view
+    failed ("Cannot view a tensor ..."). Shards now keep the whole tensor's memory order."""
+    results = dist2.run(hf_parity, "LlamaForCausalLM", "tp_layouts")
+    assert results[0]["losses"] == results[1]["losses"]
 
 
 def test_python_constant_arguments(dist2):

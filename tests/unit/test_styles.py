@@ -103,6 +103,24 @@ def test_colwise_linear_without_bias_and_custom_layouts():
     assert sc.outputs == (Replicate(),)
 
 
+def test_colwise_fused_parts():
+    """``parts``: equal projections side by side (Phi-3's [q; k; v], [gate; up]), each split."""
+    from hyper_parallel.compat import StridedShard
+
+    sc = ColwiseParallel(parts=3).resolve("m.qkv_proj", nn.Linear(4, 24), "tp")
+    assert sc.params == {"weight": StridedShard(0, split_factor=3), "bias": StridedShard(0, split_factor=3)}
+    assert sc.inputs == (Replicate(),) and sc.outputs == (StridedShard(-1, split_factor=3),)
+    assert repr(ColwiseParallel(parts=2)) == "ColwiseParallel(parts=2)"
+    assert ColwiseParallel(parts=1).resolve("m", nn.Linear(4, 8), "tp") == ColwiseParallel().resolve("m", nn.Linear(4, 8), "tp")
+    with pytest.raises(ValueError, match=r"'m.qkv_proj': its 16 output features are not 3 equal parts"):
+        ColwiseParallel(parts=3).resolve("m.qkv_proj", nn.Linear(4, 16), "tp")
+    with pytest.raises(TypeError, match=r"ColwiseParallel\(parts=2\) on 'embed': .* nn.Linear only, not Embedding"):
+        ColwiseParallel(parts=2).resolve("embed", nn.Embedding(10, 4), "tp")
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="parts must be a positive int"):
+            ColwiseParallel(parts=bad)
+
+
 def test_colwise_embedding():
     sc = ColwiseParallel().resolve("embed", nn.Embedding(10, 4), "tp")
     assert sc.params == {"weight": Shard(1)}

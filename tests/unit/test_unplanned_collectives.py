@@ -116,3 +116,33 @@ def test_transformers_models_gpt2_fused_qkv_warned_llama_quiet():
     assert strided["forward_all_reduce_sources"] == [
         f"transformer.h.{i}.{part}.c_proj" for i in range(2) for part in ("attn", "mlp")], strided["forward_all_reduce_sources"]
     assert _compile_hf("LlamaForCausalLM")["unplanned_collectives"] == []
+
+
+def _phi3_contiguous_column_split() -> dict:
+    """Phi-3's plan with the fused projections split by contiguous columns (plain ``colwise``)."""
+    from hyper_parallel.models.hf_zoo import hf_tp_plan
+
+    plan = hf_tp_plan("Phi3ForCausalLM")
+    for glob in ("model.layers.*.self_attn.qkv_proj", "model.layers.*.mlp.gate_up_proj"):
+        plan["tensor_parallel"][glob] = "colwise"
+    return plan
+
+
+def test_transformers_models_phi3_fused_projections_split_per_part():
+    """Phi-3 keeps q, k and v in one ``qkv_proj`` and slices them apart (``qkv[..., :q]``), gate and
+    up in one ``gate_up_proj`` (``.chunk(2)``). Split by contiguous columns, rank 0 holds all of q:
+    the slices gather. With ``ColwiseParallel(parts=3)`` / ``parts=2`` (hf_zoo's plan) each part is
+    split, the slices and chunks (and their gradients) stay local, and the program has Megatron's
+    collectives: the same as transformers' Llama under its plan, forward and backward."""
+    if dist.is_initialized():
+        pytest.skip("a default process group is already initialised in this process (leaked by another test)")
+    findings = _compile_hf("Phi3ForCausalLM", _phi3_contiguous_column_split())["unplanned_collectives"]
+    assert {f["module"] for f in findings} >= {"model.layers.0.self_attn", "model.layers.1.self_attn"}, findings
+    assert any("aten.slice" in f["example"] for f in findings), findings
+    fused = _compile_hf("Phi3ForCausalLM")
+    assert fused["unplanned_collectives"] == []
+    sources = fused["forward_all_reduce_sources"]
+    assert sources[0] == "model.embed_tokens", sources  # the vocab-parallel embedding's partial sums
+    assert [s for s in sources if s.startswith("model.layers.")] == [
+        f"model.layers.{i}.{part}" for i in range(2) for part in ("self_attn.o_proj", "mlp.down_proj")], sources
+    assert fused["collectives"] == _compile_hf("LlamaForCausalLM")["collectives"]
