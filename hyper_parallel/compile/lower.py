@@ -79,27 +79,31 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
             local = balancer.redistribute(local, src, dst, _move)
         else:
             local = _move(local, src, dst)
-        local = _in_memory_order_of(local, current.tensor_meta)
     return compat.dtensor_from_spec(local, dst)
 
 
+def _dims_by_stride(stride, shape) -> list[int]:
+    """The dims of more than one element, outermost in memory first."""
+    return [d for d in sorted(range(len(shape)), key=lambda d: (-stride[d], d)) if shape[d] > 1]
+
+
+_VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
 def _in_memory_order_of(local: torch.Tensor, tensor_meta) -> torch.Tensor:
-    """``local`` with its dims laid out in memory in the order of the whole tensor's strides.
+    """``local`` with its dims laid out in memory in the order of the whole tensor's strides (itself
+    when they already are; else a copy).
 
     The program was captured on whole tensors, and a ``view`` in it may rely on their layout (CPU
     flash attention returns [B, H, S, D] laid out as [B, S, H, D]; transposed back, it views
     without a copy). A collective hands back a dense shard in its own order (a shard-to-shard
-    all-to-all puts its pieces side by side along the new dim), which such a view cannot take."""
+    all-to-all puts its pieces side by side along the new dim; an all-gather of a transposed
+    weight is laid out as its shape), which such a view cannot always take. Only a view's input
+    is put back in order: elsewhere any strides do."""
     if tensor_meta is None or local.dim() != len(tensor_meta.shape) or local.dim() < 2:
         return local
-    whole = tensor_meta.stride
-    order = sorted(range(local.dim()), key=lambda d: (-whole[d], d))
-    expected = [0] * local.dim()
-    step = 1
-    for d in reversed(order):
-        expected[d] = step
-        step *= local.shape[d]
-    if all(size <= 1 or a == b for size, a, b in zip(local.shape, local.stride(), expected)):
+    order = sorted(range(local.dim()), key=lambda d: (-tensor_meta.stride[d], d))
+    if _dims_by_stride(local.stride(), local.shape) == [d for d in order if local.shape[d] > 1]:
         return local
     inverse = sorted(range(local.dim()), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
@@ -233,6 +237,11 @@ class _LocalInterpreter:
                     # made with; DTensor's dispatch creates them itself from the same choice.
                     if not any(_is_masked(p) for p in target.placements):
                         v = self.redistribute(v, target, node.name)
+                    if node.target in _VIEW_OPS and not values:
+                        local = compat.local_of(v)
+                        ordered = _in_memory_order_of(local, compat.spec_of(v).tensor_meta)
+                        if ordered is not local:
+                            v = compat.dtensor_from_spec(ordered, compat.spec_of(v))
                 values.append(v)
             else:
                 values.append(a)
