@@ -72,6 +72,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
+from . import checkpoint_layouts
 from .checkpoint_collectives import (
     CheckpointError,
     _Reader,
@@ -195,7 +196,8 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
         with _dcp_errors("save", tmp), _single_process_quiet():
             # DCP exchanges failures between its steps, so it raises on every rank or on none, and
             # when it returns every rank's files are written (fsynced) and .metadata is in place.
-            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+            metadata = dcp.save(checkpoint_layouts.for_save(state), storage_writer=dcp.FileSystemWriter(tmp),
+                                no_dist=not _distributed())
         _reached("data_written")
 
         def checksums_and_keys() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -289,8 +291,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
 
     _agreed(check_files)
     hint = "" if verify else " (loaded with verify=False: verify=True checks every file against hp_checkpoint.json)"
+    restore = checkpoint_layouts.for_load(request)  # strided shards: read as boxes, then put back
     with _dcp_errors("load", directory, hint), _single_process_quiet():
         dcp.load(request, storage_reader=_Reader(directory), no_dist=not _distributed())
+    restore()
     # DCP read in place into the live tensors (the sharded state dict shares their storage);
     # setting also takes the DTensor paths for state that was not a view.
     state["model"].update(request["model"])  # non-tensor values (extra state) are replaced, not copied into

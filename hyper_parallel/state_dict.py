@@ -384,11 +384,76 @@ def set_optimizer_state_dict(
     ``broadcast_from_rank0``) follow ``torch.distributed.checkpoint.state_dict``.
     """
     options = _options(options)
+    if options.full_state_dict and options.broadcast_from_rank0:
+        # torch's broadcast path slices each full tensor by its own chunk arithmetic, which put the
+        # parts of a strided shard (a fused projection split per part) in the wrong places: the
+        # tensors are broadcast here and placed as the sharded path places them.
+        state_dict = _broadcast_optimizer_state(model, state_dict)
+        options = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
     if not options.full_state_dict and "state" in state_dict:
         state_dict = dict(state_dict)
         state_dict["state"] = _place_optimizer_state(model, state_dict["state"])
     with _fresh_state_initialisable(optimizer):
         torch_state_dict.set_optimizer_state_dict(model, optimizer, state_dict, options=options.to_torch())
+
+
+def _broadcast_optimizer_state(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """Rank 0's full optimizer state dict on every rank, each state tensor shaped like its parameter
+    placed like it (broadcast one at a time, then sliced locally: no rank holds every full tensor
+    at once); scalars (Adam's ``step``) travel with the structure."""
+    header: dict[str, Any] = {"error": None}
+    if _rank() == 0:
+        try:
+            if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
+                raise ValueError("set_optimizer_state_dict(broadcast_from_rank0=True): rank 0 must pass the full "
+                                 "state dict, {'state': {fqn: {name: tensor}}, 'param_groups': [...]}")
+            header["param_groups"] = state_dict.get("param_groups")
+            header["state"] = {fqn: {name: _broadcast_slot(fqn, name, value) for name, value in entry.items()}
+                               for fqn, entry in state_dict["state"].items()}
+        except (ValueError, TypeError) as exc:  # every rank raises it, so none waits in a broadcast
+            header = {"error": (type(exc).__name__, str(exc))}
+    box = [header]
+    dist.broadcast_object_list(box, src=0)
+    header = box[0]
+    if header["error"] is not None:
+        kind, message = header["error"]
+        raise (TypeError if kind == "TypeError" else ValueError)(message)
+    params = dict(model.named_parameters())
+    position = {fqn: i for i, fqn in enumerate(params)}
+    state: dict[str, Any] = {}
+    with torch.no_grad():
+        for fqn in sorted(header["state"], key=lambda k: (position.get(k, len(position)), k)):
+            param, entry = params.get(fqn), {}
+            for name, (kind, shape, dtype, value) in header["state"][fqn].items():
+                if kind == "value":
+                    entry[name] = value
+                    continue
+                if kind == "scalar":
+                    entry[name] = torch.tensor(value, dtype=dtype)
+                    continue
+                local = param.to_local() if isinstance(param, DTensor) else param
+                device = local.device if local is not None else torch.device("cpu")
+                if _rank() == 0:
+                    full = state_dict["state"][fqn][name].detach().to(device=device).contiguous()
+                else:
+                    full = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(full, src=0)
+                entry[name] = _place_like(full, param) if isinstance(param, DTensor) else full
+            state[fqn] = entry
+    return {"state": state, "param_groups": header["param_groups"]}
+
+
+def _broadcast_slot(fqn: str, name: str, value: Any) -> tuple:
+    """How one optimizer state value travels: ("tensor", shape, dtype, None), ("scalar", (), dtype,
+    number) for a 0-dim tensor, or ("value", None, None, value)."""
+    if isinstance(value, DTensor):
+        raise ValueError(f"set_optimizer_state_dict(broadcast_from_rank0=True): state[{fqn!r}][{name!r}] is a "
+                         "DTensor; rank 0 must pass full plain tensors (or drop broadcast_from_rank0)")
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return ("scalar", (), value.dtype, value.item())
+        return ("tensor", tuple(value.shape), value.dtype, None)
+    return ("value", None, None, value)
 
 
 @contextlib.contextmanager

@@ -33,9 +33,22 @@ CASES = {  # name -> (model, overrides, plan, mesh names, a parameter to freeze)
     # FSDP stores parameters Shard(0) over dp; with TP, colwise weights become _StridedShard(0).
     "llama_fsdp": ("llama", LLAMA, lambda: dict(FSDP), ("dp",), "model.norm.weight"),
     "llama_fsdp_tp": ("llama", LLAMA, lambda: {**llama_tp_plan(), **FSDP}, ("dp", "tp"), "model.norm.weight"),
+    # Fused projections split per part (ColwiseParallel(parts=n), GPT-2's c_attn): _StridedShard with
+    # no other axis nested, a shard DCP cannot record as one box (checkpoint_layouts.py).
+    "phi3_tp": ("hf:Phi3ForCausalLM", {}, lambda: _hf_plan("Phi3ForCausalLM", "tp"), ("tp",), "model.norm.weight"),
+    "phi3_fsdp_tp": ("hf:Phi3ForCausalLM", {}, lambda: _hf_plan("Phi3ForCausalLM", "fsdp_tp"), ("dp", "tp"),
+                     "model.norm.weight"),
+    "gpt2_tp": ("hf_gpt2", {}, lambda: _hf_plan("GPT2LMHeadModel", "tp"), ("tp",), "transformer.ln_f.weight"),
+    "gpt2_dp": ("hf_gpt2", {}, dict, ("dp",), "transformer.ln_f.weight"),
 }
-MESH_SHAPES = {"llama_dp_tp": (2, 2), "llama_fsdp_tp": (2, 2)}  # default: (world size,)
+MESH_SHAPES = {"llama_dp_tp": (2, 2), "llama_fsdp_tp": (2, 2), "phi3_fsdp_tp": (2, 2)}  # default: (world size,)
 MATRIX_CASES = [("llama_tp", 2), ("mlp_dp", 2), ("llama_fsdp_tp", 4)]
+
+
+def _hf_plan(arch: str, plan: str) -> dict:
+    from hyper_parallel.models.hf_zoo import hf_fsdp_plan, hf_tp_plan
+
+    return hf_tp_plan(arch) if plan == "tp" else {**hf_tp_plan(arch), **hf_fsdp_plan(arch)}
 
 
 def _parallel(case, seed=0, mesh=None):
@@ -322,6 +335,8 @@ RESUME = {  # saved on 2 ranks with this case -> resumed on 4 ranks with that on
     "llama_tp": "llama_tp",  # tp 2 -> tp 4
     "llama_dp": "llama_dp_tp",  # dp 2 -> (dp 2, tp 2): another plan as well as another mesh
     "llama_fsdp": "llama_fsdp_tp",  # Shard(0) over dp 2 -> FSDP + TP on (2, 2) (_StridedShard)
+    "phi3_tp": "phi3_fsdp_tp",  # q, k, v split per part over tp 2 -> the same under FSDP on (2, 2)
+    "gpt2_tp": "gpt2_dp",  # c_attn split per third over tp 2 -> replicated over dp 4
 }
 
 
