@@ -263,16 +263,20 @@ class ColwiseParallel(_LinearStyle):
 
 
     def _resolve_fused(self, module_fqn: str, module: nn.Module, linear, adapters) -> StyleConstraints:
-        if not isinstance(module, nn.Linear):
-            kind = "a LoRA layer" if adapters is not None else type(module).__name__
+        """A PEFT LoRA layer around the fused Linear: its ``lora_B`` split per part as the base
+        weight (its output adds to the base's part by part), ``lora_A`` replicated."""
+        if not isinstance(linear, nn.Linear):
             raise TypeError(f"ColwiseParallel(parts={self.parts}) on {module_fqn!r}: fused projections are split on "
-                            f"nn.Linear only, not {kind}; use parts=1 or leave the module out of the plan")
-        if module.out_features % self.parts:
+                            f"nn.Linear only, not {type(module).__name__}; use parts=1 or leave the module out of "
+                            "the plan")
+        if linear.out_features % self.parts:
             raise ValueError(
-                f"ColwiseParallel(parts={self.parts}) on {module_fqn!r}: its {module.out_features} output "
+                f"ColwiseParallel(parts={self.parts}) on {module_fqn!r}: its {linear.out_features} output "
                 f"features are not {self.parts} equal parts; parts is for weights of equal projections side by side")
         strided = compat.StridedShard(0, split_factor=self.parts)
-        params = {"weight": strided} | ({"bias": strided} if module.bias is not None else {})
+        params = {"weight": strided} | ({"bias": strided} if linear.bias is not None else {})
+        if adapters is not None:
+            params = _lora_params(self, module_fqn, module, adapters, params, a=Replicate(), b=strided)
         return StyleConstraints(
             params=params,
             inputs=(Replicate(),),

@@ -138,3 +138,49 @@ def _dora_refused() -> str:
 def test_dora_under_tp_is_refused_naming_the_module(dist2):
     message = dist2.run(_dora_refused)[0]
     assert "DoRA" in message and "base_model.model.model.layers.0.self_attn." in message, message
+
+
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+
+
+def _phi3_tp_against_one_device() -> dict:
+    """LoRA on every projection of transformers' Phi-3, whose fused ``qkv_proj`` / ``gate_up_proj``
+    are split per part (``ColwiseParallel(parts=3/2)``): each ``lora_B`` is split per part as its
+    base weight, so the adapter's output adds to the base's part by part. One device's loss and
+    every adapter gradient, 2 SGD steps, padded labels; the collectives of the plan without LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    from hyper_parallel.models.hf_zoo import hf_tp_plan
+
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=PHI3_TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    reference = get_peft_model(build_model("hf:Phi3ForCausalLM"), config)
+    plan = {"tensor_parallel": {PREFIX + k: v for k, v in hf_tp_plan("Phi3ForCausalLM")["tensor_parallel"].items()}}
+    model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (reference, model)]
+    for step in range(2):
+        batch = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
+        ref_loss, loss = reference(**batch).loss, model(**batch).loss
+        ref_loss.backward()
+        loss.backward()
+        assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    base = hp.parallelize(build_model("hf:Phi3ForCausalLM"), hf_tp_plan("Phi3ForCausalLM"), mesh)
+    base(**global_batch("llama", 4, 16)).loss.backward()
+    placements = {name.rsplit("layers.0.", 1)[1]: str(p.placements) for name, p in model.named_parameters()
+                  if ".layers.0." in name and "lora_" in name}
+    return {"placements": placements, "collectives": model.compile_summary()["collectives_per_step"],
+            "base_collectives": base.compile_summary()["collectives_per_step"]}
+
+
+def test_lora_on_phi3_fused_projections_under_tp(dist2):
+    result = dist2.run(_phi3_tp_against_one_device)[0]
+    p = result["placements"]
+    assert p["self_attn.qkv_proj.lora_A.default.weight"] == "(Replicate(),)", p
+    assert p["self_attn.qkv_proj.lora_B.default.weight"] == "(_StridedShard(dim=0, sf=3),)", p
+    assert p["mlp.gate_up_proj.lora_B.default.weight"] == "(_StridedShard(dim=0, sf=2),)", p
+    counts = lambda c: {kind: sum(v["count"] for v in axes.values()) for kind, axes in c.items()}  # noqa: E731
+    assert counts(result["collectives"]) == counts(result["base_collectives"]), result
