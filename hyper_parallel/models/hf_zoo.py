@@ -198,9 +198,10 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
       ``ColwiseParallel(parts=3)`` / ``parts=2``: each part split over tp, so every rank holds its
       heads' q, k and v and its columns of gate and up. For Phi-3-mini and Phi-3.5-mini (as many
       key/value heads as query heads). Under grouped-query attention (Phi-3-medium, Phi-4-mini) k
-      and v are narrower than q, parts of unequal width no strided shard describes: the plan then
-      works but gathers each layer's projection output (``parallelize`` warns of the collectives
-      it adds); leave ``qkv_proj`` and ``o_proj`` out of the plan to keep the attention replicated.
+      and v are narrower than q, parts of unequal width no strided shard describes: ``parallelize``
+      raises when the width does not split in three, else the slices gather each layer's
+      projection output (warned as collectives beyond the plan). Leave ``qkv_proj`` and ``o_proj``
+      out of the plan there: the attention then runs replicated.
     """
     from hyper_parallel.models.plans import llama_tp_plan
 
