@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 from torch import nn
 
+from hyper_parallel import compat
 from hyper_parallel.layout import (
     Partial,
     Placement,
@@ -217,17 +218,26 @@ class _Resolver:
         for fqn, placements in self.param_placements.items():
             shape = tuple(self.tensors[fqn].shape)
             for dim in range(len(shape)):
-                axes = [a for a, p in zip(self.names, placements) if isinstance(p, Shard) and p.dim == dim]
+                # A strided shard (ColwiseParallel(parts=n)) splits each of its n parts over its axis.
+                axes = [a for a, p in zip(self.names, placements)
+                        if isinstance(p, (Shard, compat.StridedShard)) and p.dim == dim]
                 if not axes:
                     continue
                 sizes = [axis_size(self.mesh, a) for a in axes]
                 num_shards = 1
                 for s in sizes:
                     num_shards *= s
+                parts = 1
+                nested = any(type(p) is Shard and p.dim == dim for p in placements)
+                for p in placements:  # (FSDP's strided shard nested in tp's Shard is not parts)
+                    if isinstance(p, compat.StridedShard) and p.dim == dim and not nested:
+                        parts *= p.split_factor
+                num_shards *= parts
                 if shape[dim] % num_shards:
+                    each = f", each of its {parts} parts split" if parts > 1 else ""
                     raise ValueError(
                         f"parameter {fqn!r} with shape {shape} cannot be sharded on dim {dim} over "
-                        f"mesh axes {axes} (sizes {sizes}, {num_shards} shards): {shape[dim]} is not "
+                        f"mesh axes {axes} (sizes {sizes}{each}, {num_shards} shards): {shape[dim]} is not "
                         f"divisible by {num_shards} (set by {self.param_sources[fqn]}); use a "
                         f"parallel degree that divides {shape[dim]}, or a layout that shards "
                         "another dim or fewer axes"

@@ -556,6 +556,15 @@ def test_parameter_not_divisible(mesh_2d):
         resolve_plan({"layouts": {"model.embed_tokens": {"parameter": {"weight": [("dp", "tp")]}}}}, model, mesh_2d)
 
 
+def test_fused_parts_not_divisible(mesh_2d):
+    """Each of ColwiseParallel(parts=n)'s parts is split over the axis: 18 features are 2 parts of 9,
+    which 2 ranks cannot split (it was a bare AssertionError inside DTensor)."""
+    with pytest.raises(ValueError, match=r"'lm_head.weight' with shape \(18, 8\) cannot be sharded on dim 0 over mesh axes "
+                                         r"\['tp'\] \(sizes \[2\], each of its 2 parts split, 4 shards\): 18 is not divisible by 4"):
+        resolve_plan({"tensor_parallel": {"lm_head": ColwiseParallel(parts=2)}}, TinyLM(vocab=18), mesh_2d)
+    resolve_plan({"tensor_parallel": {"lm_head": ColwiseParallel(parts=2)}}, TinyLM(vocab=20), mesh_2d)
+
+
 def test_parameter_layout_rank_errors(model, mesh_2d):
     with pytest.raises(ValueError, match=r"\('model.norm.weight'\).*names 2 tensor dims but the tensor has 1 dims"):
         resolve_plan({"layouts": {"model.norm": {"parameter": {"weight": [None, "tp"]}}}}, model, mesh_2d)
