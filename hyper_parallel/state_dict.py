@@ -331,12 +331,7 @@ def _set_broadcast(model: nn.Module, state_dict: Mapping[str, Any], options: Sta
                     )
         except (ValueError, TypeError) as exc:  # every rank raises it, so none waits in a broadcast
             header["error"] = (type(exc).__name__, str(exc))
-    box = [header]
-    dist.broadcast_object_list(box, src=0)
-    header = box[0]
-    if header["error"] is not None:
-        kind, message = header["error"]
-        raise (TypeError if kind == "TypeError" else ValueError)(message)
+    header = _broadcast_header(header)
     with torch.no_grad():
         for key in header["keys"]:
             target = targets[key]
@@ -397,6 +392,18 @@ def set_optimizer_state_dict(
         torch_state_dict.set_optimizer_state_dict(model, optimizer, state_dict, options=options.to_torch())
 
 
+def _broadcast_header(header: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's ``header`` on every rank; the error rank 0 recorded in it (``"error"``: type name,
+    message) raised on every rank, so none waits in a later broadcast."""
+    box = [header]
+    dist.broadcast_object_list(box, src=0)
+    header = box[0]
+    if header["error"] is not None:
+        kind, message = header["error"]
+        raise (TypeError if kind == "TypeError" else ValueError)(message)
+    return header
+
+
 def _broadcast_optimizer_state(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """Rank 0's full optimizer state dict on every rank, each state tensor shaped like its parameter
     placed like it (broadcast one at a time, then sliced locally: no rank holds every full tensor
@@ -412,12 +419,7 @@ def _broadcast_optimizer_state(model: nn.Module, state_dict: Mapping[str, Any]) 
                                for fqn, entry in state_dict["state"].items()}
         except (ValueError, TypeError) as exc:  # every rank raises it, so none waits in a broadcast
             header = {"error": (type(exc).__name__, str(exc))}
-    box = [header]
-    dist.broadcast_object_list(box, src=0)
-    header = box[0]
-    if header["error"] is not None:
-        kind, message = header["error"]
-        raise (TypeError if kind == "TypeError" else ValueError)(message)
+    header = _broadcast_header(header)
     params = dict(model.named_parameters())
     position = {fqn: i for i, fqn in enumerate(params)}
     state: dict[str, Any] = {}

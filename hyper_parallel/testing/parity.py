@@ -240,6 +240,25 @@ def assert_matches_bf16_reference(model, loss, compute: torch.nn.Module, ref_los
                                    msg=lambda m, name=name: f"{what}grad of {name}: {m}")
 
 
+def mixed_precision_steps(master: torch.nn.Module, model, mesh, steps: int = 2, ignore_fraction: float = 0.0) -> None:
+    """``steps`` SGD steps of ``model`` (a mixed-precision plan: bf16 parameters, fp32 reduction) on
+    ``global_batch`` 4 x 16, each against one device computing in bf16 from ``master``'s fp32
+    weights (:func:`bf16_reference_step`, :func:`assert_matches_bf16_reference`); ``master`` then
+    takes the same fp32 step from that copy's gradients."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (master, model)]
+    for step in range(steps):
+        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=ignore_fraction)
+        compute, ref_loss = bf16_reference_step(master, full)
+        loss = _loss(model(**local_batch(full, mesh)))
+        loss.backward()
+        assert_matches_bf16_reference(model, loss, compute, ref_loss, what=f"step {step} ")
+        for p, c in zip(master.parameters(), compute.parameters()):
+            p.grad = c.grad.float()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+
+
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
     """``loss_fn`` for pipeline tests: the example Llama's loss on its logits."""
     from hyper_parallel.models.llama import causal_lm_loss

@@ -42,8 +42,7 @@ def _mixed_precision_step() -> dict:
     import torch
 
     import hyper_parallel as hp
-    from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model,
-                                               build_plan, global_batch, local_batch)
+    from hyper_parallel.testing.parity import build_model, build_plan, mixed_precision_steps
 
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -51,18 +50,7 @@ def _mixed_precision_step() -> dict:
     plan["fully_shard"]["mixed_precision"] = policy
     master = build_model("hf_gpt2")
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (master, model)]
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        compute, ref_loss = bf16_reference_step(master, full)
-        loss = model(**local_batch(full, mesh)).loss
-        loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, what=f"step {step} ")
-        for p, c in zip(master.parameters(), compute.parameters()):
-            p.grad = c.grad.float()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    mixed_precision_steps(master, model, mesh, steps=2)
     return model.compile_summary()["collectives"]["backward"]
 
 

@@ -42,11 +42,9 @@ def _peft_tp_plan() -> dict:
     return {"tensor_parallel": {PREFIX + fqn: style for fqn, style in llama_tp_plan()["tensor_parallel"].items()}}
 
 
-def _tp_against_one_device() -> dict:
-    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-    reference = _lora(build_model("hf_llama"))
-    model = hp.parallelize(copy.deepcopy(reference), _peft_tp_plan(), mesh)
-    trainable = [p for p in reference.parameters() if p.requires_grad]
+def _two_steps_at_parity(reference, model) -> None:
+    """2 SGD steps of the trainable parameters on padded labels (every rank the whole batch: TP
+    only); loss and every trainable gradient equal to one device's at each."""
     optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (reference, model)]
     for step in range(2):
         batch = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
@@ -57,6 +55,14 @@ def _tp_against_one_device() -> dict:
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
+
+
+def _tp_against_one_device() -> dict:
+    mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    reference = _lora(build_model("hf_llama"))
+    model = hp.parallelize(copy.deepcopy(reference), _peft_tp_plan(), mesh)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    _two_steps_at_parity(reference, model)
     placements = {name: str(p.placements) for name, p in model.named_parameters()
                   if ".layers.0." in name and "lora_" in name}
     base = hp.parallelize(build_model("hf_llama"), llama_tp_plan(), mesh)
@@ -158,16 +164,7 @@ def _phi3_tp_against_one_device() -> dict:
     reference = get_peft_model(build_model("hf:Phi3ForCausalLM"), config)
     plan = {"tensor_parallel": {PREFIX + k: v for k, v in hf_tp_plan("Phi3ForCausalLM")["tensor_parallel"].items()}}
     model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (reference, model)]
-    for step in range(2):
-        batch = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        ref_loss, loss = reference(**batch).loss, model(**batch).loss
-        ref_loss.backward()
-        loss.backward()
-        assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    _two_steps_at_parity(reference, model)
     base = hp.parallelize(build_model("hf:Phi3ForCausalLM"), hf_tp_plan("Phi3ForCausalLM"), mesh)
     base(**global_batch("llama", 4, 16)).loss.backward()
     placements = {name.rsplit("layers.0.", 1)[1]: str(p.placements) for name, p in model.named_parameters()

@@ -13,8 +13,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.compat import StridedShard
-from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model,
-                                           global_batch, local_batch)
+from hyper_parallel.testing.parity import build_model, mixed_precision_steps
 
 pytest.importorskip("transformers")
 
@@ -29,18 +28,7 @@ def _mixed_precision_steps() -> dict:
     plan = {**hf_tp_plan(ARCH), "fully_shard": {**hf_fsdp_plan(ARCH)["fully_shard"], "mixed_precision": policy}}
     master = build_model(f"hf:{ARCH}")
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (master, model)]
-    for step in range(2):
-        full = global_batch(f"hf:{ARCH}", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        compute, ref_loss = bf16_reference_step(master, full)
-        loss = model(**local_batch(full, mesh)).loss
-        loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, what=f"step {step} ")
-        for p, c in zip(master.parameters(), compute.parameters()):
-            p.grad = c.grad.float()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    mixed_precision_steps(master, model, mesh, steps=2, ignore_fraction=0.3)
     qkv = model.get_parameter("model.layers.0.self_attn.qkv_proj.weight")
     return {"summary": model.compile_summary(), "qkv_placements": [repr(p) for p in qkv.placements]}
 
