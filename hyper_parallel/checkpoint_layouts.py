@@ -19,19 +19,9 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from . import compat
+from .layout import split_per_part
 
 
-def _boxed_placements(placements: tuple) -> tuple | None:
-    """``placements`` with each strided shard no other axis nests in made a plain ``Shard``; None
-    when every placement already gives a box."""
-    out, changed = list(placements), False
-    for i, p in enumerate(placements):
-        if not isinstance(p, compat.StridedShard):
-            continue
-        nested = any(j != i and isinstance(q, Shard) and q.dim == p.dim for j, q in enumerate(placements))
-        if not nested:
-            out[i], changed = Shard(p.dim), True
-    return tuple(out) if changed else None
 
 
 def _walk(state: Any, visit: Callable[[dict, Any, DTensor], None]) -> None:
@@ -44,25 +34,20 @@ def _walk(state: Any, visit: Callable[[dict, Any, DTensor], None]) -> None:
             _walk(value, visit)
 
 
+def _boxed(value: DTensor) -> DTensor:
+    """``value`` itself when its shard is one box, else its redistribution with each placement
+    that splits a dim per part made a plain ``Shard``."""
+    axes = split_per_part(value.placements)
+    if not axes:
+        return value
+    boxed = tuple(Shard(p.dim) if i in axes else p for i, p in enumerate(value.placements))
+    return value.redistribute(value.device_mesh, boxed)
+
+
 def for_save(state: dict) -> dict:
     """``state`` (nested dicts of the model and optimizer state) with every DTensor DCP cannot write
     replaced, in a copy of the dicts, by its redistribution to box placements."""
-    def copy(value):
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [copy(v) for v in value]
-        return value
-
-    out = copy(state)
-
-    def visit(container, key, value):
-        boxed = _boxed_placements(value.placements)
-        if boxed is not None:
-            container[key] = value.redistribute(value.device_mesh, boxed)
-
-    _walk(out, visit)
-    return out
+    return compat.pytree.tree_map_only(DTensor, _boxed, state)
 
 
 def for_load(request: dict) -> Callable[[], None]:
@@ -73,10 +58,10 @@ def for_load(request: dict) -> Callable[[], None]:
     swapped: list[tuple[Any, Any, DTensor, DTensor]] = []
 
     def visit(container, key, value):
-        boxed = _boxed_placements(value.placements)
-        if boxed is not None:
-            container[key] = value.redistribute(value.device_mesh, boxed)
-            swapped.append((container, key, value, container[key]))
+        read = _boxed(value)
+        if read is not value:
+            container[key] = read
+            swapped.append((container, key, value, read))
 
     _walk(request, visit)
 

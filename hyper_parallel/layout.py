@@ -104,6 +104,15 @@ def normalize_placements(
     return tuple(result)
 
 
+def split_per_part(placements: Sequence[Placement]) -> list[int]:
+    """The mesh axes whose placement splits each of a dim's parts (``ColwiseParallel(parts=n)``'s
+    ``_StridedShard``): a strided shard no plain ``Shard`` of the same dim nests (FSDP's strided
+    shard inside tp's ``Shard`` is one box of the dim, not parts)."""
+    return [i for i, p in enumerate(placements)
+            if isinstance(p, compat.StridedShard)
+            and not any(type(q) is Shard and q.dim == p.dim for q in placements)]
+
+
 def with_shard_dim(placement, dim: int):
     """``placement`` sharding ``dim`` instead: a strided shard keeps its split factor."""
     if isinstance(placement, compat.StridedShard):

@@ -385,7 +385,7 @@ def set_optimizer_state_dict(
         # tensors are broadcast here and placed as the sharded path places them.
         state_dict = _broadcast_optimizer_state(model, state_dict)
         options = dataclasses.replace(options, full_state_dict=False, broadcast_from_rank0=False)
-    if not options.full_state_dict and "state" in state_dict:
+    elif not options.full_state_dict and "state" in state_dict:
         state_dict = dict(state_dict)
         state_dict["state"] = _place_optimizer_state(model, state_dict["state"])
     with _fresh_state_initialisable(optimizer):

@@ -261,10 +261,10 @@ class ColwiseParallel(_LinearStyle):
             declared_inputs=(self.input_layouts or Replicate(),),
         )
 
-
     def _resolve_fused(self, module_fqn: str, module: nn.Module, linear, adapters) -> StyleConstraints:
-        """A PEFT LoRA layer around the fused Linear: its ``lora_B`` split per part as the base
-        weight (its output adds to the base's part by part), ``lora_A`` replicated."""
+        """``parts`` > 1: weight and bias strided over the parts. On a PEFT LoRA layer around the fused
+        Linear, its ``lora_B`` split per part as the base weight (its output adds to the base's part
+        by part), ``lora_A`` replicated."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"ColwiseParallel(parts={self.parts}) on {module_fqn!r}: fused projections are split on "
                             f"nn.Linear only, not {type(module).__name__}; use parts=1 or leave the module out of "

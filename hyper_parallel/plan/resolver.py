@@ -23,6 +23,7 @@ from hyper_parallel.layout import (
     Shard,
     format_placements,
     normalize_placements,
+    split_per_part,
     to_placements,
 )
 from hyper_parallel.mesh import (
@@ -228,10 +229,9 @@ class _Resolver:
                 for s in sizes:
                     num_shards *= s
                 parts = 1
-                nested = any(type(p) is Shard and p.dim == dim for p in placements)
-                for p in placements:  # (FSDP's strided shard nested in tp's Shard is not parts)
-                    if isinstance(p, compat.StridedShard) and p.dim == dim and not nested:
-                        parts *= p.split_factor
+                for i in split_per_part(placements):
+                    if placements[i].dim == dim:
+                        parts *= placements[i].split_factor
                 num_shards *= parts
                 if shape[dim] % num_shards:
                     each = f", each of its {parts} parts split" if parts > 1 else ""

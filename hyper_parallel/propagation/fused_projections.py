@@ -78,8 +78,12 @@ def _split_rule(op, args_schema: tuple):
     return tuple(part for _ in sizes), None
 
 
-def _slice_part(args_schema: tuple) -> tuple[int, int, int] | None:
-    """(mesh axis, dim, part index) when the slice takes exactly one of the ``split_factor`` equal
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return tuple(int(torch.Size(shape[i + 1:]).numel()) for i in range(len(shape)))
+
+
+def _slice_part(args_schema: tuple) -> tuple[int, int, int, int] | None:
+    """(mesh axis, dim, part index, parts) when the slice takes exactly one of the ``split_factor`` equal
     parts of a strided-sharded dim (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + k]``, ``qkv[..., q + k:]``),
     else None."""
     x = args_schema[0]
@@ -99,27 +103,24 @@ def _slice_part(args_schema: tuple) -> tuple[int, int, int] | None:
     part = size // factor
     if size % factor or part % x.mesh.size(axis) or start % part or end - start != part:
         return None
-    return axis, dim, start // part
+    return axis, dim, start // part, factor
 
 
-def _slice_rule(op, args_schema: tuple):
-    found = _slice_part(args_schema)
-    if found is None:
-        return None
-    axis, dim, _ = found
-    x = args_schema[0]
+def _slice_spec(x, found: tuple[int, int, int, int]):
+    """The layout of the part :func:`_slice_part` found: ``Shard(dim)`` where the dim was strided."""
+    axis, dim, _, parts = found
     placements = list(x.placements)
     placements[axis] = Shard(dim)
     shape = list(x.tensor_meta.shape)
-    shape[dim] //= x.placements[axis].split_factor
+    shape[dim] //= parts
     meta = compat.TensorMeta(torch.Size(shape), tuple(x.tensor_meta.stride), x.tensor_meta.dtype)
-    return compat.DTensorSpec(x.mesh, tuple(placements), tensor_meta=meta), None
+    return compat.DTensorSpec(x.mesh, tuple(placements), tensor_meta=meta)
 
 
 def _slice_backward_part(args_schema: tuple) -> tuple[int, int, int, int] | None:
     """(mesh axis, dim, part index, parts) when a slice's gradient, ``Shard(dim)`` over one axis,
     goes back into one of the equal parts of a ``dim`` of ``parts`` times its size (the backward of
-    :func:`_slice_rule`), else None."""
+    :func:`_slice_part`), else None."""
     grad = args_schema[0]
     if len(args_schema) != 6 or not isinstance(grad, compat.DTensorSpec) or grad.tensor_meta is None:
         return None
@@ -137,17 +138,13 @@ def _slice_backward_part(args_schema: tuple) -> tuple[int, int, int, int] | None
     return axes[0], dim, start // part, size // part
 
 
-def _slice_backward_rule(op, args_schema: tuple):
-    found = _slice_backward_part(args_schema)
-    if found is None:
-        return None
+def _slice_backward_spec(grad, sizes, found: tuple[int, int, int, int]):
+    """The layout of the gradient :func:`_slice_backward_part` found: strided over its parts."""
     axis, dim, _, parts = found
-    grad, sizes = args_schema[0], tuple(args_schema[1])
     placements = list(grad.placements)
     placements[axis] = compat.StridedShard(dim, split_factor=parts)
-    stride = tuple(int(torch.Size(sizes[i + 1:]).numel()) for i in range(len(sizes)))
-    meta = compat.TensorMeta(torch.Size(sizes), stride, grad.tensor_meta.dtype)
-    return compat.DTensorSpec(grad.mesh, tuple(placements), tensor_meta=meta), None
+    meta = compat.TensorMeta(torch.Size(sizes), _contiguous_stride(tuple(sizes)), grad.tensor_meta.dtype)
+    return compat.DTensorSpec(grad.mesh, tuple(placements), tensor_meta=meta)
 
 
 def _cat_rule(op, args_schema: tuple):
@@ -170,8 +167,7 @@ def _cat_rule(op, args_schema: tuple):
     placements = list(first.placements)
     placements[axis] = compat.StridedShard(dim, split_factor=len(parts))
     out_shape = shape[:dim] + (shape[dim] * len(parts),) + shape[dim + 1:]
-    stride = tuple(int(torch.Size(out_shape[i + 1:]).numel()) for i in range(len(out_shape)))
-    meta = compat.TensorMeta(torch.Size(out_shape), stride, first.tensor_meta.dtype)
+    meta = compat.TensorMeta(torch.Size(out_shape), _contiguous_stride(out_shape), first.tensor_meta.dtype)
     return compat.DTensorSpec(first.mesh, tuple(placements), tensor_meta=meta), None
 
 
@@ -184,9 +180,11 @@ def rule(op, args_schema: tuple, kwargs_schema: dict):
     if op in CAT_OPS:
         return _cat_rule(op, args_schema)
     if op in SLICE_OPS:
-        return _slice_rule(op, args_schema)
+        found = _slice_part(args_schema)
+        return None if found is None else (_slice_spec(args_schema[0], found), None)
     if op in SLICE_BACKWARD_OPS:
-        return _slice_backward_rule(op, args_schema)
+        found = _slice_backward_part(args_schema)
+        return None if found is None else (_slice_backward_spec(args_schema[0], args_schema[1], found), None)
     return None
 
 
@@ -207,24 +205,17 @@ def local_kernel(op, args: tuple, layout):
             return None
         dim = _dim(args[1] if len(args) > 1 else 0, len(layout.output.tensor_meta.shape))
         return functools.partial(_local_cat, layout.output, dim)
-    if op in SLICE_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
-        decided = _slice_rule(op, (layout.inputs[0], *args[1:]))
-        if decided is None or decided[0].placements != layout.output.placements:
+    if op in SLICE_OPS + SLICE_BACKWARD_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
+        backward = op in SLICE_BACKWARD_OPS
+        found = (_slice_backward_part if backward else _slice_part)((layout.inputs[0], *args[1:]))
+        if found is None:
             return None
-        _, dim, index = _slice_part((layout.inputs[0], *args[1:]))
-        factor = _split_factor(layout.inputs[0], dim)
-        return functools.partial(_local_part, layout.output, dim, index, factor)
-    if op in SLICE_BACKWARD_OPS and isinstance(layout.output, compat.DTensorSpec) and layout.inputs:
-        decided = _slice_backward_rule(op, (layout.inputs[0], *args[1:]))
-        if decided is None or decided[0].placements != layout.output.placements:
+        spec = _slice_backward_spec(layout.inputs[0], args[1], found) if backward else _slice_spec(layout.inputs[0], found)
+        if spec.placements != layout.output.placements:
             return None
-        _, dim, index, parts = _slice_backward_part((layout.inputs[0], *args[1:]))
-        return functools.partial(_local_part_backward, layout.output, dim, index, parts)
+        _, dim, index, parts = found
+        return functools.partial(_local_part_backward if backward else _local_part, layout.output, dim, index, parts)
     return None
-
-
-def _split_factor(spec, dim: int) -> int:
-    return spec.placements[_strided_axis(spec.placements, dim)].split_factor
 
 
 def _local_split(out_specs, dim: int, x, *_args, **_kwargs):

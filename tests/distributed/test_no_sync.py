@@ -43,6 +43,20 @@ def _backward_reductions(model) -> dict:
     return counts
 
 
+def _tolerance(mixed_precision: bool) -> dict:
+    """bf16 autocast rounds where the two sides' reduction orders differ; fp32 is compared with
+    ``assert_close``'s defaults."""
+    return {"rtol": 5e-2, "atol": 2e-3} if mixed_precision else {}
+
+
+def _assert_grads(model, reference, step: int, mixed_precision: bool) -> None:
+    """Every gradient of ``model`` (gathered whole) equals one device's after the step's micro-steps."""
+    ref_grads = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, **_tolerance(mixed_precision),
+                                   msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+
+
 def _accumulate_then_sync(mixed_precision: bool, use_no_sync: bool) -> dict:
     """2 optimizer steps of MICRO micro-batches each (the step's loss is the mean of the
     micro-batch losses), on a (dp 2, tp 2) mesh; gradients checked against one device at the end
@@ -65,11 +79,7 @@ def _accumulate_then_sync(mixed_precision: bool, use_no_sync: bool) -> dict:
                     loss = model(**local_batch(micro, mesh)).loss
                 (loss / MICRO).backward()
             reductions.append(_backward_reductions(model))
-        ref_grads = dict((n, p.grad) for n, p in reference.named_parameters())
-        for name, p in model.named_parameters():
-            tolerance = {"rtol": 5e-2, "atol": 2e-3} if mixed_precision else {}
-            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **tolerance,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        _assert_grads(model, reference, step, mixed_precision)
         grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
         for opt in optimizers:
             opt.step()
@@ -128,22 +138,13 @@ def _plan_accumulation(model_name: str, plan: str, names: tuple, mixed_precision
                 loss.backward()
             torch.testing.assert_close(loss.detach(), ref_loss.detach(), **_tolerance(mixed_precision))
             reductions.append(_backward_reductions(model))
-        if mixed_precision:
-            ref_grads = dict((n, p.grad) for n, p in reference.named_parameters())
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], **_tolerance(True),
-                                           msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        else:
-            assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
+        _assert_grads(model, reference, step, mixed_precision)
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
     return reductions
 
 
-def _tolerance(mixed_precision: bool) -> dict:
-    """bf16 autocast rounds where the two sides' reduction orders differ: the DP test's bounds."""
-    return {"rtol": 5e-2, "atol": 2e-3} if mixed_precision else {}
 
 
 @pytest.mark.parametrize("model_name,plan,names,mixed_precision", [
