@@ -487,8 +487,10 @@ def is_dynamo_entry_frame(frame) -> bool:
 def count_as_compiled_frame() -> None:
     """Tell ``torch.compile(fullgraph=True)`` that this call ran compiled code: it raises when a call
     ran no compiled frame, and the parallel module's program runs outside Dynamo (backend.py)."""
-    from torch._C._dynamo.eval_frame import set_fullgraph_compiled_frame_count
-
+    try:
+        from torch._C._dynamo.eval_frame import set_fullgraph_compiled_frame_count
+    except ImportError:  # torch < 2.13 (the GPU machines' 2.11) keeps no such count: nothing to tell
+        return
     count = set_fullgraph_compiled_frame_count(-1)  # -1: not counting (no fullgraph call active)
     set_fullgraph_compiled_frame_count(count + 1 if count >= 0 else count)
 

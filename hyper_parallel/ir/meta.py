@@ -23,6 +23,9 @@ FSDP_PARAM = "hp_fsdp_param"  # FQN of the FSDP parameter an all-gather (or its 
 FSDP_UNIT = "hp_fsdp_unit"  # the FSDP unit (module FQN) the gathered parameter belongs to
 FSDP_PHASE = "hp_fsdp_phase"  # "backward" on gathers backward re-issues; absent = forward
 FSDP_POST_FORWARD = "hp_fsdp_post_forward"  # k: the 1/k piece kept after forward (int reshard)
+# FQN of the FSDP parameter whose shard a node casts to the unit's ``param_dtype`` (mixed precision;
+# before the all-gather, or all there is of "gathering" on a shard axis of one rank)
+FSDP_CAST = "hp_fsdp_cast"
 
 # --- lowering (compile/lower.py) ---------------------------------------------------------------------------
 SOURCE = "hp_source"  # name of the joint-graph node a lowered node comes from
@@ -63,12 +66,12 @@ BUCKET = "hp_bucket"  # "<unit> <phase> <kind> (<n> params)" on fused collective
 # errors, the phase tag for the partition.
 COPIED_BY_LOWERING = (
     "stack_trace", "nn_module_stack", "fwd_nn_module_stack", "partitioner_tag", "seq_nr",
-    FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, LOSS_MEAN,
+    FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_CAST, LOSS_MEAN,
 )
 
 ALL_KEYS = (
     LAYOUT, LOSS_MEAN, PLAN_ENTRY, FALLBACK, BOUNDARY_CHANGE, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD,
-    SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK,
+    FSDP_CAST, SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK,
     CP_RING, MASK_WITHIN_CAUSAL,
 )
 

@@ -58,13 +58,20 @@ _CHEAP = {
 
 def gathered_param_region(graph: torch.fx.Graph, params=None) -> set[torch.fx.Node]:
     """Forward nodes holding an all-gathered FSDP parameter (of ``params``, default all) or a cheap
-    view of one: what keeping a parameter unsharded between forward and backward costs."""
+    view of one: what keeping a parameter unsharded between forward and backward costs.
+
+    The mixed-precision cast of a shard counts as well: before an all-gather it is the shard-sized
+    input the gather reads, and on a shard axis of one rank (no all-gather at all) it *is* the
+    unsharded parameter in ``param_dtype``, which FSDP frees after forward like any gathered one."""
     region: set[torch.fx.Node] = set()
     for node in graph.nodes:
         if is_tagged_backward(node) or node.op != "call_function":
             continue
         param = node.meta.get(meta.FSDP_PARAM)
+        cast = node.meta.get(meta.FSDP_CAST)
         if param is not None and (params is None or param in params) and meta.is_redistribute(node):
+            region.add(node)
+        elif cast is not None and (params is None or cast in params) and node.target is aten._to_copy.default:
             region.add(node)
         elif node.target in _CHEAP and any(a in region for a in node.all_input_nodes):
             if all(a in region or a.op == "placeholder" for a in node.all_input_nodes):

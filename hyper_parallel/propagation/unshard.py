@@ -77,6 +77,7 @@ def insert_unshard_nodes(
                     torch.ops.aten._to_copy.default, (node,), {"dtype": compute_val.dtype}
                 )
             source.meta["val"] = compute_val
+            source.meta[meta.FSDP_CAST] = info.name
             tag(source, phase)
         if fsdp.offloaded(info.name) and compute_val.device.type != compute_device:
             # CPU offload: the shard lives on the host; copy it to the compute device first.

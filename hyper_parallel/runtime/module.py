@@ -197,14 +197,17 @@ class ParallelModule(FsdpMethods, nn.Module):
         program = self._last_entry().program
         return program.runnable("forward"), program.runnable("backward")
 
-    def memory_report(self, optimizer=None) -> dict:
+    def memory_report(self, optimizer=None, keep_outputs: bool = True) -> dict:
         """This rank's estimated memory for one training step of the program the last call ran
         (hyper_parallel.memory): parameters, gradients, optimizer state, saved activations, the
         forward / backward / optimizer-step peaks, the overall peak and the node (module, source
         line) where it is reached. ``optimizer``: the optimizer instance (its real state once it has
-        stepped), or "sgd" / "sgd_momentum" / "adam" / "adamw"; None counts no optimizer state."""
+        stepped), or "sgd" / "sgd_momentum" / "adam" / "adamw"; None counts no optimizer state.
+        ``keep_outputs``: whether the training loop holds the forward's outputs (the logits)
+        through backward, as ``out = model(...); out.loss.backward()`` does; False for
+        ``model(...)["loss"].backward()``, which frees them when forward returns."""
         entry = self._last_entry()
-        return estimate_program(entry.program, entry.captured, optimizer).as_dict()
+        return estimate_program(entry.program, entry.captured, optimizer, keep_outputs=keep_outputs).as_dict()
 
     def _last_entry(self) -> CompiledEntry:
         if self._hp.last is None:
