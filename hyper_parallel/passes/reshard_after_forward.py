@@ -6,7 +6,9 @@ transposed weight a matmul's backward uses) from forward to backward: FSDP with
 parameter, or of a cheap view of it computed in forward, is rewired to a copy of that chain made in
 the backward region, right before its first backward use; the forward copy then dies after its
 last forward use and only the shard (a graph input) crosses to backward. The chain starts at the
-shard: under mixed precision its cast to ``param_dtype`` before the all-gather is copied too.
+shard: under mixed precision its cast to ``param_dtype`` before the all-gather is copied too. On a
+shard axis of one rank there is no all-gather and that cast is the whole chain: backward casts the
+parameter again instead of keeping its ``param_dtype`` copy from forward (as FSDP2 frees it).
 
 ``reshard_after_forward=<k>`` (FSDP2's "world size to reshard to", 1 < k < N for a shard axis of N
 ranks): each rank keeps 1/k of the gathered parameter instead of 1/N, and backward gathers over a
@@ -18,7 +20,8 @@ holds the same w, so the k pieces concatenate to w exactly: numerics are bit-ide
 ``reshard_after_forward=True``. ``attach_post_forward_groups`` (fsdp/resolve.py) creates the k-groups
 (at ``parallelize`` time, since creating a process group is collective).
 
-Reads: ``hp_fsdp_param``/``hp_fsdp_unit``/``hp_role`` (lowering) and ``partitioner_tag`` on nodes,
+Reads: ``hp_fsdp_param``/``hp_fsdp_unit``/``hp_role`` (lowering), ``hp_fsdp_cast`` (the
+mixed-precision casts, propagation/unshard.py) and ``partitioner_tag`` on nodes,
 ``ctx.fsdp`` (units, their reshard flags and ``post_forward_group``/``post_forward_rank``),
 ``ctx.mesh`` (the shard axis's group). Writes: copied nodes with ``meta["hp_fsdp_phase"] =
 "backward"``; for int units, the kept piece (forward ``slice`` + ``clone``, ``meta["hp_fsdp_post_forward"]

@@ -9,7 +9,8 @@ The node's ``meta`` gets ``hp_fsdp_param`` (FQN) and ``hp_fsdp_unit`` (unit modu
 Mixed precision (each unit's policy, ``fsdp.policy_of``): the model was captured with these
 parameters in ``param_dtype`` (so the whole forward and backward compute in it); here the
 placeholder goes back to the storage dtype and a cast
-to ``param_dtype`` is placed before the unshard, so the all-gather moves ``param_dtype`` bytes. The
+to ``param_dtype`` (``meta["hp_fsdp_cast"]`` = the FQN) is placed before the unshard, so the
+all-gather moves ``param_dtype`` bytes. The
 parameter's gradient is cast to ``reduce_dtype`` (default: ``param_dtype``, as FSDP2) before it leaves
 the graph, so its reduce-scatter runs in that dtype; the runtime casts the result to the storage dtype.
 
