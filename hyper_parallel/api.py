@@ -138,7 +138,7 @@ def parallelize(
     if reductions_in_flight is None:  # overlap follows prefetch unless asked for on its own
         reductions_in_flight = 1 if prefetch_depth > 0 else 0
     if timeout is not None:
-        set_collective_timeout(resolution.full_mesh, timeout)
+        set_collective_timeout(resolution.full_mesh, timeout, lanes=resolution.resolved.reduction_lanes.values())
     # Agree on the plan before parameters are distributed: differing plans would hang in there.
     settings = _describe_plan(resolved, activation, resolution.plan, prefetch_depth=prefetch_depth,
                               reductions_in_flight=reductions_in_flight,
@@ -174,10 +174,13 @@ def parallelize(
     return model
 
 
-def set_collective_timeout(mesh, timeout) -> None:
-    """Collectives over ``mesh``'s axes wait at most ``timeout`` for their peers."""
+def set_collective_timeout(mesh, timeout, lanes=()) -> None:
+    """Collectives over ``mesh``'s axes, and over the reduction lanes named ``lanes``
+    (plan/lanes.py), wait at most ``timeout`` for their peers."""
     for axis in range(mesh.ndim):
         compat.set_group_timeout(mesh.get_group(axis), timeout)
+    for lane in lanes:
+        compat.set_group_timeout(compat.resolve_process_group(lane), timeout)
 
 
 def _describe_plan(resolved: ResolvedPlan, activation, full_plan, **settings) -> str:

@@ -51,10 +51,14 @@ def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:
     also "<shard axis>/k<k>" for the groups of k ranks that ``reshard_after_forward=<k>`` units
     gather over in backward, and "<axis>+<axis>" for the mesh flattened over the axes dense
     parameters are sharded over (FsdpPlan.joint_group); with ``context`` (a ContextPlan),
-    "<cp axis>/ulysses" and "<cp axis>/ring" for the hybrid's sub-groups. Group names differ
-    between ranks; these labels do not."""
+    "<cp axis>/ulysses" and "<cp axis>/ring" for the hybrid's sub-groups; a gloo axis's reduction
+    lane (plan/lanes.py) gets its axis's name. Group names differ between ranks; these labels do
+    not."""
+    from .plan.lanes import known_lanes
+
     names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     out = {mesh.get_group(i).group_name: names[i] for i in range(mesh.ndim)}
+    out.update({lane: out[group] for group, lane in known_lanes(mesh).items() if group in out})
     for group, part in ((getattr(context, "ulysses_group", None), "ulysses"),
                         (getattr(context, "ring_group", None), "ring")):
         if group is not None:

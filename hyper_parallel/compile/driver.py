@@ -329,7 +329,7 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
             activation=dataclasses.replace(activation or state.activation, annotated=annotated),
             gradient_bucket_bytes=state.options.gradient_bucket_bytes,
             first_gradient_bucket_bytes=state.options.first_gradient_bucket_bytes,
-            disable_passes=state.options.disable_passes,
+            disable_passes=state.options.disable_passes, reduction_lanes=resolved_plan.reduction_lanes,
             on_pass=on_pass, timings={} if timings is None else timings,
         )
     )

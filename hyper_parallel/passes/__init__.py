@@ -46,6 +46,7 @@ from .recompute import recompute_pass
 from .reshard_after_forward import reshard_after_forward_pass
 from .ring_overlap import ring_overlap_pass
 from .runner import Step, check_disabled, run_steps
+from .reduction_lanes import reduction_lanes_pass
 from .serialize_collectives import serialize_collectives_pass
 from .swap import swap_pass
 
@@ -98,6 +99,7 @@ PASSES: list[tuple[str, object]] = [
     ("fuse_small_reductions", fuse_small_reductions_pass),
     ("prefetch", prefetch_pass),
     ("overlap_reductions", overlap_reductions_pass),
+    ("reduction_lanes", reduction_lanes_pass),
     ("serialize_collectives", serialize_collectives_pass),
 ]
 

@@ -35,6 +35,7 @@ class PassContext:
     gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
     first_gradient_bucket_bytes: int = DEFAULT_FIRST_GRADIENT_BUCKET_BYTES  # capped by gradient_bucket_bytes
     disable_passes: frozenset[str] = frozenset()
+    reduction_lanes: dict = dataclasses.field(default_factory=dict)  # gloo: group name -> its reduction lane
     # Observers: each pass's output graph (dumps) and seconds (the compile summary's pass_seconds).
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
     timings: dict = dataclasses.field(default_factory=dict)

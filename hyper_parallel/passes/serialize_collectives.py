@@ -19,7 +19,9 @@ machine, 3 runs at once (2026-11-25):
 So the trigger is two collectives of one gloo group executing concurrently; where exactly gloo or
 torch then writes freed memory we have not pinned down. This pass keeps each collective
 overlapping the compute around it, but waits for the previous collective of the same gloo process
-group before the next one is issued. NCCL/HCCL (ordered on one stream per group) and the fake
+group before the next one is issued. Gradient reductions run on a second group of their axis (the
+reduction lane, passes/reduction_lanes.py, the pass before), so a gather and a reduction are still
+in flight together. NCCL/HCCL (ordered on one stream per group) and the fake
 backend (simulations: explain, the pass tests) are left alone.
 
 Reads: the group name of each ``_c10d_functional`` collective and that process group's backend

@@ -5,7 +5,8 @@
 mesh the rest of the plan applies on (pipeline/plan.py); the tensor-parallel and explicit layouts
 (:func:`~hyper_parallel.plan.resolver.resolve_plan`); the activation plan of ``recompute`` / ``swap``
 (recompute.py); the FSDP units with the process groups of ``reshard_after_forward=<k>``
-(fsdp/resolve.py); and the sub-groups of hybrid context parallelism (cp/resolve.py).
+(fsdp/resolve.py); the sub-groups of hybrid context parallelism (cp/resolve.py); and on gloo the
+reduction lanes of the data-parallel axes (plan/lanes.py).
 
 It sits above those stages, which themselves import this package, so ``hyper_parallel.plan`` does
 not import this module: use ``from hyper_parallel.plan.resolution import resolve``.
@@ -24,6 +25,7 @@ from ..fsdp.resolve import attach_joint_shard_group, attach_post_forward_groups,
 from ..pipeline.api import PipelineState, stage_mesh
 from ..pipeline.plan import resolve_pipeline
 from ..recompute import ActivationPlan, resolve_activation_plan
+from .lanes import attach_reduction_lanes
 from .recorded import collect_recorded_plan, merge_plans
 from .resolved import ResolvedPlan
 from .resolver import check_mesh_axes_used, resolve_plan
@@ -71,7 +73,8 @@ def resolve(
 
     ``loss_fn`` is the pipeline's loss (only with a pipeline plan); ``memory_budget_bytes`` (already
     validated) is required by, and only allowed with, ``recompute="auto"``. Every rank calls it:
-    ``reshard_after_forward=<k>`` and hybrid context parallelism create process groups. Raises the
+    ``reshard_after_forward=<k>``, hybrid context parallelism and gloo's reduction lanes create
+    process groups. Raises the
     stages' ValueError / TypeError.
     """
     recorded = collect_recorded_plan(model)
@@ -116,5 +119,10 @@ def resolve(
         resolved = dataclasses.replace(resolved, fsdp=attach_joint_shard_group(resolved.fsdp, mesh))
     # Ring attention over groups of Ulysses ranks: the two sub-groups of the cp axis (collective).
     resolved = dataclasses.replace(resolved, context=attach_context_groups(resolved.context, mesh))
+    # Gloo: a second group per data-parallel axis for the gradient reductions (collective).
+    fsdp = resolved.fsdp
+    axes = (*resolved.data_parallel_axes, *((fsdp.replicate_axis, fsdp.shard_axis) if fsdp is not None else ()))
+    axes = tuple(a for a in axes if a is not None)
+    resolved = dataclasses.replace(resolved, reduction_lanes=attach_reduction_lanes(mesh, axes))
     check_mesh_axes_used(resolved, full_plan)
     return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh)

@@ -86,6 +86,9 @@ class ResolvedPlan:
     # kept by earlier micro-steps before it reduces. Set per call by the runtime, never by a plan.
     replicated_sync: bool = True
     replicated_pending: bool = False
+    # Gloo meshes: process-group name of a data-parallel axis -> its reduction lane's, the second
+    # group over the same ranks the gradient reductions run on (plan/lanes.py). Empty elsewhere.
+    reduction_lanes: dict[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def sequence_axes(self) -> tuple[str, ...]:

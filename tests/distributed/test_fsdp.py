@@ -182,7 +182,11 @@ def prefetch_order(depth):
         report[name] = [any(n.target in compute for n in nodes[index[gathers[k]]:index[waits[k]]])
                         for k in range(1, len(gathers))]
         report[name + "_most_in_flight"] = _most_in_flight(nodes)
+        report[name + "_most_in_flight_per_group"] = max(
+            (_most_in_flight(nodes, group) for group in {n.args[-1] for n in nodes if _is_collective(n)}), default=0)
         scatters = [n for n in nodes if n.target is c10d.reduce_scatter_tensor.default]
+        report[name + "_groups"] = {"all_gather": sorted({g.args[-1] for g in gathers}),
+                                    "reduce_scatter": sorted({s.args[-1] for s in scatters})}
         # at most one reduce-scatter in flight: unit k's is waited for after issuing it, before unit k+1's
         report[name + "_scatter"] = [
             index[s] < index[next(iter(s.users))] < (index[scatters[k + 1]] if k + 1 < len(scatters) else len(nodes))
@@ -192,14 +196,20 @@ def prefetch_order(depth):
     return report
 
 
-def _most_in_flight(nodes) -> int:
-    """The most collectives issued and not yet waited at any point of a program."""
+def _is_collective(node) -> bool:
+    return (getattr(node.target, "namespace", None) == "_c10d_functional"
+            and node.target is not torch.ops._c10d_functional.wait_tensor.default)
+
+
+def _most_in_flight(nodes, group: str | None = None) -> int:
+    """The most collectives (of process group ``group``, default any) issued and not yet waited at
+    any point of a program."""
     c10d = torch.ops._c10d_functional
     open_, most = set(), 0
     for n in nodes:
         if n.target is c10d.wait_tensor.default:
             open_.discard(n.args[0])
-        elif getattr(n.target, "namespace", None) == "_c10d_functional":
+        elif _is_collective(n) and group in (None, n.args[-1]):
             open_.add(n)
             most = max(most, len(open_))
     return most
@@ -209,8 +219,13 @@ def _most_in_flight(nodes) -> int:
 def test_prefetch_issues_next_unit_gather_early_and_bounds_reductions(dist2, depth):
     """Also the default on gloo: prefetch on (one unit ahead), one reduce-scatter in flight."""
     report = dist2.run(prefetch_order, depth)[0]
-    # gloo: the one data-parallel group never has two collectives in flight (serialize_collectives)
-    assert report["forward_most_in_flight"] == report["backward_most_in_flight"] == 1, report
+    # gloo: no process group ever has two collectives in flight (serialize_collectives), but the
+    # reduce-scatters run on the axis's reduction lane (plan/lanes.py), so in backward the next
+    # unit's gather and the last unit's reduction are in flight together
+    assert report["forward_most_in_flight_per_group"] == report["backward_most_in_flight_per_group"] == 1, report
+    assert report["forward_most_in_flight"] == 1 and report["backward_most_in_flight"] == 2, report
+    gathers, scatters = report["backward_groups"]["all_gather"], report["backward_groups"]["reduce_scatter"]
+    assert len(gathers) == len(scatters) == 1 and gathers != scatters, report["backward_groups"]
     assert report["forward"] == [True] * (UNITS - 1)
     assert report["backward"] == [True] * (UNITS - 1)
     assert report["backward_scatter"] == [True] * UNITS
@@ -401,3 +416,44 @@ def explicit_prefetch_and_reduce_op():
 
 def test_explicit_forward_prefetch_and_sum_reduction(dist2):
     assert dist2.run(explicit_prefetch_and_reduce_op)[0] == [True, True]
+
+
+def _reduction_lanes():
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    plan = {"fully_shard": {"units": ["model.layers.*", ""]}}
+    c10d = torch.ops._c10d_functional
+    out = {}
+    for name, options in (("on", {}), ("again", {}), ("off", {"disable_passes": ["reduction_lanes"]})):
+        model = hp.parallelize(build_model("llama"), plan, mesh, **options)
+        losses = []
+        for step in range(2):
+            loss = model(**global_batch("llama", 4, 16, seed=step + 1))["loss"]
+            loss.backward()
+            losses.append(loss.item())
+        backward = model.compiled_programs()[1]
+        out[name] = {
+            "lanes": dict(model._hp.resolved.reduction_lanes),
+            "scatter_groups": sorted({n.args[-1] for n in backward.graph.nodes
+                                      if n.target is c10d.reduce_scatter_tensor.default}),
+            "per_step": model.compile_summary(memory=False)["collectives_per_step"]["reduce_scatter"],
+            "losses": losses,
+            "grads": [p.grad.to_local().clone() for p in model.parameters()],
+        }
+    out["axis_group"] = mesh.get_group(0).group_name
+    return out
+
+
+def test_reduction_lanes_made_once_labelled_and_numerics_unchanged(dist2):
+    """gloo: the gradient reduce-scatters run on the dp axis's reduction lane, a second group over
+    the same ranks made once per process (a second parallelize reuses it); summaries still count
+    them on 'dp'; turning the pass off puts them back on the axis's group with the same numbers."""
+    for r in dist2.run(_reduction_lanes):
+        on, again, off = r["on"], r["again"], r["off"]
+        lane = on["lanes"][r["axis_group"]]
+        assert lane != r["axis_group"], on["lanes"]
+        assert on["scatter_groups"] == [lane] and again["lanes"] == on["lanes"], (on, again)
+        assert off["scatter_groups"] == [r["axis_group"]], off
+        assert on["per_step"] == off["per_step"] and list(on["per_step"]) == ["dp"], (on, off)
+        assert on["losses"] == off["losses"]
+        for a, b in zip(on["grads"], off["grads"]):
+            assert torch.equal(a, b)
