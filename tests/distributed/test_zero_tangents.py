@@ -50,15 +50,23 @@ def _unused_logits(plan: dict, names: tuple[str, ...]) -> dict:
         p.grad = None
     result = {}
     for mode in ("loss", "zeros", "logits"):
-        memory = MemoryTracker(list(parallel.parameters()))
-        with memory:
-            _step(parallel, local_batch(full, mesh), mode)
+        # The smallest peak of three identical steps: now and then a finished gloo work releases its
+        # collective's output after the program's last use of it (test_memory_estimator.py says
+        # more), which can only add to a measured peak (1 run in 6 here, with or without lanes).
+        peaks = []
+        for _ in range(3):
+            for p in parallel.parameters():
+                p.grad = None
+            memory = MemoryTracker(list(parallel.parameters()))
+            with memory:
+                _step(parallel, local_batch(full, mesh), mode)
+            peaks.append(memory.peak)
         _step(reference, full, "loss" if mode == "zeros" else mode)
         ref_grads = dict(reference.named_parameters())
         for name, p in parallel.named_parameters():
             torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, msg=lambda m: f"{mode} {name}: {m}")
         program = parallel._hp.last.program
-        result[mode] = {"missing": program.last_missing_tangents, "measured": memory.peak,
+        result[mode] = {"missing": program.last_missing_tangents, "measured": min(peaks),
                         "estimate": parallel.memory_report()["peak_backward"]}
         for p in (*parallel.parameters(), *reference.parameters()):
             p.grad = None
