@@ -163,17 +163,14 @@ def run_case(args) -> dict:
         dist.destroy_process_group()
 
 
-def _run_subprocess(args, case) -> dict:
+def _run_subprocess(args, argv, case) -> dict:
+    """``case`` in a process of its own, with the driver's command line (``argv``) plus ``--case``."""
     side, recompute, conf = case
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
-    cmd = [sys.executable, os.path.abspath(__file__), "--case", side, recompute, conf or "-",
-           "--device", args.device, "--batch", str(args.batch), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-           "--layers", str(args.layers), "--heads", str(args.heads), "--kv-heads", str(args.kv_heads),
-           "--vocab", str(args.vocab), "--seq-len", str(args.seq_len)]
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--case", side, recompute, conf or "-"]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -212,13 +209,14 @@ def report(results: list[dict]) -> None:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.case is not None:
         print(json.dumps(run_case(args)))
         return
     results = []
     for case in [c for c in CASES if c[0] in args.sides]:
-        r = _run_subprocess(args, case)
+        r = _run_subprocess(args, argv, case)
         print(json.dumps(r), flush=True)
         results.append(r)
     report(results)

@@ -33,8 +33,6 @@ _LANED_BACKENDS = ("gloo",)
 
 # (backend, the axis's groups as tuples of global ranks) -> (lane ProcessGroup, its name) for this rank
 _LANES: dict[tuple, tuple] = {}
-# (backend, this rank's group's ranks) -> the same: the lookup that needs no collective
-_MINE: dict[tuple, tuple] = {}
 
 
 def attach_reduction_lanes(mesh, axes) -> dict[str, str]:
@@ -59,7 +57,6 @@ def attach_reduction_lanes(mesh, axes) -> dict[str, str]:
         cached = _LANES.get(key)
         if cached is None or compat.resolve_process_group(cached[1]) is not cached[0]:
             cached = _LANES[key] = _new_lane(rows, backend)
-            _MINE[(backend, tuple(dist.get_process_group_ranks(group)))] = cached
             log.debug("reduction lane for %s (ranks %s): process group %s", axis, rows, cached[1])
         out[group.group_name] = cached[1]
     return out
@@ -94,7 +91,10 @@ def known_lanes(mesh) -> dict[str, str]:
     out = {}
     for i in range(mesh.ndim):
         group = mesh.get_group(i)
-        cached = _MINE.get((dist.get_backend(group), tuple(dist.get_process_group_ranks(group))))
-        if cached is not None and compat.resolve_process_group(cached[1]) is cached[0]:
-            out[group.group_name] = cached[1]
+        backend, mine = dist.get_backend(group), tuple(dist.get_process_group_ranks(group))
+        # the axis's layout is not known here without a collective: any made for this rank's group
+        for (lane_backend, rows), cached in _LANES.items():
+            if (lane_backend == backend and mine in rows
+                    and compat.resolve_process_group(cached[1]) is cached[0]):
+                out[group.group_name] = cached[1]
     return out
