@@ -15,7 +15,8 @@ program then holds no collectives; FSDP2 still copies through its buffers). A ca
 example Llama on the device from seed 0, takes ``--warmup`` steps (forward, backward, AdamW step,
 ``zero_grad``), then measures one step's ``max_memory_allocated`` / ``max_memory_reserved`` and the
 median time of ``--steps`` more. hyper_parallel's case also reports its estimate (the program's
-peak with the real AdamW state) and the ratio of measured to estimated peak.
+peak with the real AdamW state), the ratio of measured to estimated peak, and the reserved peak
+the allocator model (``allocator_model.py``) predicts for the case's allocator mode.
 
 ``python bench/bench_memory_cuda.py`` runs the default cases on CUDA; ``--device cpu`` with small
 ``--hidden`` etc. checks the script on a machine without a GPU (no allocator numbers then).
@@ -156,6 +157,9 @@ def run_case(args) -> dict:
             result["estimated_peak"] = est["peak"]
             result["estimated_peak_site"] = est["peak_site"]["where"]
             result["estimated_peak_keeping_outputs"] = model.memory_report(opt)["peak"]
+            # What the caching allocator reserves, predicted (allocator_model.py) for this case's mode.
+            expandable = "expandable_segments:True" in result["alloc_conf"]
+            result["estimated_reserved"] = est["reserved_expandable" if expandable else "reserved_default"]
             if cuda:
                 result["measured_over_estimated"] = result["max_allocated"] / est["peak"]
         return result
@@ -188,7 +192,7 @@ def _gib(n) -> str:
 
 def report(results: list[dict]) -> None:
     print(f"{'side':6} {'recompute':9} {'alloc conf':26} {'estimate':>9} {'allocated':>9} {'reserved':>9}"
-          f" {'meas/est':>8} {'step s':>7}  (GiB)")
+          f" {'meas/est':>8} {'res. est':>9} {'step s':>7}  (GiB)")
     for r in results:
         if "error" in r:
             print(f"{r['side']:6} {r['recompute']:9} {r['alloc_conf'] or 'default':26} ERROR {r['error']}")
@@ -196,7 +200,8 @@ def report(results: list[dict]) -> None:
         ratio = r.get("measured_over_estimated")
         print(f"{r['side']:6} {r['recompute']:9} {r['alloc_conf'] or 'default':26} {_gib(r.get('estimated_peak')):>9}"
               f" {_gib(r.get('max_allocated')):>9} {_gib(r.get('max_reserved')):>9}"
-              f" {'-' if ratio is None else format(ratio, '.3f'):>8} {r['step_s_median']:7.3f}")
+              f" {'-' if ratio is None else format(ratio, '.3f'):>8} {_gib(r.get('estimated_reserved')):>9}"
+              f" {r['step_s_median']:7.3f}")
     by = {(r["side"], r["recompute"], r["alloc_conf"]): r for r in results if "error" not in r}
     for recompute in ("full", "none"):
         hp_r = by.get(("hp", recompute, "expandable_segments:True"))

@@ -266,7 +266,9 @@ def explain(
         compile_s = time.perf_counter() - compile_start
         summary = pmodel.compile_summary(memory=False)  # memory_report prices it with the optimizer
         labels = _flattened_axis_labels(mesh, dims.flattened_axes())
-        memory = pmodel.memory_report(optimizer)
+        # The optimizer as torch runs it on the accelerator priced (foreach: one temporary per
+        # parameter during the step), not as on this CPU (one parameter at a time).
+        memory = pmodel.memory_report(dataclasses.replace(optimizer_model(optimizer), foreach=True))
         with progress.phase("simulated step"):
             step = _simulate(pmodel, mesh, profile, optimizer, dtype)
     progress.done()
@@ -471,6 +473,8 @@ def format_report(report: dict) -> str:
     ]
     lines += [f"  {name:<20}{format_bytes(value):>12}" for name, value in rows]
     lines.append(f"  {'peak at':<20}{_short_site(mem['peak_site'])}")
+    lines.append(f"  {'reserved':<20}{format_bytes(mem['reserved_expandable']):>12}  (max_memory_reserved with "
+                 f"expandable_segments:True; {format_bytes(mem['reserved_default'])} without)")
     verdict = "fits" if dev["fits"] else "DOES NOT FIT"
     lines.append(
         f"  {dev['name'] + ' memory':<20}{format_bytes(dev['memory_bytes']):>12}  -> {verdict} "

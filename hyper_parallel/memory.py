@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from .allocator_model import CachingAllocatorModel
 from .ir.kinds import InputKind
 from .ir.ops import aliases_input
 from .runtime.zero_tangents import zero_add_operand
@@ -108,6 +109,10 @@ class MemoryEstimate:
     peak_site: PeakSite
     at_peak: dict  # category -> bytes live at the peak (sums to ``peak``)
     optimizer: str  # the optimizer model assumed
+    # What the CUDA caching allocator would reserve (``max_memory_reserved``) for this step repeated
+    # (allocator_model.py): with its default settings and with ``expandable_segments:True``.
+    reserved_default: int = 0
+    reserved_expandable: int = 0
 
     def as_dict(self) -> dict:
         """JSON-friendly: the numbers, the peak site (fields and ``where``), the breakdown."""
@@ -123,6 +128,11 @@ class MemoryEstimate:
             f"{format_bytes(self.peak_backward)}, optimizer step {format_bytes(self.peak_optimizer)} "
             f"(optimizer: {self.optimizer})"
         )
+        if self.device != "cpu":  # the CPU allocator caches nothing
+            lines.append(
+                f"  reserved by the CUDA caching allocator: {format_bytes(self.reserved_expandable)} with "
+                f"expandable segments, {format_bytes(self.reserved_default)} with its defaults"
+            )
         return "\n".join(lines)
 
 
@@ -434,7 +444,51 @@ def estimate(
     else:
         step_temps = model.per_tensor_temporaries * max(trainable, default=0)
 
-    return _sweep(timeline, storages, start, state, step_temps, model.name, device, series)
+    result = _sweep(timeline, storages, start, state, step_temps, model.name, device, series)
+    # The allocator's view, for a CUDA (or Ascend: the same caching rules) device even where this
+    # estimate counts CPU storages (explain compiles on CPU for the hardware it prices).
+    states = [size for size in trainable for _ in range(model.state)]
+    temps = ([size for size in trainable for _ in range(model.foreach_temporaries)] if foreach
+             else [max(trainable, default=0)] * model.per_tensor_temporaries)
+    trace = allocation_trace(storages, start, len(timeline.moments), states, temps)
+    return dataclasses.replace(result, reserved_default=CachingAllocatorModel(False).replay(trace).peak_reserved,
+                               reserved_expandable=CachingAllocatorModel(True).replay(trace).peak_reserved)
+
+
+def allocation_trace(storages, start: int, num_moments: int, optimizer_states: list[int], step_temporaries: list[int],
+                     steps: int = 3) -> list[tuple]:
+    """The step's allocations and frees in program order, ``steps`` times over, as
+    :class:`~hyper_parallel.allocator_model.CachingAllocatorModel` replays them: what the caller
+    holds all along (parameters, buffers, the batch) first; each step the program's storages at
+    the moment they are born and after the last moment they are live (a moment's allocations come
+    before its frees, as in the generated code); then the optimizer step, whose state
+    (``optimizer_states``: bytes per tensor, made at the first step while the gradients are live,
+    as torch.optim does) stays, whose temporaries (``step_temporaries``) are made together and freed
+    together (a foreach step's lists), and after which the gradients are set to None."""
+    born: dict[int, list] = {}
+    dies: dict[int, list] = {}
+    held, grads, trace = [], [], []
+    for i, s in enumerate(storages):
+        if s.born <= start and s.dies == _FOREVER:
+            held.append((i, s.nbytes))
+            continue
+        born.setdefault(s.born, []).append(i)
+        if s.dies == _FOREVER:
+            grads.append(i)
+        else:
+            dies.setdefault(int(s.dies), []).append(i)
+    trace += [("malloc", ("held", i), n) for i, n in held]
+    for step in range(steps):
+        for t in range(num_moments):
+            trace += [("free", (step, i)) for i in dies.get(t - 1, ())]
+            trace += [("malloc", (step, i), storages[i].nbytes) for i in born.get(t, ())]
+        trace += [("free", (step, i)) for i in dies.get(num_moments - 1, ())]
+        if step == 0:
+            trace += [("malloc", ("state", j), n) for j, n in enumerate(optimizer_states)]
+        trace += [("malloc", (step, "temp", j), n) for j, n in enumerate(step_temporaries)]
+        trace += [("free", (step, "temp", j)) for j in range(len(step_temporaries))]
+        trace += [("free", (step, i)) for i in grads]
+    return trace
 
 
 def estimate_program(program, captured, optimizer: Any = None, keep_outputs: bool = True,
