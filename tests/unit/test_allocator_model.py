@@ -125,7 +125,7 @@ def test_predicted_reserved_peak_matches_the_h200_measurement(recompute, monkeyp
     / 47.60 / 43.48). The allocated peak is 64 MiB under the measured one: memory outside the
     program (cuBLAS's workspaces)."""
     import hyper_parallel.memory as memory
-    from hyper_parallel.explain import explain
+    from hyper_parallel.explain import explain, format_report
 
     estimate = memory.estimate
     # The bench's step drops the returned logits: the estimate without them, as it compared.
@@ -139,3 +139,8 @@ def test_predicted_reserved_peak_matches_the_h200_measurement(recompute, monkeyp
     if (recompute, False) in H200_MEASURED:
         assert mem["reserved_default"] / GiB == pytest.approx(H200_MEASURED[(recompute, False)][1], rel=0.01)
     assert mem["reserved_default"] > mem["reserved_expandable"] > mem["peak"]
+    # explain's verdict on a device between the two: the tensors fit, the allocator's cache does not.
+    between = (mem["peak"] + mem["reserved_expandable"]) // 2
+    report["device"] = {**report["device"], "memory_bytes": between, "fits": True,
+                        "peak_fraction": mem["peak"] / between}
+    assert "fits, but not the allocator's cache" in format_report(report)
