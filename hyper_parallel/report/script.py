@@ -127,6 +127,9 @@ function renderSummary() {
                  ["saved activations", mem.saved_activations], ["comm buffers (max live)", mem.comm_buffers_max],
                  ["forward peak", mem.peak_forward], ["backward peak", mem.peak_backward],
                  ["optimizer step peak", mem.peak_optimizer], ["peak", mem.peak]];
+    // What the caching allocator reserves (allocator_model.py); older dumps have no such entry.
+    if (mem.reserved_expandable) mrows.push(["reserved, expandable segments", mem.reserved_expandable],
+                                            ["reserved, default allocator", mem.reserved_default]);
     var c2 = el("div", {}, [el("h3", {text: "Memory (" + mem.device + ", optimizer: " + mem.optimizer + ")"}),
       table(["", "bytes"], mrows.map(function (r) { return [r[0], fmtBytes(r[1] || 0)]; }), [1])]);
     cols.appendChild(c2);

@@ -306,6 +306,7 @@ def test_page_renders_in_headless_chromium(dump, tmp_path):
     assert dom.count('class="why"') == comm
     assert _attr(dom, "data-drawn") == str(len(data["timeline"]["events"]))
     assert 'id="memory-total"' in dom and 'id="memory-peak"' in dom
+    assert "reserved, expandable segments" in dom  # the caching allocator's predicted reserved peak
     assert 'class="missing"' not in dom
     # The plan's boundary layout changes (TP's) as a table: boundary, then the change and its entry.
     boundaries = data["summary"]["plan_redistributions"]
