@@ -130,7 +130,7 @@ def train(args: argparse.Namespace) -> bool:
         opt.step()
         opt.zero_grad()
         if meter is None:  # from the second step on: the first one compiles
-            meter = hp.StepMeter(model)
+            meter = hp.StepMeter(model, optimizer=opt)
         else:
             meter.step(loss, tokens=local_ids.numel())
 

@@ -17,13 +17,18 @@ MFU is the compiled program's model FLOPs on this rank (the cost model's per-nod
 recomputation) per measured second over the hardware profile's dense peak for the program's
 matmul dtype; the prediction is the cost model's simulated step of the same program
 (``hyper_parallel.cost``) on the same profile. Peak memory is ``torch.cuda.max_memory_allocated``
-on CUDA (reset each step), else the memory estimator's peak for the program (marked estimated).
+on CUDA (reset each step), else the memory estimator's peak for the program (marked estimated);
+beside it the caching allocator's reserved peak, ``torch.cuda.max_memory_reserved`` (what
+``nvidia-smi`` and torchtitan's logs show), and the reserved peak predicted for the program
+(``allocator_model.py``, for the allocator mode ``PYTORCH_CUDA_ALLOC_CONF`` sets). Pass the
+optimizer (``StepMeter(model, optimizer=opt)``) so the estimates count its state and its step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections import Counter
 
@@ -48,27 +53,33 @@ class StepMetrics:
     peak_memory_bytes: int
     memory_measured: bool  # False: the estimator's peak (no allocator to read)
     profile: str
+    reserved_bytes: int | None = None  # the caching allocator's reserved peak (CUDA only)
+    predicted_reserved_bytes: int = 0  # the allocator model's reserved peak for the program
 
     def __str__(self) -> str:
         loss = f"loss {self.loss:.4f}  " if self.loss is not None else ""
         memory = f"{self.peak_memory_bytes / 2**20:.1f} MiB" + ("" if self.memory_measured else " (estimated)")
+        reserved = "" if self.reserved_bytes is None else f"{self.reserved_bytes / 2**20:.1f} MiB, "
         return (f"step {self.step}  {loss}{self.tokens_per_s:,.0f} tok/s  {self.step_s:.3f} s "
                 f"(predicted {self.predicted_step_s:.3f} s)  MFU {100 * self.mfu:.2f}% "
-                f"(predicted {100 * self.predicted_mfu:.2f}%, {self.profile})  peak {memory}")
+                f"(predicted {100 * self.predicted_mfu:.2f}%, {self.profile})  peak {memory}  "
+                f"reserved {reserved}predicted {self.predicted_reserved_bytes / 2**20:.1f} MiB")
 
 
 class StepMeter:
     """Measures the steps of ``model`` (a module ``hp.parallelize`` returned). ``hardware``: the
     cost model's profile name (default: by the mesh's device type, as dumps do: cpu, h100 for
-    cuda, ascend-910b for npu)."""
+    cuda, ascend-910b for npu). ``optimizer``: the training loop's optimizer (an instance, or a
+    name ``memory_report`` takes), counted in the memory estimates; None counts none."""
 
-    def __init__(self, model, hardware: str | None = None):
+    def __init__(self, model, hardware: str | None = None, optimizer=None):
         if not hasattr(model, "_hp"):
             raise TypeError(f"StepMeter needs a module returned by hp.parallelize, got {type(model).__name__}")
         from .cost import get_profile
         from .debug import DEVICE_PROFILES
 
         self.model = model
+        self.optimizer = optimizer
         self.profile = get_profile(hardware or DEVICE_PROFILES.get(model._hp.mesh.device_type, "h100"))
         self.steps = 0
         self._predicted: dict[int, tuple] = {}  # id(program) -> (model flops, step_s, dtype)
@@ -89,15 +100,18 @@ class StepMeter:
         the tokens this rank processed in it."""
         step_s = self._now() - self._started
         self.steps += 1
-        flops, predicted_s, dtype, estimated_peak = self._prediction()
+        flops, predicted_s, dtype, estimate = self._prediction()
         from .cost import mfu
 
         memory_measured = self._cuda
+        reserved = None
         if memory_measured:
-            peak = torch.cuda.max_memory_allocated()
+            peak, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
             torch.cuda.reset_peak_memory_stats()
         else:
-            peak = estimated_peak
+            peak = estimate["peak"]
+        expandable = "expandable_segments:true" in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + ","
+                                                    + os.environ.get("PYTORCH_ALLOC_CONF", "")).lower()
         metrics = StepMetrics(
             step=self.steps, loss=_scalar(loss), step_s=step_s, tokens=int(tokens),
             tokens_per_s=tokens / step_s if step_s > 0 else 0.0, model_flops=flops,
@@ -105,6 +119,8 @@ class StepMeter:
             predicted_step_s=predicted_s,
             predicted_mfu=mfu(flops, predicted_s, self.profile, dtype) if predicted_s > 0 else 0.0,
             peak_memory_bytes=peak, memory_measured=memory_measured, profile=self.profile.name,
+            reserved_bytes=reserved,
+            predicted_reserved_bytes=estimate["reserved_expandable" if expandable else "reserved_default"],
         )
         from .compile.driver import current_rank
 
@@ -113,9 +129,9 @@ class StepMeter:
         self._started = self._now()
         return metrics
 
-    def _prediction(self) -> tuple[float, float, torch.dtype, int]:
-        """(model FLOPs, simulated step seconds, matmul dtype, estimated peak bytes) of the program
-        the last call ran, computed once per program."""
+    def _prediction(self) -> tuple[float, float, torch.dtype, dict]:
+        """(model FLOPs, simulated step seconds, matmul dtype, memory estimate) of the program the
+        last call ran, computed once per program."""
         entry = self.model._hp.last
         if entry is None:
             raise RuntimeError("StepMeter.step: the model has not run yet; call it (forward and backward) first")
@@ -126,8 +142,8 @@ class StepMeter:
             state = self.model._hp
             est = simulate_step(entry.program, state.mesh, entry.resolved.fsdp, self.profile,
                                 context=entry.resolved.context)
-            peak = int(self.model.memory_report()["peak"])
-            self._predicted[key] = (est.model_flops, est.step_s, _matmul_dtype(entry.program), peak)
+            memory = self.model.memory_report(self.optimizer)
+            self._predicted[key] = (est.model_flops, est.step_s, _matmul_dtype(entry.program), memory)
         return self._predicted[key]
 
 

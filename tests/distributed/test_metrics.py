@@ -18,7 +18,7 @@ def _three_steps() -> dict:
     batch = local_batch(global_batch("llama", 4, 16), mesh)
     model(**batch)["loss"].backward()  # compile outside the timed steps
     opt.zero_grad()
-    meter = hp.StepMeter(model)
+    meter = hp.StepMeter(model, optimizer=opt)
     results, losses, elapsed = [], [], 0.0
     for _ in range(3):
         started = time.perf_counter()
@@ -32,7 +32,7 @@ def _three_steps() -> dict:
     forward, backward = model.compiled_programs()
     flops = sum(node_work(n).flops for gm in (forward, backward) for n in gm.graph.nodes)
     return {"metrics": results, "elapsed": elapsed, "losses": losses, "flops": flops,
-            "tokens": batch["input_ids"].numel(), "peak": model.memory_report()["peak"]}
+            "tokens": batch["input_ids"].numel(), "memory": model.memory_report(opt)}
 
 
 def test_step_meter_against_what_the_test_measures(dist2):
@@ -49,8 +49,12 @@ def test_step_meter_against_what_the_test_measures(dist2):
             assert m.tokens_per_s == m.tokens / m.step_s
             assert m.model_flops == result["flops"] > 0  # no recompute: model FLOPs are all FLOPs
             assert 0 < m.mfu < 1 and 0 < m.predicted_mfu < 1 and m.predicted_step_s > 0
-            assert m.profile == "cpu" and not m.memory_measured and m.peak_memory_bytes == result["peak"]
-            assert "tok/s" in str(m) and "MFU" in str(m) and "(estimated)" in str(m)
+            # On CPU: the estimator's peak with the optimizer's state, and the allocator model's
+            # reserved peak (the default allocator: PYTORCH_CUDA_ALLOC_CONF is not set here).
+            memory = result["memory"]
+            assert m.profile == "cpu" and not m.memory_measured and m.peak_memory_bytes == memory["peak"]
+            assert m.reserved_bytes is None and m.predicted_reserved_bytes == memory["reserved_default"] > 0
+            assert "tok/s" in str(m) and "MFU" in str(m) and "(estimated)" in str(m) and "reserved predicted" in str(m)
 
 
 def _profiled_step() -> dict:
