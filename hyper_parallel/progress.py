@@ -34,7 +34,7 @@ def enable_default_logging() -> None:
     if _configured:
         return
     _configured = True
-    value = os.environ.get(ENV, "info").strip().lower()
+    value = os.environ.get(ENV, "").strip().lower() or "info"  # set but empty (``VAR=``): the default
     if value not in _LEVELS:
         raise ValueError(f"{ENV}={value!r}: choose one of {sorted(_LEVELS)}")
     package = logging.getLogger("hyper_parallel")

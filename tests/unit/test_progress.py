@@ -35,9 +35,10 @@ def _finish(probe: subprocess.Popen) -> subprocess.CompletedProcess:
 
 def test_default_handler_and_its_switch():
     # The four interpreters start at once: each spends its seconds importing torch.
-    probes = [_start("plain", None), _start("plain", "quiet"), _start("configured", None), _start("plain", "loud")]
+    probes = [_start("plain", None), _start("plain", "quiet"), _start("configured", None), _start("plain", "loud"),
+              _start("plain", "")]
     try:
-        shown, quiet, configured, bad = [_finish(p) for p in probes]
+        shown, quiet, configured, bad, empty = [_finish(p) for p in probes]
     finally:
         for probe in probes:
             probe.kill()  # no-op for those that ended; none is left behind by a timeout
@@ -48,3 +49,5 @@ def test_default_handler_and_its_switch():
     assert quiet.stderr == ""
     assert configured.stderr == ""  # the application's WARNING configuration decides
     assert bad.returncode != 0 and "HYPER_PARALLEL_LOG='loud': choose one of" in bad.stderr
+    # Set but empty (``HYPER_PARALLEL_LOG= cmd``, a shell's way to clear it): the default.
+    assert empty.returncode == 0 and empty.stderr.startswith("[hyper_parallel] compile Model: capture "), empty.stderr
