@@ -110,6 +110,21 @@ def step(model, opt, batch) -> torch.Tensor:
     return loss.detach()
 
 
+def step_peak(run_step, params, opt) -> int:
+    """Peak live bytes of one step, ``run_step()``, on the rank that holds the most: what exists
+    before it (``params``, ``opt``'s state) plus the most the step holds at once, as
+    ``hyper_parallel.testing.MemoryTracker`` counts them (every tensor allocated through the
+    dispatcher, on either side; not what the communication backend allocates itself)."""
+    from hyper_parallel.testing.memory_tracker import MemoryTracker
+
+    baseline = list(params) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    with MemoryTracker(baseline) as tracker:
+        run_step()
+    peak = torch.tensor([tracker.peak], dtype=torch.float64)  # exact below 2**53 bytes
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak.item())
+
+
 def device_sync() -> None:
     """Wait for the GPU's queued kernels (a no-op on CPU), so a step's time is its kernels' too."""
     if torch.cuda.is_initialized():

@@ -22,6 +22,9 @@ every c10d / functional collective dispatched on the calling thread; bytes = eac
 input tensor, as ``compile_summary`` counts them: the shard for an all-gather, the full buffer for
 a reduce-scatter).
 
+Peak memory: one more step per side under ``MemoryTracker`` (live bytes of every tensor allocated
+through the dispatcher, parameters and optimizer state included), on the rank that holds the most.
+
 Losses: FSDP2 returns the rank's local mean; hyper_parallel the global loss. The JSON reports
 hyper_parallel's loss and FSDP2's ``all_reduce(sum) / world`` (outside the timed steps) at step 0.
 
@@ -49,7 +52,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import hyper_parallel as hp  # noqa: E402
 from _harness import (add_model_args, count_collectives, data_parallel_batch, hp_collectives, launch,  # noqa: E402
-                      print_collective_rows, print_time_rows, step, time_side_by_side)
+                      print_collective_rows, print_time_rows, step, step_peak, time_side_by_side)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -107,6 +110,8 @@ def measure(ref, batch, args, reshard: bool) -> dict:
     hp_loss0, fsdp2_loss0, t_compile = measured.hp_loss0, measured.peer_loss0, measured.hp_first_step_s
     hp_times, fsdp2_times = measured.hp_times, measured.peer_times
     counted = count_collectives({"hyper_parallel": (hp_model, hp_opt), "fsdp2": (fsdp2_model, fsdp2_opt)}, batch)
+    peaks = {name: step_peak(lambda m=m, o=o: step(m, o, batch), m.parameters(), o)
+             for name, (m, o) in (("hyper_parallel", (hp_model, hp_opt)), ("fsdp2", (fsdp2_model, fsdp2_opt)))}
 
     hp_med, fsdp2_med = statistics.median(hp_times), statistics.median(fsdp2_times)
     summary = hp_model.compile_summary()
@@ -119,6 +124,8 @@ def measure(ref, batch, args, reshard: bool) -> dict:
             "fsdp2": {"median": fsdp2_med, "min": min(fsdp2_times), "max": max(fsdp2_times), "all": fsdp2_times},
         },
         "ratio_hp_over_fsdp2": hp_med / fsdp2_med,
+        "peak_bytes": peaks,
+        "ratio_peak_hp_over_fsdp2": peaks["hyper_parallel"] / peaks["fsdp2"],
         "collectives_per_step": {
             "hyper_parallel (compile_summary)": hp_collectives(summary),
             "hyper_parallel (counted)": counted["hyper_parallel"],
@@ -208,6 +215,9 @@ def print_table(r: dict) -> None:
               f"hp first step (compile + step) {res['hp_first_step_s (compile + step)']:.1f} s")
         print(f"{'':26}{'hyper_parallel':>16}{'FSDP2 eager':>16}{'hp/FSDP2':>10}")
         print_time_rows(st, "fsdp2", res["ratio_hp_over_fsdp2"])
+        peaks = res["peak_bytes"]
+        print(f"{'peak MB (largest rank)':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['fsdp2'] / 1e6:>16.2f}"
+              f"{res['ratio_peak_hp_over_fsdp2']:>10.2f}")
         print_collective_rows(hp_c, hp_n, fs_c)
 
 

@@ -3,13 +3,21 @@
 Functional collectives are asynchronous: ``all_gather_into_tensor`` starts the transfer and
 ``wait_tensor`` blocks on it. After bucketing, each unit's fused all-gather is issued right before
 its own wait, so nothing overlaps. This pass moves the *issue* of unit k's all-gather (the collective
-and the copy-in of the shards it reads) to just before the wait of unit k-depth, in each phase's
-execution order: in forward the next layer's parameters arrive while the current layer computes,
-in backward (where graph order runs the layers in reverse) the mirror. The gradient reductions'
-waits are the next pass's (``overlap_reductions``).
+and the copy-in of the shards it reads) to just after unit k-depth has unpacked its own gathered
+buffer (its wait, then the copies of each parameter out of the buffer), in
+each phase's execution order: in forward the next layer's parameters arrive while the current
+layer computes, in backward (where graph order runs the layers in reverse) the mirror. The
+gradient reductions' waits are the next pass's (``overlap_reductions``).
+
+Why after the unpack rather than before the wait: a unit's parameters are strided in the gathered
+buffer (rank-major), so unpacking copies them out, and the buffer dies once they are copied. Issued
+before the wait, the next unit's buffer was allocated while the current one's buffer and its
+copies were both alive: three units' worth of parameters at once where two suffice (1.08-1.35x
+FSDP2's peak at 4 ranks in ``bench/bench_fsdp_step.py``, 2026-11-28). FSDP2 issues its prefetch
+after its copy-out too. The transfer starts later by the copies' time only.
 
 Explicit lists (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``, in
-``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued before the wait
+``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued after the unpack
 of the unit that names them.
 
 ``ctx.prefetch_depth`` 0 (``parallelize(..., prefetch_depth=0)``; the default is 1) moves nothing but
@@ -23,6 +31,8 @@ collective already issued early is not moved again.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from ..ir import meta
@@ -67,10 +77,59 @@ def _wait_of(node):
     return next(u for u in node.users if u.target is c10d.wait_tensor.default)
 
 
+# What unpacking a gathered buffer consists of: views and splits of it, and reshapes (which copy the
+# strided pieces of one parameter out).
+_UNPACK = frozenset({
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.split_with_sizes.default, torch.ops.aten.split.Tensor, torch.ops.aten.slice.Tensor,
+    torch.ops.aten.t.default, torch.ops.aten.as_strided.default, operator.getitem,
+})
+
+
+def _issue_chains(gathers) -> set:
+    """Every fused gather and the copy-in nodes it reads (its call_function ancestors: casts,
+    flattening and the cat of the shards)."""
+    out: set = set()
+    frontier = list(gathers)
+    while frontier:
+        node = frontier.pop()
+        if node.op == "call_function" and node not in out:
+            out.add(node)
+            frontier.extend(node.all_input_nodes)
+    return out
+
+
+def _after_unpack(wait: torch.fx.Node, issued: set) -> torch.fx.Node:
+    """The first node after ``wait`` that is neither part of unpacking its buffer (lowering places
+    the unpack right after the wait) nor a gather already issued there (``issued``: gathers and
+    their copy-in): where the next gather is issued, after those already moved."""
+    unpacked = {wait}
+    node = wait.next
+    while node.op == "call_function" and (
+            node in issued or (node.target in _UNPACK and any(a in unpacked for a in node.all_input_nodes))):
+        if node not in issued:
+            unpacked.add(node)
+        node = node.next
+    return node
+
+
+def _issue_at(gather: torch.fx.Node, anchor: torch.fx.Node) -> None:
+    """Move ``gather`` (with the copy-in chain it reads) in front of ``anchor``, unless it is there
+    already or earlier (idempotence: a second run finds the chain starting at the anchor)."""
+    if gather < anchor:
+        return
+    chain = _movable_chain(gather, anchor)
+    if not chain or chain[0] is anchor:
+        return
+    for node in chain:
+        anchor.prepend(node)
+
+
 def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     depth = ctx.prefetch_depth
     graph = gm.graph
     gathers = _fused(graph, "all_gather", c10d.all_gather_into_tensor.default)
+    issued = _issue_chains(gathers)
     explicit = ctx.explicit_prefetch
     for phase, table in explicit.items():
         # set_modules_to_{forward,backward}_prefetch: when a unit waits for its gather, the listed
@@ -79,27 +138,21 @@ def prefetch_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         for unit, targets in table.items():
             if unit not in by_unit:
                 continue
-            anchor = _wait_of(by_unit[unit])
+            anchor = _after_unpack(_wait_of(by_unit[unit]), issued)
             for target in targets:
                 gather = by_unit.get(target)
-                if gather is None or gather < anchor:
-                    continue
-                for node in _movable_chain(gather, anchor) or ():
-                    anchor.prepend(node)
+                if gather is not None:
+                    _issue_at(gather, anchor)
     if depth > 0:
         for phase in (FORWARD, BACKWARD):
             # Units in need order (where their gathers are waited for: this pass never moves a
-            # wait, so a second run sees the same order and moves nothing). When unit j waits,
-            # units j+1..j+depth are in flight: unit k's gather goes before the wait of unit
-            # k-depth, the first depth+1 units' before the first wait, each in need order.
+            # wait, so a second run sees the same order and moves nothing). Once unit j has
+            # unpacked its parameters, units j+1..j+depth are in flight: unit k's gather goes
+            # right after the unpack of unit k-depth (the first unit's stays before its wait),
+            # each in need order.
             ordered = sorted((g for g in gathers if gather_phase(g) == phase), key=_wait_of)
             for k in range(1, len(ordered)):
-                anchor = _wait_of(ordered[max(k - depth, 0)])
-                if ordered[k] < anchor:
-                    continue  # already issued early enough
-                chain = _movable_chain(ordered[k], anchor)
-                for node in chain or ():
-                    anchor.prepend(node)
+                _issue_at(ordered[k], _after_unpack(_wait_of(ordered[max(k - depth, 0)]), issued))
     graph.lint()
     recompile(gm)
     return gm

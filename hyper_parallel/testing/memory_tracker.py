@@ -7,7 +7,10 @@ optimizers) reports its outputs; an output storage that is not one of the op's i
 a new allocation, counted from then until the storage is freed (a finalizer on the storage's Python
 object, which torch keeps as long as the storage lives, so views and aliases keep it counted).
 Storages are deduplicated, so views, ``wait_tensor``'s returned buffer and in-place results never
-count twice. DTensor results count their local shards.
+count twice. DTensor results count their local shards. A storage resized in place
+(``UntypedStorage.resize_``, which no dispatch mode sees: PyTorch FSDP2 frees and re-allocates its
+unsharded parameters so, keeping the storage objects) counts by its change in size while the
+tracker is active.
 
 Reads the tensors it is given as a baseline (what already exists: parameters, gradients, optimizer
 state, the batch); writes nothing. ``peak`` is baseline + the highest tracked live bytes.
@@ -59,6 +62,8 @@ class MemoryTracker(compat.TorchDispatchMode):
         self.peak_op = ""
         self.at_peak: dict[str, int] = {}  # op name -> bytes of its outputs live at the peak
         self._tracked: dict[int, tuple[int, str]] = {}  # id(storage) -> (nbytes, op name)
+        self._grown: dict[int, int] = {}  # id(storage) -> bytes an untracked storage grew by in place
+        self._resize = None  # UntypedStorage.resize_ while active
 
     @property
     def peak(self) -> int:
@@ -67,6 +72,47 @@ class MemoryTracker(compat.TorchDispatchMode):
     @property
     def current(self) -> int:
         return self.baseline + self.live
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            out = original(storage, size)
+            if storage.device.type == tracker.device:
+                tracker._resized(storage, storage.nbytes() - before)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def _resized(self, storage, delta: int) -> None:
+        key = id(storage)
+        if key in self._tracked:
+            nbytes, op = self._tracked[key]
+            self._tracked[key] = (nbytes + delta, op)
+        else:
+            if key not in self._grown:
+                self._grown[key] = 0
+                weakref.finalize(storage, self._freed_grown, key)
+            self._grown[key] += delta
+        self._count(delta, "UntypedStorage.resize_")
+
+    def _count(self, delta: int, op: str) -> None:
+        self.live += delta
+        if self.live > self.max_live:
+            self.max_live, self.peak_op = self.live, op
+            self.at_peak = {}
+            for size, name in self._tracked.values():
+                self.at_peak[name] = self.at_peak.get(name, 0) + size
+            grown = sum(self._grown.values())
+            if grown:
+                self.at_peak["UntypedStorage.resize_"] = grown
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -81,16 +127,14 @@ class MemoryTracker(compat.TorchDispatchMode):
             nbytes = storage.nbytes()
             self._tracked[key] = (nbytes, str(func))
             weakref.finalize(storage, self._freed, key)
-            self.live += nbytes
-            if self.live > self.max_live:
-                self.max_live, self.peak_op = self.live, str(func)
-                self.at_peak = {}
-                for size, op in self._tracked.values():
-                    self.at_peak[op] = self.at_peak.get(op, 0) + size
+            self._count(nbytes, str(func))
         return out
 
     def _freed(self, key: int) -> None:
         self.live -= self._tracked.pop(key, (0, ""))[0]
+
+    def _freed_grown(self, key: int) -> None:
+        self.live -= self._grown.pop(key, 0)
 
 
 def _has_storage(t: torch.Tensor) -> bool:

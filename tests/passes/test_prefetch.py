@@ -3,8 +3,9 @@ head) under FSDP on 2 simulated ranks (torch's ``fake`` backend: one process, no
 captured, lowered and bucketed, then handed to ``prefetch_pass`` alone with each option.
 
 What the pass promises (its docstring): unit k's fused all-gather (with the copy-in it reads) is
-issued just before the wait of unit k-depth, in forward and in backward; depth 0 moves nothing but
-the explicit lists; only node order changes; idempotent. (Where reductions are waited for is the
+issued right after unit k-depth has unpacked its gathered buffer (its wait and the copies of its
+parameters out of it), before that unit computes, in forward and in backward; depth 0 moves nothing
+but the explicit lists; only node order changes; idempotent. (Where reductions are waited for is the
 ``overlap_reductions`` pass's, tests/passes/test_overlap_reductions.py.)"""
 
 from __future__ import annotations
@@ -79,6 +80,22 @@ def _pos(gm):
     return {n: i for i, n in enumerate(gm.graph.nodes)}
 
 
+_VIEWS = {aten.view.default, aten.reshape.default, aten.split_with_sizes.default, aten.t.default}
+
+
+def _unpack_end(gm, gather):
+    """The position of the last node of ``gather``'s unpack: the views, splits and copies of its
+    waited buffer that follow the wait."""
+    nodes, order = list(gm.graph.nodes), _pos(gm)
+    seen, i = {_wait(gather)}, order[_wait(gather)]
+    while nodes[i + 1].target in _VIEWS or str(nodes[i + 1].target) == "<built-in function getitem>":
+        if not any(a in seen for a in nodes[i + 1].all_input_nodes):
+            break
+        seen.add(nodes[i + 1])
+        i += 1
+    return i
+
+
 def test_the_input_has_one_gather_per_unit_issued_right_before_its_wait():
     """The starting point the pass is written for (bucketing's output): nothing overlaps yet."""
     gm, _ = _fresh()
@@ -91,7 +108,7 @@ def test_the_input_has_one_gather_per_unit_issued_right_before_its_wait():
         assert order[_wait(g)] == order[g] + 1
 
 
-def test_depth_one_issues_the_next_units_gather_before_the_current_wait():
+def test_depth_one_issues_the_next_units_gather_after_the_current_unpack():
     gm = _run(*_fresh(prefetch_depth=1))
     order = _pos(gm)
     nodes = list(gm.graph.nodes)
@@ -99,8 +116,11 @@ def test_depth_one_issues_the_next_units_gather_before_the_current_wait():
         gathers = _fused(gm, AG, phase)
         assert order[gathers[0]] < order[_wait(gathers[0])]
         for prev, cur in zip(gathers, gathers[1:]):
-            # Issued (with its copy-in) just before the previous unit's wait ...
-            assert nodes[order[_wait(prev)] - 1] is cur, (phase, cur.name)
+            # Issued (with its copy-in) right after the previous unit's unpack: its buffer is dead
+            # (its parameters copied out) before this unit's buffer exists ...
+            end = _unpack_end(gm, prev)
+            chain = nodes[end + 1:order[cur] + 1]
+            assert all(n in _ancestors(cur) for n in chain), (phase, cur.name, [n.name for n in chain])
             assert all(order[a] < order[cur] for a in cur.all_input_nodes)
             # ... so it is in flight while the previous unit computes: the previous unit's
             # matmul (forward) lies between the issue and the wait of this unit's gather.
@@ -109,32 +129,34 @@ def test_depth_one_issues_the_next_units_gather_before_the_current_wait():
                 compute = [n for n in nodes[order[cur]:order[_wait(cur)]]
                            if n.target is aten.addmm.default and module_fqn_of(n).startswith(unit)]
                 assert compute, f"nothing of {unit} runs while {cur.meta['hp_bucket']} is in flight"
-        # Never more than the depth ahead: the gather is issued after the wait of the unit two
-        # before it.
-        for before, cur in zip(gathers, gathers[2:]):
-            assert order[_wait(before)] < order[cur]
+        # Never more than the depth ahead: the gather is issued after the previous unit's wait.
+        for prev, cur in zip(gathers, gathers[1:]):
+            assert order[_wait(prev)] < order[cur]
 
 
-def test_depth_two_issues_each_gather_two_waits_ahead():
-    """The docstring's rule, literally: unit k's gather goes just before the wait of unit k-2."""
+def test_depth_two_issues_each_gather_after_the_unpack_two_units_ahead():
+    """The docstring's rule, literally: unit k's gather goes right after the unpack of unit k-2,
+    so it is in flight before unit k-1 waits."""
     gm = _run(*_fresh(prefetch_depth=2))
     order = _pos(gm)
     for phase in ("forward", "backward"):
         gathers = sorted(_fused(gm, AG, phase), key=lambda g: order[_wait(g)])  # in need order
         for k in range(2, len(gathers)):
-            assert order[gathers[k]] < order[_wait(gathers[k - 2])], (phase, k)
+            assert _unpack_end(gm, gathers[k - 2]) < order[gathers[k]] < order[_wait(gathers[k - 1])], (phase, k)
 
 
 def test_depth_two_keeps_the_next_unit_prefetched_and_gathers_in_need_order():
-    """With depth d every unit among the next d is already in flight when a unit waits, and the
-    gathers are issued in the order they are waited for (collectives on one stream complete in
+    """With depth d every unit among the next d - 1 is already in flight when a unit waits (and
+    the next d once it has unpacked), and the gathers are issued in the order they are waited for (collectives on one stream complete in
     issue order, so an out-of-order issue makes a wait also wait for a later unit's transfer)."""
     gm = _run(*_fresh(prefetch_depth=2))
     order = _pos(gm)
     for phase in ("forward", "backward"):
         gathers = sorted(_fused(gm, AG, phase), key=lambda g: order[_wait(g)])  # in need order
         assert sorted(gathers, key=order.__getitem__) == gathers, phase
-        for k in range(1, len(gathers)):
+        # The first unit's wait has only its own gather in flight: the next two are issued once it
+        # has unpacked (before it computes); from then on each unit waits with the next in flight.
+        for k in range(2, len(gathers)):
             assert order[gathers[k]] < order[_wait(gathers[k - 1])], (phase, k)
 
 
@@ -150,7 +172,7 @@ def test_depth_zero_moves_nothing():
 
 def test_explicit_lists_are_applied_at_depth_zero():
     """set_modules_to_forward_prefetch / _backward_prefetch: the listed units' gathers are issued
-    before the wait of the unit that names them; nothing else moves (depth 0)."""
+    after the unpack of the unit that names them, before its compute; nothing else moves (depth 0)."""
     gm, ctx = _fresh(prefetch_depth=0, explicit_prefetch={
         "forward": {"layers.0": ("layers.2", "layers.3")}, "backward": {"": ("layers.1",)}})
     forward = {g.meta["hp_fsdp_unit"]: g for g in _fused(gm, AG, "forward")}
@@ -161,10 +183,12 @@ def test_explicit_lists_are_applied_at_depth_zero():
     unmoved_before = [n.name for n in gm.graph.nodes if n not in moved]
     gm = _run(gm, ctx)
     order = _pos(gm)
+    layer0_matmul = next(order[n] for n in gm.graph.nodes
+                         if n.target is aten.addmm.default and module_fqn_of(n).startswith("layers.0"))
     for target in ("layers.2", "layers.3"):
-        assert order[forward[target]] < order[_wait(forward["layers.0"])]
+        assert _unpack_end(gm, forward["layers.0"]) < order[forward[target]] < layer0_matmul
     assert order[forward["layers.2"]] < order[forward["layers.3"]]  # in the listed order
-    assert order[backward["layers.1"]] < order[_wait(backward[""])]
+    assert _unpack_end(gm, backward[""]) < order[backward["layers.1"]]
     # Nothing else moved: the other gathers, every reduce-scatter and its wait, all compute.
     assert [n.name for n in gm.graph.nodes if n not in moved] == unmoved_before
     nodes = list(gm.graph.nodes)
