@@ -330,7 +330,7 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
             gradient_bucket_bytes=state.options.gradient_bucket_bytes,
             first_gradient_bucket_bytes=state.options.first_gradient_bucket_bytes,
             disable_passes=state.options.disable_passes, reduction_lanes=resolved_plan.reduction_lanes,
-            on_pass=on_pass, timings={} if timings is None else timings,
+            codegen=state.options.codegen, on_pass=on_pass, timings={} if timings is None else timings,
         )
     )
 

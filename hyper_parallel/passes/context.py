@@ -36,6 +36,9 @@ class PassContext:
     first_gradient_bucket_bytes: int = DEFAULT_FIRST_GRADIENT_BUCKET_BYTES  # capped by gradient_bucket_bytes
     disable_passes: frozenset[str] = frozenset()
     reduction_lanes: dict = dataclasses.field(default_factory=dict)  # gloo: group name -> its reduction lane
+    # parallelize(codegen=): "inductor" compiles the compute between collectives, and fuses each
+    # gradient's cast to the reduce dtype into the kernel that makes it (bucketing keeps the casts).
+    codegen: str = "eager"
     # Observers: each pass's output graph (dumps) and seconds (the compile summary's pass_seconds).
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
     timings: dict = dataclasses.field(default_factory=dict)

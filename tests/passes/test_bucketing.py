@@ -194,3 +194,36 @@ def test_ddp_buckets_follow_backward_order_small_first_in_place():
     # Every gradient is read back from the reduced buffer (a view of it), not from a second buffer.
     waited = next(iter(fused.users))
     assert waited.target is WAIT and next(iter(waited.users)).target is aten.split_with_sizes.default
+
+
+def test_mixed_precision_gradients_are_packed_in_their_dtype_and_cast_once():
+    """bf16 gradients reduced in fp32: each unit's fused reduce-scatter reads one cast of the packed
+    bf16 buffer, not a packed buffer of per-gradient fp32 copies (which kept every gradient's fp32
+    copy alive beside the fp32 buffer). A cast is elementwise, so the values are the same."""
+    import dataclasses
+    import functools
+
+    import hyper_parallel as hp
+    from hyper_parallel.testing.pass_inputs import LayerStack, copy_graph_module, pass_input
+
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = {"fully_shard": hp.FullyShard(units=("layers.*", ""), mixed_precision=policy)}
+    source, ctx = pass_input(functools.partial(LayerStack, 2), plan, 2, "bucketing")
+    # codegen="inductor" keeps each gradient's cast (its kernel then stores the fp32 value it
+    # computed): the numbers stay as they were there.
+    inductor = bucketing_pass(copy_graph_module(source), dataclasses.replace(ctx, codegen="inductor"))
+    for rs in (n for n in inductor.graph.nodes if n.target is RS):
+        packed = rs.args[0].args[0]
+        assert packed.target is aten.cat.default and packed.meta["val"].dtype == torch.float32
+    gm = bucketing_pass(source, ctx)
+    scatters = [n for n in gm.graph.nodes if n.target is RS]
+    assert len(scatters) == 3  # layers.1, layers.0, the root
+    for rs in scatters:
+        cast = rs.args[0]
+        assert cast.target is aten._to_copy.default and cast.kwargs == {"dtype": torch.float32}, rs.meta["hp_bucket"]
+        packed = cast.args[0].args[0]
+        assert packed.target is aten.cat.default and packed.meta["val"].dtype == torch.bfloat16
+        assert all(block.meta["val"].dtype == torch.bfloat16 for block in packed.args[0])
+        # Each block is a gradient in bf16 (a reshape of it), not an fp32 copy of one.
+        for block in packed.args[0]:
+            assert block.target is aten.reshape.default and block.args[0].target is not aten._to_copy.default

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from unittest import mock
 
 import torch
 
@@ -205,3 +206,49 @@ def _ancestors(node):
                 out.add(a)
                 frontier.append(a)
     return out
+
+
+def test_the_next_buffer_is_allocated_after_the_current_one_is_unpacked():
+    """What the placement is for, in the memory estimate of the whole compiled program: a unit's
+    parameters are strided in its gathered buffer and copied out of it, so the buffer dies once
+    unpacked; with the next gather issued only then, one gathered buffer is alive at a time in
+    forward, and the peak is lower than with the gather issued before the wait (as until
+    2026-11-28), which kept the next buffer, the current one and its copies alive together."""
+    import torch.nn as nn
+
+    import hyper_parallel as hp
+    import hyper_parallel.passes.prefetch as prefetch
+    from hyper_parallel.explain import compile_for_explain, fake_world
+    from hyper_parallel.memory import CATEGORIES, estimate_program
+
+    class Wide(nn.Module):  # parameters far larger than activations, so their buffers decide the peak
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(256, 256) for _ in range(4)])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x).relu()
+            return x.sum()
+
+    def forward_memory():
+        """(the most gathered-buffer bytes alive at once in forward, forward's peak)."""
+        with fake_world(2, 0):
+            mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+            with hp.init_empty_weights():
+                model = Wide()
+            plan = {"fully_shard": hp.FullyShard(units=("layers.*", ""))}
+            entry = compile_for_explain(model, plan, mesh, (torch.empty(4, 256, device="meta"),), None)._last_entry()
+        series = []
+        estimate = estimate_program(entry.program, entry.captured, series=series)
+        comm = CATEGORIES.index("comm_buffers")
+        return max(p["live"][comm] for p in series if p["phase"] == "forward"), estimate.peak_forward
+
+    unit = (256 * 256 + 256) * 4  # one layer's weight and bias, fp32, whole
+    gathered, peak = forward_memory()
+    assert gathered == unit
+    before_wait = lambda wait, issued: wait  # noqa: E731 - the old anchor: the wait itself
+    with mock.patch.object(prefetch, "_after_unpack", before_wait):
+        old_gathered, old_peak = forward_memory()
+    assert old_gathered == 2 * unit
+    assert old_peak - peak >= 0.95 * unit, (peak, old_peak)  # about one unit's parameters less

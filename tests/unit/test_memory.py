@@ -212,3 +212,26 @@ def test_tracker_counts_each_storage_once_until_it_dies():
     assert tracker.peak == 1024 + 8192
     assert tracker.current == 1024
     assert unique_storage_bytes([base, base[:3]]) == 1024
+
+
+def test_tracker_counts_storages_resized_in_place():
+    """PyTorch FSDP2 frees its unsharded parameters by resizing their storage to 0 bytes and
+    re-allocates them by resizing it back: no dispatch mode sees that, so the tracker wraps
+    UntypedStorage.resize_ while it is active."""
+    original = torch.UntypedStorage.resize_
+    unsharded = torch.empty(1000)  # made before the region, then freed in place as FSDP2 does
+    storage = unsharded.untyped_storage()
+    storage.resize_(0)
+    with MemoryTracker([unsharded]) as tracker:
+        assert tracker.baseline == 0
+        storage.resize_(4000)  # re-allocated: +4000 bytes
+        a = torch.empty(250)  # +1000
+        assert tracker.current == 5000
+        storage.resize_(0)  # freed: -4000
+        grown = torch.empty(10)
+        grown.untyped_storage().resize_(400)  # a tracked storage grows from 40 to 400 bytes
+        assert tracker.current == 1000 + 400
+        del a, grown
+    assert tracker.peak == 5000 and tracker.current == 0
+    assert tracker.peak_op == "aten.empty.memory_format"
+    assert torch.UntypedStorage.resize_ is original  # restored on exit
