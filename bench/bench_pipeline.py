@@ -26,7 +26,10 @@ seed 0 on every rank. Both systems cut at the same layer boundaries (stage ``s``
   actions, weight gradients filling the bubble; torch's order of the W steps is its own).
 
 A step is the pipeline step (forward + backward over all micro-batches) + ``SGD.step`` +
-``zero_grad``. Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
+``zero_grad``. Peak memory: one more step per side under ``MemoryTracker`` (tensors allocated through
+the dispatcher, parameters and optimizer state included; torch's stages keep the receive buffers
+they made at their first step outside it, hp's transfers are allocated inside its step), on the
+rank that holds the most. Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
 infers shapes), then ``--steps`` timed steps interleaved hp / torch, each after a barrier; a
 step's time is the slowest rank's; medians reported. hp's ``step`` also broadcasts the loss to every
 pp rank (torch leaves it on the last stage): that 4-byte broadcast is inside hp's time.
@@ -62,7 +65,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import build_model, launch  # noqa: E402
+from _harness import build_model, launch, step_peak  # noqa: E402
 from hyper_parallel.models.llama import causal_lm_loss  # noqa: E402
 
 DEFAULT_CONFIGS = "2:GPipe:4,2:1F1B:4,2:1F1B:8,4:GPipe:4,4:1F1B:4,4:1F1B:8"
@@ -267,6 +270,10 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
     dist.broadcast(torch_loss_end, src=world - 1)
     torch_opt.step()
     torch_opt.zero_grad(set_to_none=True)
+    # Peak memory of one more step per side (after the parity check), on the rank holding the most.
+    peaks = {"hyper_parallel": step_peak(lambda: _hp_step(hp_model, hp_opt, ids), hp_model.parameters(), hp_opt),
+             "torch_pipelining": step_peak(lambda: _torch_step(torch_schedule, torch_opt, ids),
+                                           stage_module.parameters(), torch_opt)}
     times = _slowest_rank([t_compile] + hp_times + torch_times)
     t_compile, hp_times, torch_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
     per_rank_bubble = report["measured_bubble"]
@@ -295,6 +302,8 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
                                  "all": torch_times},
         },
         "ratio_hp_over_torch": hp_med / torch_med,
+        "peak_bytes": peaks,
+        "ratio_peak_hp_over_torch": peaks["hyper_parallel"] / peaks["torch_pipelining"],
         "hp_bubble": {
             "measured_mean_over_ranks (median over steps)": statistics.median(bubbles),
             "measured_per_rank (last step)": per_rank_bubble,
@@ -334,14 +343,16 @@ def print_table(r: dict) -> None:
         print(f"pp={w['world']}: {w['layers']} layers, {w['params']:,} params, single-device step-0 loss "
               f"{w['loss_step0_single_device']:.6f}")
     print(f"\n{'pp':>3} {'schedule':>8} {'m':>3} {'hp (ms)':>9} {'torch (ms)':>11} {'hp/torch':>9} "
-          f"{'hp bubble':>10} {'analytic':>9} {'simulated':>10}")
+          f"{'hp bubble':>10} {'analytic':>9} {'simulated':>10} {'peak MB hp / torch':>19} {'ratio':>6}")
     for x in r["results"]:
         st, b = x["step_time_s"], x["hp_bubble"]
         print(f"{x['pp']:>3} {x['schedule']:>8} {x['num_microbatches']:>3} "
               f"{st['hyper_parallel']['median'] * 1e3:>9.1f} {st['torch_pipelining']['median'] * 1e3:>11.1f} "
               f"{x['ratio_hp_over_torch']:>9.2f} "
               f"{b['measured_mean_over_ranks (median over steps)']:>10.3f} {b['analytic']:>9.3f} "
-              f"{b['simulated (median over steps)']:>10.3f}")
+              f"{b['simulated (median over steps)']:>10.3f} "
+              f"{x['peak_bytes']['hyper_parallel'] / 1e6:>9.2f} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} "
+              f"{x['ratio_peak_hp_over_torch']:>6.2f}")
     print(f"\n{'pp':>3} {'schedule':>8} {'m':>3}  {'step-0 loss hp / torch (rel diff)':<38} "
           f"{'grad rel diff':>13}  {'loss after N updates hp / torch':<32}")
     for x in r["results"]:
