@@ -28,8 +28,10 @@ temporaries, see :class:`OptimizerModel`). Only storages on one device are count
 accelerator the program uses, else the CPU), so host copies (CPU offload) do not count against an
 accelerator.
 
-Not modelled: memory an op allocates and frees internally (kernel workspaces), allocator caching
-and fragmentation (``torch.cuda.memory_reserved`` minus allocated), buffers the communication
+Not modelled in the peak: memory an op allocates and frees internally (kernel workspaces),
+allocator caching and fragmentation (``torch.cuda.memory_reserved`` minus allocated; the separate
+``reserved_*`` fields replay the step through a model of the caching allocator,
+``allocator_model.py``), buffers the communication
 backend allocates outside torch's allocator, the Python-side references a caller keeps beyond
 the ones listed above, and inputs that share a storage (``labels`` the very tensor ``input_ids``
 is: each forward input is counted as its own storage).

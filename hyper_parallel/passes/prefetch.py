@@ -12,9 +12,9 @@ gradient reductions' waits are the next pass's (``overlap_reductions``).
 Why after the unpack rather than before the wait: a unit's parameters are strided in the gathered
 buffer (rank-major), so unpacking copies them out, and the buffer dies once they are copied. Issued
 before the wait, the next unit's buffer was allocated while the current one's buffer and its
-copies were both alive: three units' worth of parameters at once where two suffice (1.08-1.35x
-FSDP2's peak at 4 ranks in ``bench/bench_fsdp_step.py``, 2026-11-28). FSDP2 issues its prefetch
-after its copy-out too. The transfer starts later by the copies' time only.
+copies were both alive: three units' worth of parameters at once where two suffice (fp32, 4 ranks,
+``bench/bench_fsdp_step.py``, 2026-11-28: peak 36.00 -> 33.80 MB; FSDP2 36.59). FSDP2 issues its
+prefetch after its copy-out too. The transfer starts later by the copies' time only.
 
 Explicit lists (``set_modules_to_forward_prefetch`` / ``_backward_prefetch``, in
 ``ctx.explicit_prefetch``) are applied first: the listed units' gathers are issued after the unpack
