@@ -76,9 +76,9 @@ class _Builder:
     def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, annotations: dict):
         self.graph, self.anchor, self.annotations = graph, anchor, annotations
 
-    def __call__(self, target, args, val) -> torch.fx.Node:
+    def __call__(self, target, args, val, kwargs=None) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):
-            node = self.graph.call_function(target, args)
+            node = self.graph.call_function(target, args, kwargs)
         node.meta.update(self.annotations)
         node.meta["val"] = val
         return node
@@ -259,11 +259,7 @@ def _fuse_reduction(graph, members, label, phase: str = BACKWARD, pack_before_ca
     packed = emit(aten.cat.default, (blocks, 1), _fake(sample, [size, total], packed_dtype))
     flat = emit(aten.reshape.default, (packed, [-1]), _fake(sample, [size * total], packed_dtype))
     if casts:
-        with graph.inserting_before(anchor):
-            cast = graph.call_function(aten._to_copy.default, (flat,), dict(casts[0].kwargs))
-        cast.meta.update({meta.BUCKET: label, meta.ROLE: meta.ROLE_REDISTRIBUTE, PARTITIONER_TAG: tag_value(phase)})
-        cast.meta["val"] = _fake(sample, [size * total])
-        flat = cast
+        flat = emit(aten._to_copy.default, (flat,), _fake(sample, [size * total]), dict(casts[0].kwargs))
     if scatter:
         reduced = emit(members[0].target, (flat, op, *rest), _fake(sample, [total]))
     else:  # the packed buffer is this bucket's own: reduce it in place
