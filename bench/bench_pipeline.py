@@ -27,9 +27,10 @@ seed 0 on every rank. Both systems cut at the same layer boundaries (stage ``s``
 
 A step is the pipeline step (forward + backward over all micro-batches) + ``SGD.step`` +
 ``zero_grad``. Peak memory: one more step per side under ``MemoryTracker`` (tensors allocated through
-the dispatcher, parameters and optimizer state included; torch's stages keep the receive buffers
-they made at their first step outside it, hp's transfers are allocated inside its step), on the
-rank that holds the most. Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
+the dispatcher, parameters and optimizer state included; torch's stage keeps one receive buffer per
+micro-batch and transfer from its first step on, which are counted as held before the step with
+the parameters, where hp allocates its receive buffers inside each step), on the rank that holds
+the most. Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
 infers shapes), then ``--steps`` timed steps interleaved hp / torch, each after a barrier; a
 step's time is the slowest rank's; medians reported. hp's ``step`` also broadcasts the loss to every
 pp rank (torch leaves it on the last stage): that 4-byte broadcast is inside hp's time.
@@ -171,7 +172,14 @@ def _build(ref, args, schedule_name: str, m: int):
         cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule_name]
         torch_schedule = cls(stage, m, loss_fn=causal_lm_loss, scale_grads=True)
     torch_opt = torch.optim.SGD(stage_module.parameters(), lr=args.lr)
-    return hp_model, hp_opt, stage_module, torch_schedule, torch_opt
+    return hp_model, hp_opt, stage_module, stage, torch_schedule, torch_opt
+
+
+def _receive_buffers(stage) -> list[torch.Tensor]:
+    """The buffers a torch ``PipelineStage`` keeps from step to step to receive into: one per
+    micro-batch and value, activations (``args_recv_info``) and their gradients (``grad_recv_info``)."""
+    infos = [info for recv in (stage.args_recv_info, stage.grad_recv_info) for per_mb in recv.values() for info in per_mb]
+    return [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
 
 
 def _hp_step(model, opt, ids) -> torch.Tensor:
@@ -233,7 +241,7 @@ def _grad_rel_diff(hp_model, stage_module) -> tuple[float, str, int]:
 def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
     """Build both pipelines for one (schedule, m), check step 0, then time them interleaved."""
     world = dist.get_world_size()
-    hp_model, hp_opt, stage_module, torch_schedule, torch_opt = _build(ref, args, schedule_name, m)
+    hp_model, hp_opt, stage_module, torch_stage, torch_schedule, torch_opt = _build(ref, args, schedule_name, m)
 
     # Step 0: losses and gradients before any update, then the optimizer steps.
     dist.barrier()
@@ -273,7 +281,7 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
     # Peak memory of one more step per side (after the parity check), on the rank holding the most.
     peaks = {"hyper_parallel": step_peak(lambda: _hp_step(hp_model, hp_opt, ids), hp_model.parameters(), hp_opt),
              "torch_pipelining": step_peak(lambda: _torch_step(torch_schedule, torch_opt, ids),
-                                           stage_module.parameters(), torch_opt)}
+                                           [*stage_module.parameters(), *_receive_buffers(torch_stage)], torch_opt)}
     times = _slowest_rank([t_compile] + hp_times + torch_times)
     t_compile, hp_times, torch_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
     per_rank_bubble = report["measured_bubble"]

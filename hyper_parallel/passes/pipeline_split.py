@@ -32,37 +32,45 @@ reduction: the redistribution of the gradient output slot to the parameter's sto
 parameter's all-reduce), which the bucketing pass then fuses. Run once per micro-batch, that
 communicates M times the gradient volume of a step. Every redistribution is linear (sums, slices,
 concatenations, division by a constant), so reducing the sum of the M local gradients once gives the
-same numbers. Each stage therefore gets two variants of its joint graph (``no_sync_variant``,
-``sync_variant``), built before the passes run:
+same numbers. And the M micro-batch gradients are summed by the programs themselves: a
+micro-batch's backward takes the step's sum so far of each parameter gradient (one ``grad_accum``
+backward input per gradient slot, as ``propagation/accumulation.py`` adds for FSDP accumulation)
+and adds it right where the gradient is made (where its reduction would start), so it holds the
+sums plus the gradient being made, as autograd's ``.grad`` accumulation does; summed by the
+executor after the program returned, the sums and all of the micro-batch's new gradients were alive
+together (a 1.07x peak against torch.distributed.pipelining, docs/benchmarks.md). Each stage
+therefore gets up to three variants of its joint graph (``gradient_variant``), built before the
+passes run:
 
-* **no sync** (every micro-batch but the stage's last in the step): each gradient slot returns the
-  local, unreduced gradient (the value its reduction started from), and the reduction nodes are
-  gone. The executor sums these per parameter, as ``set_requires_gradient_sync(False)`` keeps FSDP
-  gradients aside (``fsdp/grad_accumulation.py``).
-* **sync** (the stage's last backward of the step in the schedule): one more backward input per
-  reduced gradient (a ``grad_accum`` input, as ``propagation/accumulation.py`` adds for FSDP
-  accumulation) holding the pending sum, added to the micro-batch's own gradient right before its
-  reduction. The passes then fuse and schedule these reductions as in any program.
+* **first** (the stage's first backward of the step): no sums to take yet; deferred reductions
+  removed, each such slot returns the local, unreduced gradient (the value its reduction started
+  from). (Zeros passed as sums would serve too, but allocate all the sums at the start of the first
+  backward, where GPipe holds every micro-batch's activations: 1.14x torch's peak, measured.)
+* **no sync** (the micro-batches in between): takes the sums, returns the new local sums, no
+  reduction, as ``set_requires_gradient_sync(False)`` keeps FSDP gradients aside
+  (``fsdp/grad_accumulation.py``).
+* **sync** (the stage's last backward of the step in the schedule): takes the sums and reduces them
+  once; the passes then fuse and schedule these reductions as in any program.
+
+With no reduction to defer (a stage mesh of one rank, tensor-parallel shards only) "no sync" and
+"sync" are one program; with two micro-batches there is no "no sync".
 
 Why this and not a separate "reduce" program run after the last backward: the sync variant's
 reductions are the same nodes as before, so bucketing fuses them per FSDP unit / DDP bucket and
 prefetch issues each unit's reduce-scatter right after that unit's backward, overlapped with the
 rest of the last micro-batch's backward, exactly as the per-micro-batch programs did (Megatron
 and torch.distributed.pipelining also reduce during the last backward). A reduce-only program would
-start communicating only after all compute, with nothing to overlap, and would be a third program
+start communicating only after all compute, with nothing to overlap, and would be one more program
 per stage going through the passes with phases of its own. The cost of either: the pending local
 gradients of a stage live from its first backward to its last (for FSDP, unsharded, as FSDP's
 no-sync accumulation keeps them). The pending inputs are tangents (backward inputs), so the forward
 of the last micro-batch, which 1F1B runs before the earlier micro-batches' backwards, does not take
 them.
 
-A gradient whose way to its storage layout has no collective (a stage mesh of one rank, a
-tensor-parallel shard) is left alone: the executor adds it up as before.
-
 Reads: ``partitioner_tag`` / ``hp_fsdp_phase`` (phase), ``nn_module_stack``,
 ``fwd_nn_module_stack``, ``seq_nr``, ``val``; for the variants ``hp_grad_of`` and ``hp_role``.
 Writes: new GraphModules (the input graph is not changed); every stage node keeps its meta; the
-sync variant's adds get ``hp_role = "accumulate"`` and the backward tag.
+variants' adds get ``hp_role = "accumulate"`` and the backward tag.
 """
 
 from __future__ import annotations
@@ -84,7 +92,7 @@ SEND_FWD, SEND_BWD = OutputKind.SEND_FWD, OutputKind.SEND_BWD
 # forward output of the last stage, like the loss.
 LOSS_COUNT = OutputKind.LOSS_COUNT
 _FORWARD_OUTPUTS = (OutputKind.OUTPUT, LOSS_COUNT)
-GRAD_ACCUM = InputKind.GRAD_ACCUM  # the sync variant's pending gradient sums (backward inputs)
+GRAD_ACCUM = InputKind.GRAD_ACCUM  # the step's running gradient sums (backward inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,47 +416,55 @@ def deferred_parameters(graph: StageGraph) -> tuple[str, ...]:
     return tuple(c.fqn for c in _reduction_chains(graph.gm, graph))
 
 
-def no_sync_variant(graph: StageGraph, gm: torch.fx.GraphModule) -> StageGraph:
-    """``graph`` whose gradient slots return the local unreduced gradients (module docstring).
-    ``gm``: a copy of ``graph.gm`` to rewrite."""
-    chains = _reduction_chains(gm, graph)
-    out = gm.graph.output_node()
-    slots = list(out.args[0])
-    for chain in chains:
-        slots[chain.slot] = chain.start
-    out.args = (tuple(slots),)
-    doomed = set().union(*(c.nodes for c in chains)) if chains else set()
-    for node in reversed(list(gm.graph.nodes)):
-        if node in doomed:
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return dataclasses.replace(graph, gm=gm)
-
-
-def sync_variant(graph: StageGraph, gm: torch.fx.GraphModule) -> StageGraph:
-    """``graph`` with one ``grad_accum`` backward input per deferred gradient, added to the
-    micro-batch's own gradient right before its reduction (module docstring). ``gm``: a copy of
-    ``graph.gm`` to rewrite."""
-    chains = _reduction_chains(gm, graph)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+def gradient_variant(graph: StageGraph, gm: torch.fx.GraphModule, *, reduce: bool,
+                     running_sums: bool) -> StageGraph:
+    """``graph`` rewritten for one place in the step (module docstring). ``reduce=False``: the
+    deferred reductions are removed and those slots return the local unreduced value.
+    ``running_sums``: one ``grad_accum`` backward input per parameter gradient slot, the step's sum
+    so far, added right after the value the slot's reduction starts from (the slot's value when it
+    has none), so the slot returns (or reduces) the new sum. ``gm``: a copy of ``graph.gm`` to
+    rewrite."""
+    chains = {c.slot: c for c in _reduction_chains(gm, graph)}
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     tangents = sum(1 for p in placeholders if "tangents" in p.name)
     inputs = list(graph.inputs)
     last = placeholders[-1]
-    for k, chain in enumerate(chains):
+    out = gm.graph.output_node()
+    slots = list(out.args[0])
+    for i, (value, info) in enumerate(zip(slots, graph.outputs)):
+        if info.kind != OutputKind.GRAD or not isinstance(value, torch.fx.Node):
+            continue
+        chain = chains.get(i)
+        start = chain.start if chain is not None else value
+        if not running_sums:
+            if not reduce:
+                slots[i] = start
+            continue
         # A tangent by name: a backward input, which the forward program never takes.
+        tangents += 1
         with gm.graph.inserting_after(last):
-            pending = gm.graph.placeholder(f"tangents_{tangents + k + 1}")
-        pending.meta["val"] = chain.start.meta["val"]
+            pending = gm.graph.placeholder(f"tangents_{tangents}")
+        pending.meta["val"] = start.meta["val"]
         last = pending
-        inputs.append(InputInfo(GRAD_ACCUM, chain.fqn, -1))
-        first = min(chain.nodes, key=order.__getitem__)
-        with gm.graph.inserting_before(first):
-            total = gm.graph.call_function(torch.ops.aten.add.Tensor, (chain.start, pending))
-        total.meta.update({"val": chain.start.meta["val"], meta.ROLE: meta.ROLE_ACCUMULATE,
-                           meta.SOURCE: chain.start.meta.get(meta.SOURCE, chain.start.name)})
+        inputs.append(InputInfo(GRAD_ACCUM, info.name, -1))
+        # In place into the sum (as autograd accumulates into ``.grad``): an out-of-place add would
+        # hold the old sum, the gradient and the new sum at once, one more of the largest
+        # gradient (the embedding's) at the peak. ``pending + start`` rounds as ``start + pending``.
+        with gm.graph.inserting_after(start if start.op != "placeholder" else last):
+            total = gm.graph.call_function(torch.ops.aten.add_.Tensor, (pending, start))
+        total.meta.update({"val": start.meta["val"], meta.ROLE: meta.ROLE_ACCUMULATE,
+                           meta.SOURCE: start.meta.get(meta.SOURCE, start.name)})
         tag(total, BACKWARD)
-        for node in chain.nodes:
-            node.replace_input_with(chain.start, total)
+        if chain is not None and reduce:
+            for node in chain.nodes:
+                node.replace_input_with(start, total)
+        else:
+            slots[i] = total
+    out.args = (tuple(slots),)
+    if not reduce:
+        doomed = set().union(*(c.nodes for c in chains.values())) if chains else set()
+        for node in reversed(list(gm.graph.nodes)):
+            if node in doomed:
+                gm.graph.erase_node(node)
     gm.recompile()
     return dataclasses.replace(graph, gm=gm, inputs=inputs)

@@ -6,9 +6,11 @@ stages. The first ``pmodel.step(inputs, targets)`` for an input signature compil
 
     capture (one micro-batch, forward returning the loss) → propagate → lower
     → split into stages (passes/pipeline_split.py; cut points from the plan or chosen by auto.py)
-    → for each stage this rank runs: passes → forward/backward partition, for two variants of the
-      stage when it reduces gradients (passes/pipeline_split.py): no sync (local gradients kept for
-      the step) and sync (the stage's last micro-batch: adds them and reduces once)
+    → for each stage this rank runs: passes → forward/backward partition, for each variant of the
+      stage with several micro-batches (passes/pipeline_split.py): first (its first micro-batch:
+      no gradient sums yet), no sync (adds its gradients to the step's local sums) and sync (the
+      stage's last micro-batch: adds them and reduces the sums once; no sync and sync are one
+      program when the stage has no reduction to defer)
     → for a split-backward schedule (ZB-H1; the stages a CustomSchedule runs with BACKWARD_INPUT /
       BACKWARD_WEIGHT steps), each variant's backward cut into an input-gradient and a
       weight-gradient program (runtime/partition.py:split_backward; the reductions go with the
@@ -19,7 +21,8 @@ schedule (runtime.py) over the micro-batches. The compile summary counts each pr
 (``collectives``, one run), how often a step runs it (``runs_per_step``) and their product
 (``collectives_per_step``, ``gradient_reductions_per_step``: this rank's bytes per training step).
 Programs are named ``stage<s> forward``, ``stage<s> backward`` (or, split, ``stage<s> backward
-input`` and ``stage<s> backward weight``), with `` (no sync)`` for the no-sync variant.
+input`` and ``stage<s> backward weight``), with `` (no sync)`` for the no-sync variant and `` (first
+micro-batch)`` for the first one.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from ..compile.driver import (
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..ir import meta
 from ..progress import Progress
-from ..passes.pipeline_split import StageGraph, deferred_parameters, no_sync_variant, split_stages, sync_variant
+from ..passes.pipeline_split import StageGraph, deferred_parameters, gradient_variant, split_stages
 from ..runtime import agreement_gate
 from ..runtime.agreement_gate import insert_gate
 from ..runtime.autocast_state import autocast_state, describe as describe_autocast, programs_run_as_captured
@@ -62,7 +65,10 @@ from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count, loss_combination, loss_source
 from .plan import AUTO, DEFAULT_INPUT, TARGETS, BatchDimSpec, ResolvedPipeline
-from .runtime import PipelineExecutor, StageProgram, flat_steps, program_for, split_stage_backward, sync_microbatches
+from .runtime import (
+    PipelineExecutor, StageProgram, first_microbatches, flat_steps, program_for, split_stage_backward, sync_microbatches,
+    variants_of,
+)
 from .schedules import (
     CustomSchedule, MetaStepType, analytic_bubble, equal_stage_bubble, format_schedule, simulate,
     split_backward_stages,
@@ -70,7 +76,10 @@ from .schedules import (
 
 log = logging.getLogger(__name__)
 
-NO_SYNC = " (no sync)"  # name suffix of a stage's no-sync programs (summary keys)
+# Name suffixes of a stage's variants (summary keys; dump folders without the parentheses).
+NO_SYNC = " (no sync)"
+FIRST = " (first micro-batch)"
+_VARIANT_FOLDERS = {NO_SYNC: "no_sync", FIRST: "first_microbatch"}
 
 
 @dataclasses.dataclass
@@ -439,16 +448,14 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     reductions = {}
     for s in resolved.local_stages:
         graph = stages[s]
-        # Gradients reduced once per step (passes/pipeline_split.py): the sync variant (the stage's last
-        # micro-batch) keeps the plain names and dump folders, the no-sync variant is beside it.
+        # Gradients summed by the programs and reduced once per step (passes/pipeline_split.py): the
+        # variant of the stage's last micro-batch keeps the plain names and dump folders, the others
+        # are beside it. One micro-batch: the plain graph.
         deferred = deferred_parameters(graph) if plan.num_microbatches > 1 else ()
-        variants = {"": graph}
-        if deferred:
-            variants = {"": sync_variant(graph, copy_graph_module(graph.gm)),
-                        NO_SYNC: no_sync_variant(graph, copy_graph_module(graph.gm))}
+        variants = gradient_variants(graph, plan.num_microbatches, deferred)
         built = {}
         for suffix, variant in variants.items():
-            folder = os.path.join(f"stage{s}", "no_sync") if suffix else f"stage{s}"
+            folder = os.path.join(f"stage{s}", _VARIANT_FOLDERS[suffix]) if suffix else f"stage{s}"
             dump_dir = state.options.dump_dir
             stage_dumper = Dumper(os.path.join(dump_dir, folder) if dump_dir else None, rank)
             stage_dumper.graph("split", variant.gm)
@@ -459,7 +466,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             insert_gate(forward_gm)  # a reused step's agreement is waited for before the first collective
             stage_dumper.graph("forward", forward_gm)
             stage_dumper.graph("backward", backward_gm)
-            program = StageProgram(s, forward_gm, backward_gm, variant)
+            program = StageProgram(s, forward_gm, backward_gm, variant, name_suffix=suffix)
             colls[f"stage{s} forward{suffix}"] = collectives(forward_gm, axis_of_group)
             backwards = {"backward": backward_gm}
             if s in split_backward:
@@ -476,8 +483,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
                 program.runners = {name: generate(gm, f"stage{s}{suffix}.{name}", stage_dumper)
                                    for name, gm in programs_run.items()}
             built[suffix] = program
-        programs[s] = (dataclasses.replace(built[NO_SYNC], deferred=frozenset(deferred), sync=built[""])
-                       if deferred else built[""])
+        programs[s] = stage_program(built, deferred)
     # The ranks of this stage mesh run the same stages: the plain path's check among them.
     check_spmd_on_mesh(colls, state.mesh)
 
@@ -522,10 +528,40 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
                         "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) sees only this rank's stages, "
                         "so each pp rank would clip by its own norm instead of the model's")
     progress.done(f"{len(programs)} stage program{'s' if len(programs) != 1 else ''} on this rank")
-    stage_programs = [p for program in programs.values() for p in (program, program.sync) if p is not None]
+    stage_programs = [p for program in programs.values() for p in variants_of(program)]
     drawn = {axis for p in stage_programs for axis in replicated_random_axes(p.forward_gm, state.mesh)}
     random_axes = tuple(a for a in state.mesh.mesh_dim_names if a in drawn)
     return PipelineEntry(tuple(split_points), stages, programs, executor, schedule, summary, random_axes)
+
+
+def gradient_variants(graph: StageGraph, num_microbatches: int, deferred: tuple[str, ...]) -> dict[str, StageGraph]:
+    """The variants of a stage's graph that its micro-batches run, by name suffix
+    (passes/pipeline_split.py); ``deferred``: the parameters whose reduction it defers. One program
+    with one micro-batch, or when the stage makes no parameter gradient (nothing to sum)."""
+    if num_microbatches == 1 or not any(i.kind == OutputKind.GRAD for i in graph.outputs):
+        return {"": graph}
+
+    def variant(**how) -> StageGraph:
+        return gradient_variant(graph, copy_graph_module(graph.gm), **how)
+
+    variants = {FIRST: variant(reduce=False, running_sums=False), "": variant(reduce=True, running_sums=True)}
+    if deferred and num_microbatches > 2:
+        variants[NO_SYNC] = variant(reduce=False, running_sums=True)
+    return variants
+
+
+def stage_program(built: dict[str, StageProgram], deferred: tuple[str, ...]) -> StageProgram:
+    """What the executor holds for a stage, from its compiled variants (``gradient_variants``): the
+    program its middle micro-batches run, with ``first`` and ``sync`` for the first and last one
+    where they differ (runtime.program_for)."""
+    if len(built) == 1:
+        return built[""]
+    if not deferred:  # the last micro-batch runs the middle ones' program
+        return dataclasses.replace(built[""], first=built[FIRST])
+    first = dataclasses.replace(built[FIRST], deferred=frozenset(deferred))
+    if NO_SYNC not in built:  # two micro-batches: first and sync
+        return dataclasses.replace(first, sync=built[""])
+    return dataclasses.replace(built[NO_SYNC], deferred=frozenset(deferred), first=first, sync=built[""])
 
 
 _PROGRAM_OF_STEP = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "backward",
@@ -534,16 +570,15 @@ _PROGRAM_OF_STEP = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "bac
 
 def runs_per_step(schedule: list, programs: dict[int, StageProgram]) -> dict[str, int]:
     """Program name (as in the summary's ``collectives``) -> how often one step runs it."""
-    sync_mb = sync_microbatches(schedule)
+    first_mb, sync_mb = first_microbatches(schedule), sync_microbatches(schedule)
     runs: dict[str, int] = {}
     for step in flat_steps(schedule):
         phase = _PROGRAM_OF_STEP.get(step.step_type)
         if phase is None:
             continue
         program = programs[step.stage]
-        variant = program_for(program, step.micro_batch, sync_mb)
-        suffix = NO_SYNC if program.sync is not None and variant is program else ""
-        name = f"stage{step.stage} {phase}{suffix}"
+        variant = program_for(program, step.micro_batch, first_mb, sync_mb)
+        name = f"stage{step.stage} {phase}{variant.name_suffix}"
         runs[name] = runs.get(name, 0) + 1
     return dict(sorted(runs.items()))
 

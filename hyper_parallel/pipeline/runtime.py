@@ -8,20 +8,21 @@ rank's list of :class:`~hyper_parallel.pipeline.schedules.MetaStep`:
 * ``FWD_RECV`` / ``BWD_RECV`` post the receives of every value the stage reads from other ranks for
   that micro-batch (``torch.distributed`` ``irecv`` into buffers of the recorded shape and dtype);
 * ``FORWARD`` waits for them, runs the forward program and keeps its saved tensors per micro-batch;
-  ``BACKWARD`` runs the backward program on them plus the received gradients, adds the parameter
-  gradients into a per-step accumulator and frees the saved tensors. Gradients are reduced once per
-  step (passes/pipeline_split.py): a stage's micro-batches run its no-sync programs, whose backward
-  returns local unreduced gradients (summed here, per parameter), except the micro-batch of the
-  stage's last backward in the schedule, which runs the sync programs: their backward takes those
-  sums as ``grad_accum`` inputs and reduces everything once with the fused collectives;
+  ``BACKWARD`` runs the backward program on them, the received gradients and the step's running
+  gradient sums, and frees the saved tensors. The programs sum the micro-batch gradients themselves
+  (passes/pipeline_split.py): backward takes each parameter's running sum as a ``grad_accum`` input,
+  adds it where the gradient is made and returns the new sum, so the sums and one new gradient are
+  alive at a time; the stage's first micro-batch runs its *first* variant, which has no sum to take.
+  Gradients are reduced once per step: the micro-batches run no-sync variants, whose sums stay local
+  and unreduced, except the micro-batch of the stage's last backward in the schedule, which runs
+  the *sync* variant: it reduces the sums once with the fused collectives;
 * zero-bubble schedules (ZB-H1) split each backward in two (``runtime/partition.py:split_backward``,
   both variants): ``BACKWARD_INPUT`` runs the input-gradient program I on the saved tensors it
   reads and the received gradients, routes its sends, keeps I's hand-off (values W reads) and the
   backward inputs only W reads, and frees the other saved tensors; ``BACKWARD_WEIGHT`` runs the
-  weight-gradient program W on those later, adds the parameter gradients like ``BACKWARD`` and
-  frees them. The sync variant then runs the micro-batch of the stage's last W: the reductions are
-  in its W (they read only parameter gradients), which takes the ``grad_accum`` sums when it runs,
-  after every other micro-batch's W has added its gradient;
+  weight-gradient program W on those later, with the ``grad_accum`` sums (I never reads them), and
+  frees them. The sync variant runs the micro-batch of the stage's last W, which holds the
+  reductions (they read only parameter gradients);
 * ``FWD_SEND`` / ``BWD_SEND`` post ``isend`` of the values other stages read, batched per step.
 
 Values between two stages on the same rank (interleaved schedules with one pp rank) are handed
@@ -64,6 +65,17 @@ def flat_steps(schedule: list[MetaStep]) -> list[MetaStep]:
     return [sub for step in schedule for sub in (step.sub_steps or (step,))]
 
 
+def first_microbatches(schedule: list[MetaStep]) -> dict[int, int]:
+    """Stage -> the micro-batch of its first backward in this rank's schedule (its first
+    BACKWARD_WEIGHT when backwards are split: parameter gradients are made there): the one that runs
+    the first variant, which has no gradient sums to take yet (passes/pipeline_split.py)."""
+    firsts: dict[int, int] = {}
+    for step in flat_steps(schedule):
+        if step.step_type in (T.BACKWARD, T.BACKWARD_WEIGHT):
+            firsts.setdefault(step.stage, step.micro_batch)
+    return firsts
+
+
 def sync_microbatches(schedule: list[MetaStep]) -> dict[int, int]:
     """Stage -> the micro-batch of its last backward in this rank's schedule (its last
     BACKWARD_WEIGHT when backwards are split: parameter gradients are complete only after it): the
@@ -72,21 +84,33 @@ def sync_microbatches(schedule: list[MetaStep]) -> dict[int, int]:
             if step.step_type in (T.BACKWARD, T.BACKWARD_WEIGHT)}
 
 
-def program_for(program: StageProgram, mb: int, sync_mb: dict[int, int]) -> StageProgram:
-    """The variant of ``program`` that runs micro-batch ``mb``."""
-    sync = getattr(program, "sync", None)  # (stand-ins for a StageProgram may lack it)
-    return sync if sync is not None and sync_mb.get(program.stage) == mb else program
+def program_for(program: StageProgram, mb: int, first_mb: dict[int, int], sync_mb: dict[int, int]) -> StageProgram:
+    """The variant of ``program`` that runs micro-batch ``mb`` (every step of it: forward, backward,
+    or I and W, so the saved tensors and hand-offs fit)."""
+    # (Stand-ins for a StageProgram may lack the variants.)
+    sync, first = getattr(program, "sync", None), getattr(program, "first", None)
+    if sync is not None and sync_mb.get(program.stage) == mb:
+        return sync
+    if first is not None and first_mb.get(program.stage) == mb:
+        return first
+    return program
+
+
+def variants_of(program: StageProgram) -> list[StageProgram]:
+    """``program`` and its first and sync variants, where it has them."""
+    return [p for p in (program, program.first, program.sync) if p is not None]
 
 
 @dataclasses.dataclass
 class StageProgram:
-    """One stage's compiled programs and the description of their inputs and outputs.
+    """One stage's compiled programs (one variant) and the description of their inputs and outputs.
 
-    With gradient reduction once per step (passes/pipeline_split.py) this is the *no-sync* variant: backward
-    returns the local unreduced gradients of ``deferred`` parameters, and ``sync`` is the variant
-    that runs the stage's last micro-batch of the step (it takes their pending sums as
-    ``grad_accum`` inputs and reduces once). Without deferred gradients ``sync`` is None and this
-    program runs every micro-batch."""
+    With several micro-batches a stage has variants (passes/pipeline_split.py): the program the
+    executor holds runs the micro-batches between the first and the last, ``first`` (no gradient
+    sums to take) the stage's first and ``sync`` its last, where they differ (``program_for``).
+    The backward of all but ``first`` takes the step's running sum of each parameter gradient
+    (``grad_accum`` inputs) and returns the new sum; the sums of ``deferred`` parameters stay local
+    and unreduced until ``sync`` reduces them once."""
 
     stage: int
     forward_gm: torch.fx.GraphModule
@@ -94,6 +118,8 @@ class StageProgram:
     graph: StageGraph
     deferred: frozenset = frozenset()
     sync: "StageProgram | None" = None
+    first: "StageProgram | None" = None  # the variant of the stage's first micro-batch (no sums to take)
+    name_suffix: str = ""  # of its summary names (api.NO_SYNC, api.FIRST)
     split: BackwardSplit | None = None  # backward_gm cut into I and W (split_stage_backward)
     # What runs in place of each program ("forward", "backward", "backward_input",
     # "backward_weight") with codegen="inductor" (codegen.generate); the GraphModules otherwise.
@@ -173,7 +199,7 @@ class PipelineExecutor:
         self.pp_group = pp_group
         self.device = device
         self.loss_dtype = loss_dtype
-        self.sync_mb = sync_microbatches(schedule)
+        self.first_mb, self.sync_mb = first_microbatches(schedule), sync_microbatches(schedule)
         self.tag_of = {(t.name, t.dst): i for i, t in enumerate(transfers)}
         self.num_transfers = max(len(transfers), 1)
         self.last_timing: StepTiming | None = None
@@ -205,8 +231,10 @@ class PipelineExecutor:
         handoff: dict = {}  # (stage, mb) -> what its BACKWARD_WEIGHT reads (_HandOff), from its BACKWARD_INPUT
         outgoing: dict = {}  # (stage, mb, phase) -> {transfer: tensor}
         in_flight_sends: list = []  # (work, tensors): a sent value lives until its send completes
+        # FQN -> the step's gradient sum so far (local and unreduced while ``unreduced`` names it,
+        # until the stage's sync program reduces it); the gradients at the end.
         grads: dict[str, torch.Tensor] = {}
-        pending: dict[str, torch.Tensor] = {}  # FQN -> sum of the local unreduced gradients so far
+        unreduced: set[str] = set()
         loss_sum = count_sum = None
         seeds: dict[int, torch.Tensor] = {}  # micro-batch -> its backward's starting gradient
         scale = 1.0 / self.num_microbatches
@@ -217,7 +245,7 @@ class PipelineExecutor:
             kind, s, mb = step.step_type, step.stage, step.micro_batch
             if forward_only and kind not in _FORWARD_STEPS:
                 continue
-            program = program_for(self.programs[s], mb, self.sync_mb)
+            program = program_for(self.programs[s], mb, self.first_mb, self.sync_mb)
             # Transfers and backward programs (their reductions) come after the step's agreement;
             # a forward program waits for it at its own first collective (runtime/agreement_gate.py),
             # so the first stage computes while it is exchanged.
@@ -285,7 +313,7 @@ class PipelineExecutor:
             elif kind in (T.BACKWARD, T.BACKWARD_INPUT):
                 split = kind is T.BACKWARD_INPUT
                 # A split backward's grad_accum sums are read by its W, when every other W has run.
-                args, accum = self._backward_args(program, s, mb, saved, received, pending_recv, seeds, pending,
+                args, accum = self._backward_args(program, s, mb, saved, received, pending_recv, seeds, grads,
                                                   scale, defer_accum=split)
                 start = time.perf_counter() - t0
                 if split:
@@ -303,21 +331,21 @@ class PipelineExecutor:
                     with torch.no_grad():
                         outs = program.run("backward")(args)
                     del args
-                    self._add_gradients(program, zip(program.primal_infos, outs), grads, pending)
+                    self._add_gradients(program, zip(program.primal_infos, outs), grads, unreduced)
                     sends = outs[len(program.primal_infos):]
                 self._route(program.sends[BACKWARD], sends, s, mb, BACKWARD, outgoing, received)
                 del outs, sends
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             elif kind is T.BACKWARD_WEIGHT:
                 cut, given = program.split, handoff.pop((s, mb))
-                sums = {i: pending.pop(name) for i, name in given.accum.items()}  # complete now
+                sums = {i: self._running_sum(grads, name) for i, name in given.accum.items()}
                 w_args = given.values + [sums[i] if i in sums else given.direct[i] for i in cut.weight_args]
                 del given, sums
                 start = time.perf_counter() - t0
                 with torch.no_grad():
                     outs = program.run("backward_weight")(w_args)
                 self._add_gradients(program, ((program.primal_infos[slot], g) for slot, g
-                                              in zip(cut.weight_outputs, outs, strict=True)), grads, pending)
+                                              in zip(cut.weight_outputs, outs, strict=True)), grads, unreduced)
                 del outs
                 events.append((repr(step), s, start, time.perf_counter() - t0))
             else:
@@ -329,7 +357,7 @@ class PipelineExecutor:
                 )
         for work, _ in in_flight_sends:
             work.wait()
-        if saved or handoff or pending_recv or pending:
+        if saved or handoff or pending_recv or unreduced:
             # A forward without its backward (or an input gradient without its weight gradient, a
             # value received for nothing, gradients no sync variant reduced): missing gradients.
             left = []
@@ -340,8 +368,8 @@ class PipelineExecutor:
                             "BACKWARD_WEIGHT did not run")
             if pending_recv:
                 left.append(f"the receives {sorted(pending_recv)}, which no step read")
-            if pending:
-                left.append(f"the unreduced gradients of {sorted(pending)[:3]}, which no sync backward reduced")
+            if unreduced:
+                left.append(f"the unreduced gradients of {sorted(unreduced)[:3]}, which no sync backward reduced")
             raise internal_error(
                 "the pipeline executor", f"the step ended with {' and '.join(left)}, so the gradients would be "
                 "incomplete", workaround="another PipelinePlan(schedule=...)",
@@ -352,10 +380,10 @@ class PipelineExecutor:
         return loss_sum, count_sum, grads
 
     def _backward_args(self, program: StageProgram, s: int, mb: int, saved: dict, received: dict,
-                       pending_recv: dict, seeds: dict, pending: dict, scale: float,
+                       pending_recv: dict, seeds: dict, grads: dict, scale: float,
                        defer_accum: bool) -> tuple[list, dict[int, str]]:
         """Backward's inputs for micro-batch ``mb``: its saved tensors, then the loss's seed, the
-        received gradients and the pending sums (``grad_accum``), and {input index: FQN} of the sums
+        received gradients and the running sums (``grad_accum``), and {input index: FQN} of the sums
         left out (None) with ``defer_accum``, for the W step to read when it runs."""
         args, accum = saved.pop((s, mb)), {}
         for info in program.tangent_infos:
@@ -368,21 +396,41 @@ class PipelineExecutor:
             elif defer_accum:
                 accum[len(args)] = info.name
                 args.append(None)
-            else:  # GRAD_ACCUM: the sync variant reduces them with its own
-                args.append(pending.pop(info.name))
+            else:  # GRAD_ACCUM
+                args.append(self._running_sum(grads, info.name))
         return args, accum
 
     @staticmethod
-    def _add_gradients(program: StageProgram, slots, grads: dict, pending: dict) -> None:
-        """Add a backward's parameter gradients ((InputInfo, gradient) pairs) into this step's."""
+    def _running_sum(grads: dict, fqn: str) -> torch.Tensor:
+        """The step's sum of ``fqn``'s gradient so far, taken out of ``grads`` (the program frees it
+        after its add)."""
+        total = grads.pop(fqn, None)
+        if total is None:
+            raise internal_error(
+                "the pipeline executor", f"a backward program takes the running gradient sum of {fqn}, which "
+                "no earlier micro-batch of its stage made (the first micro-batch's variant makes it)",
+                workaround="another PipelinePlan(schedule=...)",
+            )
+        return total
+
+    @staticmethod
+    def _add_gradients(program: StageProgram, slots, grads: dict, unreduced: set) -> None:
+        """Take a backward's parameter gradients ((InputInfo, gradient) pairs) into this step's."""
         for info, g in slots:
-            if info.kind == InputKind.PARAM and g is not None:
-                # Unreduced (no-sync variant) gradients wait for the sync variant.
-                into = pending if info.name in program.deferred else grads
-                if info.name in into:
-                    into[info.name].add_(g)  # the first one is this step's own buffer
-                else:
-                    into[info.name] = g
+            if info.kind != InputKind.PARAM or g is None:
+                continue
+            # The new running sum (a program that takes the sum took it out of ``grads``), or the
+            # stage's first gradient. (No built schedule runs a program without sums twice for a
+            # stage in one step; were one to, its gradients are still added, not dropped.)
+            if info.name in grads:
+                grads[info.name].add_(g)
+            else:
+                grads[info.name] = g
+            # The no-sync variant's sums wait for the sync variant to reduce them.
+            if info.name in program.deferred:
+                unreduced.add(info.name)
+            else:
+                unreduced.discard(info.name)
 
     def _take(self, received: dict, pending: dict, key):
         work = pending.pop(key, None)

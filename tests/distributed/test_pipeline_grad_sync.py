@@ -113,10 +113,10 @@ def pipeline_parity(plan: dict, split_points, schedule: str, stages_per_rank: in
 
 def _gate_positions(entry) -> dict:
     """{stage forward program: (indices of its agreement waits, index of its first collective)}, for
-    this rank's stages, both variants."""
+    this rank's stages, every variant."""
     positions = {}
     for s, program in entry.programs.items():
-        for variant, p in (("no sync", program), ("sync", program.sync)):
+        for variant, p in (("no sync", program), ("first", program.first), ("sync", program.sync)):
             if p is None:
                 continue
             nodes = list(p.forward_gm.graph.nodes)
@@ -167,12 +167,14 @@ def test_gradients_reduced_once_per_step_at_single_device_parity(dist4, plain, c
     for r in results:
         summary = r["summary"]
         assert summary["num_stages"] == len(split_points) + 1
-        # Each local stage runs its sync variant once per step and the no-sync one M-1 times; the
-        # no-sync backward reduces nothing over dp, the sync one does.
+        # Each local stage runs its sync variant once per step, its first variant once and the
+        # no-sync one M-2 times; only the sync backward reduces over dp.
         for s in summary["local_stages"]:
             assert summary["runs_per_step"][f"stage{s} backward"] == 1, summary["runs_per_step"]
-            assert summary["runs_per_step"][f"stage{s} backward (no sync)"] == NUM_MICROBATCHES - 1
-            assert _summary_reduction_bytes(summary["collectives"][f"stage{s} backward (no sync)"]) == 0
+            assert summary["runs_per_step"][f"stage{s} backward (first micro-batch)"] == 1
+            assert summary["runs_per_step"][f"stage{s} backward (no sync)"] == NUM_MICROBATCHES - 2
+            for variant in (" (no sync)", " (first micro-batch)"):
+                assert _summary_reduction_bytes(summary["collectives"][f"stage{s} backward{variant}"]) == 0
             assert _summary_reduction_bytes(summary["collectives"][f"stage{s} backward"]) > 0
         # pipeline_report() gives every pp rank's per-step numbers (those of its compile summary).
         pp_rank = r["rank"] // 2

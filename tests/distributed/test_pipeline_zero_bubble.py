@@ -57,10 +57,12 @@ def test_two_stages_match_single_device(dist2, overlap_p2p, ignore_fraction):
     assert set(results[0]["params"]) | set(results[1]["params"]) == set(results[0]["all_params"])
     _executed_order_is_the_schedules(results, 2)
     for rank, r in enumerate(results):
-        # A one-rank stage mesh reduces nothing: one variant, its backward split in two, run per
-        # micro-batch; the split programs replace the whole backward in the summary.
-        assert r["summary"]["runs_per_step"] == {f"stage{rank} {name}": NUM_MICROBATCHES
-                                                 for name in ("backward input", "backward weight", "forward")}
+        # A one-rank stage mesh reduces nothing: the stage's first micro-batch runs the variant
+        # without gradient sums, the others the one adding into them; each backward split in two,
+        # the split programs replace the whole backward in the summary.
+        names = ("backward input", "backward weight", "forward")
+        assert r["summary"]["runs_per_step"] == {**{f"stage{rank} {name}": NUM_MICROBATCHES - 1 for name in names},
+                                                 **{f"stage{rank} {name} (first micro-batch)": 1 for name in names}}
         assert f"stage{rank} backward" not in r["summary"]["collectives"]
     report = results[0]["report"]
     assert report["analytic_bubble"] == analytic_bubble(2, NUM_MICROBATCHES, schedule="ZBH1") == pytest.approx(1 / 13)
@@ -87,15 +89,17 @@ def test_pp_by_dp_reduces_gradients_once_per_step_in_the_last_w(dist4, family):
     for r in results:
         summary, (s,) = r["summary"], r["summary"]["local_stages"]
         runs = summary["runs_per_step"]
-        # Both variants are split; the sync one runs the stage's last micro-batch (I and W), the
-        # no-sync one the others.
+        # Every variant is split; the sync one runs the stage's last micro-batch (I and W), the
+        # first one its first micro-batch, the no-sync one the others.
         for name in ("forward", "backward input", "backward weight"):
-            assert runs[f"stage{s} {name}"] == 1 and runs[f"stage{s} {name} (no sync)"] == NUM_MICROBATCHES - 1, runs
+            assert runs[f"stage{s} {name}"] == 1 and runs[f"stage{s} {name} (first micro-batch)"] == 1, runs
+            assert runs[f"stage{s} {name} (no sync)"] == NUM_MICROBATCHES - 2, runs
         colls = summary["collectives"]
         # The reductions are in the sync variant's W only: I (whose outputs the previous stage waits
-        # for) and every no-sync program reduce nothing over dp.
+        # for) and every other variant's programs reduce nothing over dp.
         assert _summary_reduction_bytes(colls[f"stage{s} backward weight"]) > 0
-        for name in ("backward input", "backward input (no sync)", "backward weight (no sync)"):
+        for name in ("backward input", "backward input (no sync)", "backward weight (no sync)",
+                     "backward input (first micro-batch)", "backward weight (first micro-batch)"):
             assert _summary_reduction_bytes(colls[f"stage{s} {name}"]) == 0, (name, colls[f"stage{s} {name}"])
         pp_rank = r["rank"] // 2
         assert r["report"]["gradient_reductions_per_step"][pp_rank] == summary["gradient_reductions_per_step"]
