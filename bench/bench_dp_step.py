@@ -46,8 +46,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import (add_model_args, count_collectives, data_parallel_batch, hp_collectives, launch,  # noqa: E402
-                      print_collective_rows, print_time_rows, step, step_peak, time_side_by_side)
+from _harness import (UNTRACKED_CODEGEN, UNTRACKED_NOTE, add_model_args, count_collectives,  # noqa: E402
+                      data_parallel_batch, hp_collectives, launch, print_collective_rows, print_time_rows, step,
+                      step_peak, time_side_by_side)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,7 +97,8 @@ def run(args: argparse.Namespace) -> dict | None:
     counted = count_collectives({"hyper_parallel": (hp_model, hp_opt), "ddp": (ddp_model, ddp_opt)}, batch)
     ddp_tracked = _peak(ddp_model, ddp_opt, batch)
     ddp_buckets = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
-    peaks = {"hyper_parallel": _peak(hp_model, hp_opt, batch), "ddp": ddp_tracked + ddp_buckets,
+    hp_peak = None if args.codegen == UNTRACKED_CODEGEN else _peak(hp_model, hp_opt, batch)
+    peaks = {"hyper_parallel": hp_peak, "ddp": ddp_tracked + ddp_buckets,
              "ddp_tracked_only": ddp_tracked, "ddp_reducer_buckets": ddp_buckets}
     # Both sides have taken the same number of SGD steps on the same data: equal weights, so equal
     # losses (hp's global mean vs the mean of DDP's equal-sized local means).
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> dict | None:
         },
         "ratio_hp_over_ddp": hp_med / ddp_med,
         "peak_bytes": peaks,
-        "ratio_peak_hp_over_ddp": peaks["hyper_parallel"] / peaks["ddp"],
+        "ratio_peak_hp_over_ddp": hp_peak / peaks["ddp"] if hp_peak is not None else None,
         "collectives_per_step": {
             "hyper_parallel (compile_summary)": hp_collectives(summary),
             "hyper_parallel (counted)": counted["hyper_parallel"],
@@ -157,8 +159,12 @@ def print_table(r: dict) -> None:
     st, peaks = r["step_time_s"], r["peak_bytes"]
     print(f"{'':26}{'hyper_parallel':>16}{'DDP':>16}{'hp/DDP':>10}")
     print_time_rows(st, "ddp", r["ratio_hp_over_ddp"])
-    print(f"{'peak MB (largest rank) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
-          f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
+    if peaks["hyper_parallel"] is None:
+        print(f"{'peak MB (largest rank) [1]':26}{'n/a [2]':>16}{peaks['ddp'] / 1e6:>16.2f}")
+        print(f"[2] {UNTRACKED_NOTE}")
+    else:
+        print(f"{'peak MB (largest rank) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
+              f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
     print(f"[1] DDP: {peaks['ddp_tracked_only'] / 1e6:.2f} MB tracked + {peaks['ddp_reducer_buckets'] / 1e6:.2f} MB "
           "of reducer buckets (allocated in C++, alive all run)")
     colls = r["collectives_per_step"]

@@ -66,7 +66,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import build_model, launch, step_peak  # noqa: E402
+from _harness import UNTRACKED_CODEGEN, UNTRACKED_NOTE, build_model, launch, step_peak  # noqa: E402
 from hyper_parallel.models.llama import causal_lm_loss  # noqa: E402
 
 DEFAULT_CONFIGS = "2:GPipe:4,2:1F1B:4,2:1F1B:8,4:GPipe:4,4:1F1B:4,4:1F1B:8"
@@ -279,7 +279,9 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
     torch_opt.step()
     torch_opt.zero_grad(set_to_none=True)
     # Peak memory of one more step per side (after the parity check), on the rank holding the most.
-    peaks = {"hyper_parallel": step_peak(lambda: _hp_step(hp_model, hp_opt, ids), hp_model.parameters(), hp_opt),
+    hp_peak = (None if args.codegen == UNTRACKED_CODEGEN
+               else step_peak(lambda: _hp_step(hp_model, hp_opt, ids), hp_model.parameters(), hp_opt))
+    peaks = {"hyper_parallel": hp_peak,
              "torch_pipelining": step_peak(lambda: _torch_step(torch_schedule, torch_opt, ids),
                                            [*stage_module.parameters(), *_receive_buffers(torch_stage)], torch_opt)}
     times = _slowest_rank([t_compile] + hp_times + torch_times)
@@ -311,7 +313,7 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
         },
         "ratio_hp_over_torch": hp_med / torch_med,
         "peak_bytes": peaks,
-        "ratio_peak_hp_over_torch": peaks["hyper_parallel"] / peaks["torch_pipelining"],
+        "ratio_peak_hp_over_torch": hp_peak / peaks["torch_pipelining"] if hp_peak is not None else None,
         "hp_bubble": {
             "measured_mean_over_ranks (median over steps)": statistics.median(bubbles),
             "measured_per_rank (last step)": per_rank_bubble,
@@ -359,8 +361,11 @@ def print_table(r: dict) -> None:
               f"{x['ratio_hp_over_torch']:>9.2f} "
               f"{b['measured_mean_over_ranks (median over steps)']:>10.3f} {b['analytic']:>9.3f} "
               f"{b['simulated (median over steps)']:>10.3f} "
-              f"{x['peak_bytes']['hyper_parallel'] / 1e6:>9.2f} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} "
-              f"{x['ratio_peak_hp_over_torch']:>6.2f}")
+              + (f"{x['peak_bytes']['hyper_parallel'] / 1e6:>9.2f} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} "
+                 f"{x['ratio_peak_hp_over_torch']:>6.2f}" if x["ratio_peak_hp_over_torch"] is not None else
+                 f"{'n/a':>9} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} {'n/a':>6}"))
+    if any(x["ratio_peak_hp_over_torch"] is None for x in r["results"]):
+        print(f"hp peak {UNTRACKED_NOTE}")
     print(f"\n{'pp':>3} {'schedule':>8} {'m':>3}  {'step-0 loss hp / torch (rel diff)':<38} "
           f"{'grad rel diff':>13}  {'loss after N updates hp / torch':<32}")
     for x in r["results"]:

@@ -16,7 +16,10 @@ Reads the tensors it is given as a baseline (what already exists: parameters, gr
 state, the batch); writes nothing. ``peak`` is baseline + the highest tracked live bytes.
 
 What it does not see, like the estimator: memory an op allocates and frees internally, allocator
-caching, and buffers of the communication backend outside torch's allocator.
+caching, and buffers of the communication backend outside torch's allocator. Nor, unlike the
+estimator, the buffers of Inductor-generated code (``codegen="inductor"``): it allocates them
+directly (``empty_strided_cpu``, no dispatcher) and writes into them, so such a program reads as
+holding almost nothing; measure it with the accelerator's allocator counters instead.
 """
 
 from __future__ import annotations
