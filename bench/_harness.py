@@ -110,24 +110,34 @@ def step(model, opt, batch) -> torch.Tensor:
     return loss.detach()
 
 
-# MemoryTracker counts the storages aten ops allocate through the dispatcher. Inductor's generated
-# code allocates its buffers directly (``empty_strided_cpu``, out of the dispatcher's sight) and
-# writes into them, so a program compiled with ``codegen="inductor"`` reads as holding almost nothing
-# (checked: the 1F1B pipeline step's matmul outputs all vanish). Benches print no peak for it.
-UNTRACKED_CODEGEN = "inductor"
-UNTRACKED_NOTE = ("not measured under --codegen inductor: Inductor allocates its buffers outside the dispatcher, "
-                  "where MemoryTracker cannot see them")
+def add_peak_measure_arg(p) -> None:
+    p.add_argument("--peak-measure", choices=["auto", "tracker", "allocator"], default="auto",
+                   help="how both sides' peak memory is measured: MemoryTracker (tensors allocated through the "
+                        "dispatcher) or the allocator's events (AllocatorPeak); auto: the allocator under "
+                        "--codegen inductor, whose buffers MemoryTracker cannot see, else the tracker")
 
 
-def step_peak(run_step, params, opt) -> int:
+def peak_measure(args) -> str:
+    """How a bench measures both sides' peaks (``--peak-measure``): ``MemoryTracker`` (tensors
+    allocated through the dispatcher), except under ``--codegen inductor``, whose generated code
+    allocates its buffers outside the dispatcher (MemoryTracker read a 1F1B pipeline step as the
+    parameters plus 8 KB): then the allocator's own events (``AllocatorPeak``), which also count
+    ops' internal workspaces."""
+    if args.peak_measure != "auto":
+        return args.peak_measure
+    return "allocator" if args.codegen == "inductor" else "tracker"
+
+
+def step_peak(run_step, params, opt, measure: str = "tracker") -> int:
     """Peak live bytes of one step, ``run_step()``, on the rank that holds the most: what exists
     before it (``params``, ``opt``'s state) plus the most the step holds at once, as
-    ``hyper_parallel.testing.MemoryTracker`` counts them (every tensor allocated through the
-    dispatcher, on either side; not what the communication backend allocates itself)."""
-    from hyper_parallel.testing.memory_tracker import MemoryTracker
+    ``hyper_parallel.testing.MemoryTracker`` counts them (``measure="tracker"``: every tensor
+    allocated through the dispatcher) or ``AllocatorPeak`` (``"allocator"``: every block the
+    allocator hands out); on either side, not what the communication backend allocates itself."""
+    from hyper_parallel.testing.memory_tracker import AllocatorPeak, MemoryTracker
 
     baseline = list(params) + [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    with MemoryTracker(baseline) as tracker:
+    with (AllocatorPeak if measure == "allocator" else MemoryTracker)(baseline) as tracker:
         run_step()
     peak = torch.tensor([tracker.peak], dtype=torch.float64)  # exact below 2**53 bytes
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -25,7 +25,8 @@ medians are reported. Losses: both sides at step 0 (hp: the global token mean; D
 local mean, averaged over ranks here, outside the timed steps) and after the timed steps.
 
 Peak memory of one more step per side on the rank that holds the most, with ``MemoryTracker`` (live bytes of tensors that
-pass through the dispatcher, parameters and gradients included). DDP's gradient buckets are
+pass through the dispatcher, parameters and gradients included); under ``--codegen inductor`` both
+sides from the allocator's events instead (``AllocatorPeak``: Inductor's buffers bypass MemoryTracker). DDP's gradient buckets are
 allocated by its C++ reducer when it is built, out of the tracker's sight, and live for the whole
 run (one flat copy of every gradient, as ``gradient_as_bucket_view=False``, DDP's default, keeps
 them): DDP's peak is reported as the tracked peak plus those bucket bytes, and the tracked peak
@@ -46,9 +47,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import (UNTRACKED_CODEGEN, UNTRACKED_NOTE, add_model_args, count_collectives,  # noqa: E402
-                      data_parallel_batch, hp_collectives, launch, print_collective_rows, print_time_rows, step,
-                      step_peak, time_side_by_side)
+from _harness import (add_model_args, add_peak_measure_arg, count_collectives, data_parallel_batch,  # noqa: E402
+                      hp_collectives, launch, peak_measure, print_collective_rows, print_time_rows, step, step_peak,
+                      time_side_by_side)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,11 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hp's parallelize(codegen=...): inductor compiles the compute between collectives "
                         "(DDP stays eager: the peer a user would otherwise run)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    add_peak_measure_arg(p)
     return p.parse_args(argv)
 
 
-def _peak(model, opt, batch) -> int:
-    return step_peak(lambda: step(model, opt, batch), model.parameters(), opt)
+def _peak(model, opt, batch, measure: str) -> int:
+    return step_peak(lambda: step(model, opt, batch), model.parameters(), opt, measure)
 
 
 def run(args: argparse.Namespace) -> dict | None:
@@ -95,10 +97,10 @@ def run(args: argparse.Namespace) -> dict | None:
     hp_loss0, ddp_loss0, t_compile = measured.hp_loss0, measured.peer_loss0, measured.hp_first_step_s
     hp_times, ddp_times = measured.hp_times, measured.peer_times
     counted = count_collectives({"hyper_parallel": (hp_model, hp_opt), "ddp": (ddp_model, ddp_opt)}, batch)
-    ddp_tracked = _peak(ddp_model, ddp_opt, batch)
+    measure = peak_measure(args)
+    ddp_tracked = _peak(ddp_model, ddp_opt, batch, measure)
     ddp_buckets = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
-    hp_peak = None if args.codegen == UNTRACKED_CODEGEN else _peak(hp_model, hp_opt, batch)
-    peaks = {"hyper_parallel": hp_peak, "ddp": ddp_tracked + ddp_buckets,
+    peaks = {"hyper_parallel": _peak(hp_model, hp_opt, batch, measure), "ddp": ddp_tracked + ddp_buckets,
              "ddp_tracked_only": ddp_tracked, "ddp_reducer_buckets": ddp_buckets}
     # Both sides have taken the same number of SGD steps on the same data: equal weights, so equal
     # losses (hp's global mean vs the mean of DDP's equal-sized local means).
@@ -134,7 +136,8 @@ def run(args: argparse.Namespace) -> dict | None:
         },
         "ratio_hp_over_ddp": hp_med / ddp_med,
         "peak_bytes": peaks,
-        "ratio_peak_hp_over_ddp": hp_peak / peaks["ddp"] if hp_peak is not None else None,
+        "peak_measure": measure,
+        "ratio_peak_hp_over_ddp": peaks["hyper_parallel"] / peaks["ddp"],
         "collectives_per_step": {
             "hyper_parallel (compile_summary)": hp_collectives(summary),
             "hyper_parallel (counted)": counted["hyper_parallel"],
@@ -159,12 +162,11 @@ def print_table(r: dict) -> None:
     st, peaks = r["step_time_s"], r["peak_bytes"]
     print(f"{'':26}{'hyper_parallel':>16}{'DDP':>16}{'hp/DDP':>10}")
     print_time_rows(st, "ddp", r["ratio_hp_over_ddp"])
-    if peaks["hyper_parallel"] is None:
-        print(f"{'peak MB (largest rank) [1]':26}{'n/a [2]':>16}{peaks['ddp'] / 1e6:>16.2f}")
-        print(f"[2] {UNTRACKED_NOTE}")
-    else:
-        print(f"{'peak MB (largest rank) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
-              f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
+    print(f"{'peak MB (largest rank) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
+          f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
+    if r["peak_measure"] == "allocator":
+        print("peaks from the allocator's events on both sides (AllocatorPeak; --codegen inductor's buffers bypass "
+              "MemoryTracker)")
     print(f"[1] DDP: {peaks['ddp_tracked_only'] / 1e6:.2f} MB tracked + {peaks['ddp_reducer_buckets'] / 1e6:.2f} MB "
           "of reducer buckets (allocated in C++, alive all run)")
     colls = r["collectives_per_step"]

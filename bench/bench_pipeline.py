@@ -30,7 +30,8 @@ A step is the pipeline step (forward + backward over all micro-batches) + ``SGD.
 the dispatcher, parameters and optimizer state included; torch's stage keeps one receive buffer per
 micro-batch and transfer from its first step on, which are counted as held before the step with
 the parameters, where hp allocates its receive buffers inside each step), on the rank that holds
-the most. Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
+the most; under ``--codegen inductor`` both sides from the allocator's events instead
+(``AllocatorPeak``: Inductor's buffers bypass MemoryTracker). Each side gets ``--warmup`` steps (hyper_parallel's first compiles, torch's first
 infers shapes), then ``--steps`` timed steps interleaved hp / torch, each after a barrier; a
 step's time is the slowest rank's; medians reported. hp's ``step`` also broadcasts the loss to every
 pp rank (torch leaves it on the last stage): that 4-byte broadcast is inside hp's time.
@@ -66,7 +67,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import UNTRACKED_CODEGEN, UNTRACKED_NOTE, build_model, launch, step_peak  # noqa: E402
+from _harness import add_peak_measure_arg, build_model, launch, peak_measure, step_peak  # noqa: E402
 from hyper_parallel.models.llama import causal_lm_loss  # noqa: E402
 
 DEFAULT_CONFIGS = "2:GPipe:4,2:1F1B:4,2:1F1B:8,4:GPipe:4,4:1F1B:4,4:1F1B:8"
@@ -98,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hp's parallelize(codegen=...): inductor compiles each stage's compute between its "
                         "transfers and collectives (torch's stages stay eager)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    add_peak_measure_arg(p)
     args = p.parse_args(argv)
     if args.quick:
         args.configs = args.configs or QUICK_CONFIGS
@@ -279,11 +281,12 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
     torch_opt.step()
     torch_opt.zero_grad(set_to_none=True)
     # Peak memory of one more step per side (after the parity check), on the rank holding the most.
-    hp_peak = (None if args.codegen == UNTRACKED_CODEGEN
-               else step_peak(lambda: _hp_step(hp_model, hp_opt, ids), hp_model.parameters(), hp_opt))
-    peaks = {"hyper_parallel": hp_peak,
+    measure = peak_measure(args)
+    peaks = {"hyper_parallel": step_peak(lambda: _hp_step(hp_model, hp_opt, ids), hp_model.parameters(), hp_opt,
+                                         measure),
              "torch_pipelining": step_peak(lambda: _torch_step(torch_schedule, torch_opt, ids),
-                                           [*stage_module.parameters(), *_receive_buffers(torch_stage)], torch_opt)}
+                                           [*stage_module.parameters(), *_receive_buffers(torch_stage)], torch_opt,
+                                           measure)}
     times = _slowest_rank([t_compile] + hp_times + torch_times)
     t_compile, hp_times, torch_times = times[0], times[1 : 1 + args.steps], times[1 + args.steps :]
     per_rank_bubble = report["measured_bubble"]
@@ -313,7 +316,8 @@ def measure(ref, ids, args, schedule_name: str, m: int) -> dict:
         },
         "ratio_hp_over_torch": hp_med / torch_med,
         "peak_bytes": peaks,
-        "ratio_peak_hp_over_torch": hp_peak / peaks["torch_pipelining"] if hp_peak is not None else None,
+        "peak_measure": measure,
+        "ratio_peak_hp_over_torch": peaks["hyper_parallel"] / peaks["torch_pipelining"],
         "hp_bubble": {
             "measured_mean_over_ranks (median over steps)": statistics.median(bubbles),
             "measured_per_rank (last step)": per_rank_bubble,
@@ -361,11 +365,11 @@ def print_table(r: dict) -> None:
               f"{x['ratio_hp_over_torch']:>9.2f} "
               f"{b['measured_mean_over_ranks (median over steps)']:>10.3f} {b['analytic']:>9.3f} "
               f"{b['simulated (median over steps)']:>10.3f} "
-              + (f"{x['peak_bytes']['hyper_parallel'] / 1e6:>9.2f} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} "
-                 f"{x['ratio_peak_hp_over_torch']:>6.2f}" if x["ratio_peak_hp_over_torch"] is not None else
-                 f"{'n/a':>9} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} {'n/a':>6}"))
-    if any(x["ratio_peak_hp_over_torch"] is None for x in r["results"]):
-        print(f"hp peak {UNTRACKED_NOTE}")
+              f"{x['peak_bytes']['hyper_parallel'] / 1e6:>9.2f} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} "
+              f"{x['ratio_peak_hp_over_torch']:>6.2f}")
+    if any(x["peak_measure"] == "allocator" for x in r["results"]):
+        print("peaks from the allocator's events on both sides (AllocatorPeak; --codegen inductor's buffers bypass "
+              "MemoryTracker)")
     print(f"\n{'pp':>3} {'schedule':>8} {'m':>3}  {'step-0 loss hp / torch (rel diff)':<38} "
           f"{'grad rel diff':>13}  {'loss after N updates hp / torch':<32}")
     for x in r["results"]:

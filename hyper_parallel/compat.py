@@ -404,6 +404,23 @@ def split_by_placement(placement, tensor: torch.Tensor, num_chunks: int) -> list
     return pieces
 
 
+def allocation_events(prof) -> list[tuple[int, int, int, str]]:
+    """Every allocator event a finished ``torch.profiler.profile(profile_memory=True)`` recorded, in
+    time order: (time ns, bytes (negative: a free), address, device type). These come from the
+    allocators themselves, so they include memory that no dispatcher op returns (Inductor-generated
+    code's buffers, ops' internal workspaces)."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            fields = event.extra_fields
+            events.append((event.start_time_ns, fields.alloc_size, fields.ptr, fields.device.type))
+    return sorted(events)
+
+
 def profiler_enabled() -> bool:
     """Whether a torch.profiler (or autograd profiler) is recording on this thread."""
     return torch.autograd.profiler._is_profiler_enabled

@@ -31,7 +31,7 @@ import torch
 from ..compat import pytree
 from .. import compat
 
-__all__ = ["MemoryTracker", "measure_training_memory", "unique_storage_bytes"]
+__all__ = ["AllocatorPeak", "MemoryTracker", "measure_training_memory", "unique_storage_bytes"]
 
 
 def _locals(value) -> list[torch.Tensor]:
@@ -138,6 +138,50 @@ class MemoryTracker(compat.TorchDispatchMode):
 
     def _freed_grown(self, key: int) -> None:
         self.live -= self._grown.pop(key, 0)
+
+
+class AllocatorPeak:
+    """``with AllocatorPeak(baseline_tensors) as measured: step()``, then ``measured.peak`` (bytes):
+    :class:`MemoryTracker`'s measure (the baseline plus the most bytes allocated inside the block and
+    alive at once) taken from the allocator's own events (``torch.profiler`` with
+    ``profile_memory=True``) instead of a dispatch mode. So it also sees what does not pass the
+    dispatcher: the buffers of Inductor-generated code (``codegen="inductor"``, which MemoryTracker
+    cannot see) and ops' internal workspaces. Blocks freed inside the block that existed before it
+    do not count, as in MemoryTracker. The profiler records every op while active: slower, so for one
+    measured step, not for timing."""
+
+    def __init__(self, baseline=(), device: str = "cpu"):
+        self.device = device
+        self.baseline = unique_storage_bytes(baseline, device)
+        self.max_live = 0
+        self._profile = None
+
+    @property
+    def peak(self) -> int:
+        return self.baseline + self.max_live
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self._profile = profile(activities=activities, profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._profile.__exit__(*exc)
+        live, alive = 0, {}  # address -> bytes of the blocks allocated inside the block, alive
+        for _, size, address, device in compat.allocation_events(self._profile):
+            if device != self.device:
+                continue
+            if size > 0:
+                alive[address] = size
+                live += size
+                self.max_live = max(self.max_live, live)
+            elif address in alive:
+                live -= alive.pop(address)
+        self._profile = None
+        return False
 
 
 def _has_storage(t: torch.Tensor) -> bool:
