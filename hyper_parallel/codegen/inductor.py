@@ -90,7 +90,9 @@ class InductorRegion(torch.nn.Module):
         self._compiled: dict[tuple, object] = {}
         self._last: tuple | None = None  # (key, compiled) of the last call: the usual case
 
-    def forward(self, *args):
+    def forward(self, args: list):
+        """``args``: the region's inputs in a list (``regions.outline``), emptied by the compiled
+        kernels' boxed call so each input can be freed after its last use."""
         key = _arg_key(args)
         last = self._last
         if last is not None and last[0] == key:
@@ -100,7 +102,7 @@ class InductorRegion(torch.nn.Module):
             if compiled is None:
                 compiled = self._compile(key, args)
             self._last = (key, compiled)
-        return compiled(list(args))
+        return compiled(args)
 
     def _compile(self, key: tuple, args) -> object:
         cache_key = (self.code, key)

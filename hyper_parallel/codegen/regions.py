@@ -16,7 +16,10 @@ computed at run time). ``getitem`` of a compute node belongs to its region; ``ge
 stay in the program and enter a region as its inputs.
 
 :func:`cut_regions` returns the regions; :func:`outline` replaces each one worth compiling by one
-``call_module`` node whose submodule the caller supplies, followed by ``getitem`` of its outputs.
+``call_module`` node whose submodule the caller supplies, called with one list of the region's
+inputs (``region_arguments``, built right before, so the program's own references to inputs it
+reads no later are dropped and the submodule can free each input after its last use) and followed
+by ``getitem`` of its outputs.
 Nothing here knows about Inductor (codegen/inductor.py does).
 """
 
@@ -153,7 +156,13 @@ def outline(gm: torch.fx.GraphModule, regions: list[Region], make_module) -> tor
         inputs = [by_name[n.name] for n in region.inputs]
         outputs = [by_name[n.name] for n in region.outputs]
         with graph.inserting_before(nodes[0]):
-            call = graph.call_module(name, tuple(inputs))
+            # The inputs go in one list the region empties (Inductor's boxed call): the program
+            # drops its own references to the inputs this is the last use of right after building
+            # it, so the region frees each input after its last use inside, as the eager program
+            # would, instead of holding them all (every saved activation of a backward region)
+            # until it returns.
+            boxed = graph.call_function(region_arguments, tuple(inputs))
+            call = graph.call_module(name, (boxed,))
             call.meta["val"] = tuple(o.meta.get("val") for o in outputs)
             results = []
             for i, out in enumerate(outputs):
@@ -167,6 +176,11 @@ def outline(gm: torch.fx.GraphModule, regions: list[Region], make_module) -> tor
             graph.erase_node(node)
     graph.lint()
     return torch.fx.GraphModule(root, graph)
+
+
+def region_arguments(*values) -> list:
+    """The list a region module is called with (``outline``), which it empties."""
+    return list(values)
 
 
 def _attr_names(graph: torch.fx.Graph) -> list[str]:

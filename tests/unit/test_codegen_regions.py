@@ -8,7 +8,7 @@ import torch
 
 from hyper_parallel.codegen import check_codegen, generate
 from hyper_parallel.codegen.inductor import InductorRegion, cache_stats
-from hyper_parallel.codegen.regions import cut_regions, is_compute, outline, region_graph_module
+from hyper_parallel.codegen.regions import cut_regions, is_compute, outline, region_arguments, region_graph_module
 from hyper_parallel.runtime.collective_inputs import release_after_wait
 from hyper_parallel.testing.graph_builder import GraphBuilder
 
@@ -65,7 +65,7 @@ class _Eager(torch.nn.Module):
         super().__init__()
         self.gm = gm
 
-    def forward(self, *args):
+    def forward(self, args: list):  # one list, as outline calls a region (regions.region_arguments)
         return self.gm(*args)
 
 
@@ -79,7 +79,7 @@ def test_outline_keeps_the_order_of_every_other_node_and_the_values():
     # each between the same regions; the single-op region (f) stays an op.
     assert [k for k in kept if k in original] == [o for o in original if o in kept]
     sequence = [x.target if x.op == "call_module" else x.name for x in outlined.graph.nodes
-                if x.op in ("call_module", "call_function") and x.target is not operator.getitem]
+                if x.op in ("call_module", "call_function") and x.target not in (operator.getitem, region_arguments)]
     assert sequence == ["region0", n["issued"].name, "region1", n["waited"].name,
                         next(x.name for x in gm.graph.nodes if x.target is release_after_wait),
                         n["f"].name, n["r"].name, n["h"].name]
@@ -131,14 +131,14 @@ def test_inductor_region_compiles_once_for_a_repeated_computation():
     first = InductorRegion(region_graph_module(region, gm), "test.region0")
     second = InductorRegion(region_graph_module(region, gm), "test.region1")
     value = torch.randn(8, 8)
-    (out1,) = first(value)
-    (out2,) = second(value)
+    (out1,) = first([value])
+    (out2,) = second([value])
     after = cache_stats()
     torch.testing.assert_close(out1, torch.sigmoid(value * value))
     torch.testing.assert_close(out2, out1)
     assert after.reused - before.reused == 1
     # A new stride is a new compile (Inductor assumes the strides it compiled for).
-    (out3,) = first(value.t())
+    (out3,) = first([value.t()])
     torch.testing.assert_close(out3, torch.sigmoid(value.t() * value.t()))
 
 
@@ -172,4 +172,31 @@ def test_an_inductor_failure_names_the_region_and_the_way_out(monkeypatch):
     (region,) = cut_regions(gm.graph)
     with pytest.raises(RuntimeError, match=r"(?s)Inductor could not compile forward\.region0 \(OSError: g\+\+: "
                                            r"command not found\).*codegen='eager'.*aten\.cos"):
-        InductorRegion(region_graph_module(region, gm), "forward.region0")(torch.randn(3, 5))
+        InductorRegion(region_graph_module(region, gm), "forward.region0")([torch.randn(3, 5)])
+
+
+def test_a_region_frees_each_input_after_its_last_use_inside():
+    """The program hands a region its inputs in one list and drops its own references to those it
+    does not read later, and the compiled region empties the list: an input is freed inside the
+    region after its last use there, as in the eager program, not held until the region returns
+    (a backward region held every saved activation it read: DP under Inductor peaked at 1.22x DDP)."""
+    from hyper_parallel import compat
+    from hyper_parallel.testing.memory_tracker import AllocatorPeak
+
+    g = GraphBuilder()
+    x, w = g.input("x", 256, 256), g.input("w", 256, 256)
+    a = g(aten.mul.Tensor, x, x)  # one op: too little work for a region, stays an op
+    noise = g(aten.rand_like.default, x)  # a random op: never in a region
+    b = g(aten.mm.default, a, w)  # the region: a's last use
+    c = g(aten.mm.default, b, w)  # made after a could be freed
+    gm = g.module(g(aten.add.Tensor, g(aten.sum.default, c), g(aten.sum.default, noise)))
+    compat.use_boxed_calling_convention(gm)
+    program = generate(gm, "test")
+    assert program.regions == 1
+    value, weight = torch.randn(256, 256), torch.randn(256, 256)
+    program([value, weight])  # compiles
+    with AllocatorPeak([value, weight]) as measured:
+        program([value, weight])
+    block = 256 * 256 * 4
+    # noise, b and c (a freed once b is made); holding a to the region's end made it 4 blocks.
+    assert measured.peak - measured.baseline < 3.5 * block, (measured.peak - measured.baseline) / block
