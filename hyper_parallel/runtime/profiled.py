@@ -12,10 +12,14 @@ inserted as graph nodes (``record_function``'s own enter/exit ops), so a trace s
 
 The copy is built on the first profiled call and kept; without a profiler the programs run
 unchanged (a range costs a little even when nothing records, so it is never paid outside profiling).
+Under :func:`ranges_suspended` they run unchanged even while a profiler records: a measurement that
+uses the profiler only for its memory events (``testing.AllocatorPeak``) measures the programs as
+they run in training, not a copy (with ``codegen="inductor"`` the ranges also cut other regions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -28,6 +32,24 @@ from ..ir.collectives import collective_kind
 from ..why import reason
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+_SUSPENDED = [0]  # depth of nested ranges_suspended() blocks
+
+
+@contextlib.contextmanager
+def ranges_suspended():
+    """Run the programs without ranges inside this block, profiler or not (module docstring)."""
+    _SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _SUSPENDED[0] -= 1
+
+
+def ranges_wanted() -> bool:
+    """Whether a program run now gets its ranges: a profiler records and no block suspends them."""
+    return compat.profiler_enabled() and not _SUSPENDED[0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..compile.capture import CapturedGraph
 from ..errors import internal_error
 from .autocast_state import programs_run_as_captured
 from .partition import partition_by_phase
-from .profiled import with_ranges
+from .profiled import ranges_wanted, with_ranges
 from .zero_tangents import without_tangents
 
 
@@ -114,7 +114,7 @@ class CompiledProgram:
         the kernel generator when there is one. ``missing``: backward's tangents that are absent."""
         gm = self.forward_gm if phase == "forward" else self.backward_without(missing)
         variant = phase + "".join(f".no_tangent{m}" for m in missing)
-        profiled = self.ranges is not None and compat.profiler_enabled()
+        profiled = self.ranges is not None and ranges_wanted()
         if profiled:
             if variant not in self._with_ranges:
                 self._with_ranges[variant] = with_ranges(gm, phase, self.ranges)

@@ -19,7 +19,8 @@ What it does not see, like the estimator: memory an op allocates and frees inter
 caching, and buffers of the communication backend outside torch's allocator. Nor, unlike the
 estimator, the buffers of Inductor-generated code (``codegen="inductor"``): it allocates them
 directly (``empty_strided_cpu``, no dispatcher) and writes into them, so such a program reads as
-holding almost nothing; measure it with the accelerator's allocator counters instead.
+holding almost nothing; measure it with :class:`AllocatorPeak` (or an accelerator's allocator
+counters) instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from ..compat import pytree
 from .. import compat
+from ..runtime.profiled import ranges_suspended
 
 __all__ = ["AllocatorPeak", "MemoryTracker", "measure_training_memory", "unique_storage_bytes"]
 
@@ -146,15 +148,16 @@ class AllocatorPeak:
     alive at once) taken from the allocator's own events (``torch.profiler`` with
     ``profile_memory=True``) instead of a dispatch mode. So it also sees what does not pass the
     dispatcher: the buffers of Inductor-generated code (``codegen="inductor"``, which MemoryTracker
-    cannot see) and ops' internal workspaces. Blocks freed inside the block that existed before it
-    do not count, as in MemoryTracker. The profiler records every op while active: slower, so for one
-    measured step, not for timing."""
+    cannot see) and ops' internal workspaces. Memory that existed before the block and is freed in
+    it does not count, as in MemoryTracker. The compiled programs run without their profiler ranges
+    meanwhile (``runtime.profiled.ranges_suspended``): the programs measured are those that train.
+    The profiler records every op while active: slower, so for one measured step, not for timing."""
 
     def __init__(self, baseline=(), device: str = "cpu"):
         self.device = device
         self.baseline = unique_storage_bytes(baseline, device)
         self.max_live = 0
-        self._profile = None
+        self._profile = self._suspended = None
 
     @property
     def peak(self) -> int:
@@ -164,12 +167,15 @@ class AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self._suspended = ranges_suspended()
+        self._suspended.__enter__()
         self._profile = profile(activities=activities, profile_memory=True)
         self._profile.__enter__()
         return self
 
     def __exit__(self, *exc):
         self._profile.__exit__(*exc)
+        self._suspended.__exit__(*exc)
         live, alive = 0, {}  # address -> bytes of the blocks allocated inside the block, alive
         for _, size, address, device in compat.allocation_events(self._profile):
             if device != self.device:

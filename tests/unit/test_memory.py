@@ -275,3 +275,19 @@ def test_allocator_peak_sees_inductor_buffers_the_tracker_cannot():
     torch.testing.assert_close(out[0], again[0])
     assert tracker.peak < tracker.baseline + result  # the result itself is invisible to it
     assert measured.peak >= measured.baseline + result
+
+
+def test_allocator_peak_measures_the_programs_without_profiler_ranges():
+    """AllocatorPeak records with torch.profiler, which would switch the compiled programs to their
+    copies with named ranges (runtime/profiled.py; under Inductor other regions, compiled on that
+    first profiled call): it suspends them, so it measures the programs that train."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hyper_parallel.runtime.profiled import ranges_wanted
+
+    seen = [ranges_wanted()]
+    with AllocatorPeak():
+        seen.append(ranges_wanted())
+    with profile(activities=[ProfilerActivity.CPU]):
+        seen.append(ranges_wanted())
+    assert seen == [False, False, True]
