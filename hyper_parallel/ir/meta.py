@@ -60,6 +60,7 @@ MASK_WITHIN_CAUSAL = "hp_mask_within_causal"
 
 # --- gradient and gather fusion (passes/bucketing.py) ---------------------------------------------
 BUCKET = "hp_bucket"  # "<unit> <phase> <kind> (<n> params)" on fused collectives
+PACK = "hp_pack"  # True on the cat packing a fused reduction's gradients (codegen/regions.py keeps it op by op)
 
 # Keys lowering copies from a joint-graph node onto the nodes it becomes (besides ROLE/SOURCE/LAYOUT,
 # which lowering sets itself). torch's own keys first: source lines and module stacks for dumps and
@@ -71,7 +72,7 @@ COPIED_BY_LOWERING = (
 
 ALL_KEYS = (
     LAYOUT, LOSS_MEAN, PLAN_ENTRY, FALLBACK, BOUNDARY_CHANGE, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD,
-    FSDP_CAST, SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, EXPERT_CHUNK,
+    FSDP_CAST, SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, PACK, EXPERT_CHUNK,
     CP_RING, MASK_WITHIN_CAUSAL,
 )
 

@@ -257,6 +257,7 @@ def _fuse_reduction(graph, members, label, phase: str = BACKWARD, pack_before_ca
     blocks = [emit(aten.reshape.default, (src, [size, c]), _fake(sample, [size, c], packed_dtype))
               for src, c in zip(sources, cols)]
     packed = emit(aten.cat.default, (blocks, 1), _fake(sample, [size, total], packed_dtype))
+    packed.meta[meta.PACK] = True
     flat = emit(aten.reshape.default, (packed, [-1]), _fake(sample, [size * total], packed_dtype))
     if casts:
         flat = emit(aten._to_copy.default, (flat,), _fake(sample, [size * total]), dict(casts[0].kwargs))

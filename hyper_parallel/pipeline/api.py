@@ -76,7 +76,7 @@ from .schedules import (
 
 log = logging.getLogger(__name__)
 
-# Name suffixes of a stage's variants (summary keys; dump folders without the parentheses).
+# Name suffixes of a stage's variants (summary keys), and their dump folders / Inductor labels.
 NO_SYNC = " (no sync)"
 FIRST = " (first micro-batch)"
 _VARIANT_FOLDERS = {NO_SYNC: "no_sync", FIRST: "first_microbatch"}
@@ -480,7 +480,8 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
                 reductions[f"stage{s} {name}{suffix}"] = gradient_reductions(bwd, axis_of_group)
             if state.options.codegen == "inductor":
                 programs_run = {"forward": forward_gm, **{k.replace(" ", "_"): v for k, v in backwards.items()}}
-                program.runners = {name: generate(gm, f"stage{s}{suffix}.{name}", stage_dumper)
+                label = f"stage{s}.{_VARIANT_FOLDERS[suffix]}" if suffix else f"stage{s}"  # a file name in dumps
+                program.runners = {name: generate(gm, f"{label}.{name}", stage_dumper)
                                    for name, gm in programs_run.items()}
             built[suffix] = program
         programs[s] = stage_program(built, deferred)
