@@ -35,8 +35,9 @@ concatenations, division by a constant), so reducing the sum of the M local grad
 same numbers. And the M micro-batch gradients are summed by the programs themselves: a
 micro-batch's backward takes the step's sum so far of each parameter gradient (one ``grad_accum``
 backward input per gradient slot, as ``propagation/accumulation.py`` adds for FSDP accumulation)
-and adds it right where the gradient is made (where its reduction would start), so it holds the
-sums plus the gradient being made, as autograd's ``.grad`` accumulation does; summed by the
+and adds the gradient into it in place right where the gradient is made (where its reduction
+would start), so it holds the sums plus the gradient being made, as autograd's ``.grad``
+accumulation does; summed by the
 executor after the program returned, the sums and all of the micro-batch's new gradients were alive
 together (a 1.07x peak against torch.distributed.pipelining, docs/benchmarks.md). Each stage
 therefore gets up to three variants of its joint graph (``gradient_variant``), built before the

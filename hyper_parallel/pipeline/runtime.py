@@ -402,8 +402,8 @@ class PipelineExecutor:
 
     @staticmethod
     def _running_sum(grads: dict, fqn: str) -> torch.Tensor:
-        """The step's sum of ``fqn``'s gradient so far, taken out of ``grads`` (the program frees it
-        after its add)."""
+        """The step's sum of ``fqn``'s gradient so far, taken out of ``grads``: the program adds into
+        it in place and returns it, and the executor keeps no other reference meanwhile."""
         total = grads.pop(fqn, None)
         if total is None:
             raise internal_error(
