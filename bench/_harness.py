@@ -128,6 +128,10 @@ def peak_measure(args) -> str:
     return "allocator" if args.codegen == "inductor" else "tracker"
 
 
+ALLOCATOR_NOTE = ("peaks from the allocator's events on both sides (AllocatorPeak; --codegen inductor's buffers "
+                  "bypass MemoryTracker)")
+
+
 def step_peak(run_step, params, opt, measure: str = "tracker") -> int:
     """Peak live bytes of one step, ``run_step()``, on the rank that holds the most: what exists
     before it (``params``, ``opt``'s state) plus the most the step holds at once, as

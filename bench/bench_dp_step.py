@@ -47,9 +47,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import (add_model_args, add_peak_measure_arg, count_collectives, data_parallel_batch,  # noqa: E402
-                      hp_collectives, launch, peak_measure, print_collective_rows, print_time_rows, step, step_peak,
-                      time_side_by_side)
+from _harness import (ALLOCATOR_NOTE, add_model_args, add_peak_measure_arg, count_collectives,  # noqa: E402
+                      data_parallel_batch, hp_collectives, launch, peak_measure, print_collective_rows,
+                      print_time_rows, step, step_peak, time_side_by_side)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -165,8 +165,7 @@ def print_table(r: dict) -> None:
     print(f"{'peak MB (largest rank) [1]':26}{peaks['hyper_parallel'] / 1e6:>16.2f}{peaks['ddp'] / 1e6:>16.2f}"
           f"{r['ratio_peak_hp_over_ddp']:>10.2f}")
     if r["peak_measure"] == "allocator":
-        print("peaks from the allocator's events on both sides (AllocatorPeak; --codegen inductor's buffers bypass "
-              "MemoryTracker)")
+        print(ALLOCATOR_NOTE)
     print(f"[1] DDP: {peaks['ddp_tracked_only'] / 1e6:.2f} MB tracked + {peaks['ddp_reducer_buckets'] / 1e6:.2f} MB "
           "of reducer buckets (allocated in C++, alive all run)")
     colls = r["collectives_per_step"]

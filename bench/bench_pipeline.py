@@ -67,7 +67,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from _harness import add_peak_measure_arg, build_model, launch, peak_measure, step_peak  # noqa: E402
+from _harness import ALLOCATOR_NOTE, add_peak_measure_arg, build_model, launch, peak_measure, step_peak  # noqa: E402
 from hyper_parallel.models.llama import causal_lm_loss  # noqa: E402
 
 DEFAULT_CONFIGS = "2:GPipe:4,2:1F1B:4,2:1F1B:8,4:GPipe:4,4:1F1B:4,4:1F1B:8"
@@ -368,8 +368,7 @@ def print_table(r: dict) -> None:
               f"{x['peak_bytes']['hyper_parallel'] / 1e6:>9.2f} / {x['peak_bytes']['torch_pipelining'] / 1e6:<7.2f} "
               f"{x['ratio_peak_hp_over_torch']:>6.2f}")
     if any(x["peak_measure"] == "allocator" for x in r["results"]):
-        print("peaks from the allocator's events on both sides (AllocatorPeak; --codegen inductor's buffers bypass "
-              "MemoryTracker)")
+        print(ALLOCATOR_NOTE)
     print(f"\n{'pp':>3} {'schedule':>8} {'m':>3}  {'step-0 loss hp / torch (rel diff)':<38} "
           f"{'grad rel diff':>13}  {'loss after N updates hp / torch':<32}")
     for x in r["results"]:

@@ -328,6 +328,45 @@ def run_pipeline_parity(
             "all_params": sorted(n for n, _ in reference.named_parameters())}
 
 
+def gradient_sum_adds(program) -> list[dict]:
+    """How a pipeline stage program's backward adds each micro-batch gradient into the step's running
+    sum (passes/pipeline_split.py), read from the compiled program: per ``grad_accum`` input, the
+    parameter, the sum's dtype, the positions where the gradient is made and where the single
+    in-place add into the sum is, and where the first collective reading the sum is (None: the sum
+    is returned unreduced). ``program``: a ``pipeline.runtime.StageProgram``."""
+    from hyper_parallel.ir.collectives import collective_kind
+    from hyper_parallel.ir.kinds import InputKind
+
+    nodes = list(program.backward_gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    tangents = [n for n in nodes if n.op == "placeholder"][-len(program.tangent_infos):]
+    adds = []
+    for total, info in zip(tangents, program.tangent_infos):
+        if info.kind != InputKind.GRAD_ACCUM:
+            continue
+        (add,) = total.users
+        assert add.target is torch.ops.aten.add_.Tensor and add.args[0] is total, add.format_node()
+        reduced, stack, seen = None, list(add.users), set()
+        while stack:  # the first collective downstream of the sum (through reshapes, casts, packs)
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if collective_kind(node) is not None:
+                reduced = where[node] if reduced is None else min(reduced, where[node])
+            else:
+                stack.extend(node.users)
+        adds.append({"param": info.name, "dtype": total.meta["val"].dtype, "made": where[add.args[1]],
+                     "added": where[add], "reduced": reduced})
+    return adds
+
+
+def gradients_waiting(adds: list[dict]) -> int:
+    """The most gradients made and not yet added into their sums at any point of the program."""
+    points = {a["made"] for a in adds}
+    return max((sum(1 for a in adds if a["made"] <= i < a["added"]) for i in points), default=0)
+
+
 def error_message(fn, *args, **kwargs) -> str:
     """``"<type>: <message>"`` of the ValueError / TypeError ``fn(*args, **kwargs)`` raises (what a
     user reads), or ``"no error"``; other exceptions propagate. Run on every rank of a pool."""

@@ -8,7 +8,6 @@ this rank's stages against the single-device model on the whole batch
 import json
 
 import pytest
-import torch
 
 import hyper_parallel as hp
 from hyper_parallel.models import llama_tp_plan
@@ -123,10 +122,9 @@ def _gradient_sums_memory(schedule: str) -> dict:
     and not yet added into their sum at once (program order)."""
     import torch.distributed as dist
 
-    from hyper_parallel.ir.kinds import InputKind
     from hyper_parallel.pipeline.runtime import variants_of
     from hyper_parallel.testing.memory_tracker import MemoryTracker
-    from hyper_parallel.testing.parity import build_model, global_batch
+    from hyper_parallel.testing.parity import build_model, global_batch, gradient_sum_adds, gradients_waiting
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     # Many weights and few tokens: the gradients, not the activations, are what the step holds.
@@ -142,17 +140,8 @@ def _gradient_sums_memory(schedule: str) -> dict:
     sizes = [p.to_local().numel() * p.element_size() for p in params]
     variants = {}
     for program in variants_of(pmodel._hp.pipeline.last.programs[dist.get_rank()]):
-        nodes = list(program.backward_gm.graph.nodes)
-        sums = [n for n in nodes if n.op == "placeholder"][-len(program.tangent_infos):]
-        sums = [n for n, info in zip(sums, program.tangent_infos) if info.kind == InputKind.GRAD_ACCUM]
-        where = {n: i for i, n in enumerate(nodes)}
-        spans = []  # (where the gradient is made, where it is added into its sum)
-        for total in sums:
-            (add,) = total.users
-            assert add.target is torch.ops.aten.add_.Tensor and add.args[0] is total, add.format_node()
-            spans.append((where[add.args[1]], where[add]))
-        in_flight = max((sum(1 for a, b in spans if a <= i < b) for i in range(len(nodes))), default=0)
-        variants[program.name_suffix] = {"sums": len(sums), "in_flight": in_flight}
+        adds = gradient_sum_adds(program)
+        variants[program.name_suffix] = {"sums": len(adds), "in_flight": gradients_waiting(adds)}
     return {"peak": tracker.peak, "params": sum(sizes), "largest": max(sizes), "variants": variants,
             "num_params": len(params)}
 

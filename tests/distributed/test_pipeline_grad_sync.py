@@ -16,7 +16,9 @@ import hyper_parallel as hp
 from hyper_parallel.compat import TorchDispatchMode
 from hyper_parallel.ir.collectives import collective_kind
 from hyper_parallel.runtime.agreement_gate import await_agreement
-from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+from hyper_parallel.ir.kinds import InputKind
+from hyper_parallel.pipeline.runtime import variants_of
+from hyper_parallel.testing.parity import build_model, global_batch, gradient_sum_adds, gradients_waiting, local_batch
 
 NUM_MICROBATCHES = 4
 LAYERS = 2  # tiny: compile time is most of the file's time
@@ -108,7 +110,18 @@ def pipeline_parity(plan: dict, split_points, schedule: str, stages_per_rank: in
         losses.append(loss.item())
     return {"rank": dist.get_rank(), "summary": pmodel.compile_summary(), "report": pmodel.pipeline_report(),
             "measured": measured, "losses": losses, "params": sorted(n for n, _ in pmodel.named_parameters()),
-            "gates": _gate_positions(pmodel._hp.pipeline.last)}
+            "gates": _gate_positions(pmodel._hp.pipeline.last), "sums": _gradient_sums(pmodel._hp.pipeline.last)}
+
+
+def _gradient_sums(entry) -> dict:
+    """{stage program variant: (its parameters with a gradient, how its backward adds into the running
+    sums: testing.parity.gradient_sum_adds)}, for this rank's stages."""
+    sums = {}
+    for s, program in entry.programs.items():
+        for p in variants_of(program):
+            params = sum(1 for info in p.primal_infos if info.kind == InputKind.PARAM)
+            sums[f"stage{s}{p.name_suffix}"] = (params, gradient_sum_adds(p))
+    return sums
 
 
 def _gate_positions(entry) -> dict:
@@ -176,6 +189,20 @@ def test_gradients_reduced_once_per_step_at_single_device_parity(dist4, plain, c
             for variant in (" (no sync)", " (first micro-batch)"):
                 assert _summary_reduction_bytes(summary["collectives"][f"stage{s} backward{variant}"]) == 0
             assert _summary_reduction_bytes(summary["collectives"][f"stage{s} backward"]) > 0
+        # Read from the compiled programs (bf16 parameters and fp32 reduction in the mixed case):
+        # the first micro-batch's variant takes no sums; the others take one per parameter, add each
+        # gradient into its sum before the next gradient is made, keep the sums in the reduce dtype,
+        # and only the sync variant reduces them, each after its add.
+        for name, (params, adds) in r["sums"].items():
+            if name.endswith(" (first micro-batch)"):
+                assert adds == [], (name, adds)
+                continue
+            assert len(adds) == params > 0 and gradients_waiting(adds) == 1, (case, name, adds)
+            assert all(a["dtype"] == torch.float32 for a in adds), (case, name, adds)
+            if name.endswith(" (no sync)"):
+                assert all(a["reduced"] is None for a in adds), (case, name, adds)
+            else:
+                assert all(a["reduced"] is not None and a["reduced"] > a["added"] for a in adds), (case, name, adds)
         # pipeline_report() gives every pp rank's per-step numbers (those of its compile summary).
         pp_rank = r["rank"] // 2
         assert r["report"]["gradient_reductions_per_step"][pp_rank] == summary["gradient_reductions_per_step"]
