@@ -23,10 +23,11 @@ dim-1 shard's split and cat, an uneven shard's padding), emitted at the graph's 
 next to the gradient, so the fused reduction is not held until the end of backward.
 Under mixed precision each gradient reaches its reduction through a cast to the reduce dtype; the
 fused reduction packs the gradients in their own dtype and casts the packed buffer once (the same
-elements), so no reduce-dtype copy of each gradient is alive beside the packed buffer. Not under
-``codegen="inductor"`` (``ctx.codegen``): its kernels compute in fp32 and store in the dtype asked,
-so the cast after each gradient makes the kernel store the fp32 value, which packing first would
-round to bf16 (different numbers than before; eager is the same either way).
+elements), so no reduce-dtype copy of each gradient is alive beside the packed buffer. Under
+``codegen="inductor"`` too: there a kernel that made a gradient and its cast would store the fp32
+value it computed, where the single device (and FSDP2) rounds the gradient to the parameter dtype
+before casting; packing first keeps that rounding, and the fp32 copies cost 1.23x the eager peak
+of a bf16 FSDP step's program (docs/benchmarks.md, FSDP under Inductor).
 
 A fused collective reads every member's input and feeds every member's users, so fusing is only
 sound when no member's input depends (through any path, fused collectives of this pass included) on
@@ -46,7 +47,6 @@ unchanged (same elements, same reductions).
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections import defaultdict
 
@@ -229,7 +229,7 @@ def _relayout_early(graph, members) -> None:
             cursor = node
 
 
-def _fuse_reduction(graph, members, label, phase: str = BACKWARD, pack_before_cast: bool = True):
+def _fuse_reduction(graph, members, label, phase: str = BACKWARD):
     """Fuse reduce-scatters (or all-reduces) of one unit or bucket: issued after the last gradient
     they read. An all-reduce reduces its packed buffer in place (``all_reduce_``), so a bucket is
     held once, not as a packed copy plus an out-of-place result, and each gradient is a view of it
@@ -244,7 +244,7 @@ def _fuse_reduction(graph, members, label, phase: str = BACKWARD, pack_before_ca
     # packed buffer cast once: the same values (a cast is elementwise), without every gradient's
     # reduce-dtype copy alive beside the packed buffer (for bf16 -> fp32, 2 bytes per element of
     # the bucket less at its peak than packing the fp32 copies).
-    casts = _reduce_dtype_casts(members) if pack_before_cast else []
+    casts = _reduce_dtype_casts(members)
     sources = [c.args[0] for c in casts] if casts else [m.args[0] for m in members]
     packed_dtype = sources[0].meta["val"].dtype
     anchor = max(sources).next
@@ -491,20 +491,19 @@ def bucketing_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
     fsdp = ctx.fsdp
     graph = gm.graph
     changed = False
-    fuse_reduction = functools.partial(_fuse_reduction, pack_before_cast=ctx.codegen != "inductor")
     if fsdp is not None and fsdp.comm_fusion:
         all_gathers, reduce_scatters, _ = _buckets(graph, fsdp)
         changed |= _fuse_buckets(graph, [(f"{unit or '<root>'} {phase} all_gather", members)
                                          for (unit, phase, *_), members in all_gathers.items()], _fuse_all_gather)
         changed |= _fuse_buckets(graph, [(f"{unit or '<root>'} reduce_scatter", members)
-                                         for (unit, *_), members in reduce_scatters.items()], fuse_reduction)
+                                         for (unit, *_), members in reduce_scatters.items()], _fuse_reduction)
         # HSDP: the replicate-axis all-reduces consume the fused reduce-scatter's outputs.
         changed |= _fuse_buckets(graph, [(f"{unit or '<root>'} all_reduce", members)
-                                         for (unit, *_), members in _buckets(graph, fsdp)[2].items()], fuse_reduction)
+                                         for (unit, *_), members in _buckets(graph, fsdp)[2].items()], _fuse_reduction)
     # As DDP, a gradient alone in its bucket keeps its own all-reduce (also a part cut to one).
     buckets = _gradient_all_reduce_buckets(graph, fsdp, ctx.gradient_bucket_bytes, ctx.first_gradient_bucket_bytes)
     changed |= _fuse_buckets(graph, [(f"gradient bucket {i} all_reduce", members) for i, members in enumerate(buckets)],
-                             fuse_reduction, alone=_issue_alone)
+                             _fuse_reduction, alone=_issue_alone)
     if not changed:  # nothing to fuse: the graph is as it came (ordered, no dead code)
         return gm
     _restore_topological_order(graph)

@@ -54,8 +54,7 @@ def _groups(graph: torch.fx.Graph) -> dict[tuple, list[torch.fx.Node]]:
     return {key: members for key, members in groups.items() if len(members) > 1}
 
 
-def fuse_small_reductions(gm: torch.fx.GraphModule, pack_before_cast: bool = True) -> torch.fx.GraphModule:
-    """``pack_before_cast``: as bucketing's (not under codegen="inductor")."""
+def fuse_small_reductions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
     groups = _groups(graph)
     if not groups:
@@ -68,8 +67,7 @@ def fuse_small_reductions(gm: torch.fx.GraphModule, pack_before_cast: bool = Tru
             if len(part) < 2:
                 continue
             where = f", part {k}/{len(parts)}" if len(parts) > 1 else ""
-            _fuse_reduction(graph, part, f"small reductions {phase} ({len(part)} values{where})", phase=phase,
-                            pack_before_cast=pack_before_cast)
+            _fuse_reduction(graph, part, f"small reductions {phase} ({len(part)} values{where})", phase=phase)
             fused = True
     if not fused:  # every group cut into parts of one (each reduction feeds the next): unchanged
         return gm
@@ -81,4 +79,4 @@ def fuse_small_reductions(gm: torch.fx.GraphModule, pack_before_cast: bool = Tru
 
 
 def fuse_small_reductions_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
-    return fuse_small_reductions(gm, pack_before_cast=ctx.codegen != "inductor")
+    return fuse_small_reductions(gm)

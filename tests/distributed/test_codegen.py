@@ -19,7 +19,7 @@ import torch.distributed as dist
 import hyper_parallel as hp
 from hyper_parallel.codegen.inductor import InductorRegion
 from hyper_parallel.testing.parity import (
-    assert_matches_bf16_reference, assert_same_step, bf16_reference_step, build_model,
+    assert_bf16_gradients_near_exact, assert_same_step, bf16_reference_step, build_model,
     global_batch, local_batch, run_parity, run_pipeline_parity,
 )
 
@@ -60,8 +60,13 @@ def fsdp_inductor(dump_dir: str, mixed_precision: bool, model_name: str = "llama
         loss = model(**local_batch(full, mesh))["loss"]
         loss.backward()
         if mixed_precision:
+            # The loss along one bf16 device's trajectory; each gradient at the model's own
+            # weights against the exact one (Inductor rounds a fused chain once, where eager bf16
+            # rounds each op: a fixed tolerance against the bf16 device measured that device's
+            # error as much as ours).
             compute, ref_loss = bf16_reference_step(master, full)
-            assert_matches_bf16_reference(model, loss, compute, ref_loss, f"step {step}: ")
+            torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2)
+            assert_bf16_gradients_near_exact(model, master, full, f"step {step}: ")
             for p, cp in zip(master.parameters(), compute.parameters()):
                 p.grad = cp.grad.float()
         else:
@@ -158,9 +163,10 @@ def dp_step_peaks() -> dict:
     return peaks
 
 
-# FSDP with bf16 parameters is not asserted here: under Inductor it measured 1.12-1.14x the eager
-# peak (cause not found yet), and its eager peak itself moved by 5% between runs (gloo releasing
-# collective outputs late), too loose for a bound. DP measures the same to the byte run after run.
+# FSDP with bf16 parameters is not measured here: its peak moves by up to a third from step to step on
+# either side (gloo's worker thread frees a reduce-scatter's buffers when it gets to it), too loose
+# for a bound. Its Inductor excess (packing fp32 copies of the gradients) is read from the program
+# in test_bucketing.py; DP measures the same to the byte run after run.
 def test_inductor_programs_hold_no_more_than_eager(dist2):
     """Under Inductor a step peaks as the eager program does. Two things made it hold more: each
     region kept its inputs (every saved activation of a backward region) until it returned, and
