@@ -404,21 +404,23 @@ def split_by_placement(placement, tensor: torch.Tensor, num_chunks: int) -> list
     return pieces
 
 
-def allocation_events(prof) -> list[tuple[int, int, int, str]]:
+def allocation_events(prof) -> list[tuple[int, int, int, str, tuple[str, ...]]]:
     """Every allocator event a finished ``torch.profiler.profile(profile_memory=True)`` recorded, in
-    time order: (time ns, bytes (negative: a free), address, device type). These come from the
-    allocators themselves, so they include memory that no dispatcher op returns (Inductor-generated
-    code's buffers, ops' internal workspaces)."""
+    time order: (time ns, bytes (negative: a free), address, device type, names of the ops it
+    happened in, outermost first). These come from the allocators themselves, so they include
+    memory that no dispatcher op returns (Inductor-generated code's buffers, ops' internal
+    workspaces)."""
     from torch._C._profiler import _EventType
 
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    events, stack = [], [(e, ()) for e in prof.profiler.kineto_results.experimental_event_tree()]
     while stack:
-        event = stack.pop()
-        stack.extend(event.children)
+        event, within = stack.pop()
         if event.tag == _EventType.Allocation:
             fields = event.extra_fields
-            events.append((event.start_time_ns, fields.alloc_size, fields.ptr, fields.device.type))
-    return sorted(events)
+            events.append((event.start_time_ns, fields.alloc_size, fields.ptr, fields.device.type, within))
+        else:
+            stack.extend((child, within + (event.name,)) for child in event.children)
+    return sorted(events, key=lambda e: e[:3])
 
 
 def profiler_enabled() -> bool:

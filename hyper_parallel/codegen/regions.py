@@ -16,7 +16,11 @@ computed at run time), not the ``cat`` packing a fused reduction's gradients (``
 bucketing pass): Inductor would allocate the packed buffer when the region starts and write each
 gradient into it as it is made, so the bucket would live beside every saved activation through the
 region (a DP bucket holding all of backward's gradients: 1.41x the eager step's peak on 2 ranks);
-op by op it is allocated once its gradients are ready, and the copy is the one eager makes too. ``getitem`` of a compute node belongs to its region; ``get_attr`` constants
+op by op it is allocated once its gradients are ready, and the copy is the one eager makes too;
+nor an FSDP unit's copy-out of its gathered parameters (``hp_pack`` too): in a region each
+parameter would be copied where it is first read, holding the gathered buffer beside the unit's
+activations; op by op the copies follow the wait and the buffer is freed before the unit computes.
+``getitem`` of a compute node belongs to its region; ``get_attr`` constants
 stay in the program and enter a region as its inputs.
 
 :func:`cut_regions` returns the regions; :func:`outline` replaces each one worth compiling by one

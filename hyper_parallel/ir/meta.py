@@ -60,7 +60,7 @@ MASK_WITHIN_CAUSAL = "hp_mask_within_causal"
 
 # --- gradient and gather fusion (passes/bucketing.py) ---------------------------------------------
 BUCKET = "hp_bucket"  # "<unit> <phase> <kind> (<n> params)" on fused collectives
-PACK = "hp_pack"  # True on the cat packing a fused reduction's gradients (codegen/regions.py keeps it op by op)
+PACK = "hp_pack"  # True on the nodes packing a fused collective's buffer or copying out of it: a bucket's cat, an FSDP unit's copy-out of its gathered rows (codegen/regions.py keeps them op by op)
 
 # Keys lowering copies from a joint-graph node onto the nodes it becomes (besides ROLE/SOURCE/LAYOUT,
 # which lowering sets itself). torch's own keys first: source lines and module stacks for dumps and

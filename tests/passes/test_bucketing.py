@@ -147,6 +147,30 @@ def test_all_gather_parts_and_placement():
     assert params == {"u.a": gathers[0].meta["hp_bucket"], "u.c": gathers[0].meta["hp_bucket"],
                       "u.b": gathers[1].meta["hp_bucket"]}
     assert len(gm.graph.find_nodes(op="call_function", target=AR)) == 1  # never copied
+    # The copy-out of each gathered buffer (view, split, each parameter's reshape) is marked to stay
+    # op by op, out of Inductor regions (codegen/regions.py): it runs right after the wait and frees
+    # the buffer before the unit computes; the parameters' uses are not marked.
+    for gather in gathers:
+        copy_out, uses = _copy_out(next(iter(gather.users)))
+        assert {n.target for n in copy_out} >= {aten.view.default, aten.split_with_sizes.default, aten.reshape.default}
+        assert all(n.meta.get("hp_pack") for n in copy_out), gather.meta["hp_bucket"]
+        assert uses and not any(n.meta.get("hp_pack") for n in uses)
+
+
+def _copy_out(wait) -> tuple[list, list]:
+    """The nodes copying parameters out of a gathered buffer (up to each parameter's value), and
+    the first nodes using those parameters."""
+    copying = {aten.view.default, aten.split_with_sizes.default, operator.getitem, aten.reshape.default,
+               aten.clone.default}
+    seen, uses, stack = [], [], list(wait.users)
+    while stack:
+        user = stack.pop()
+        if user.target not in copying:
+            uses.append(user)
+        elif user not in seen:
+            seen.append(user)
+            stack.extend(user.users)
+    return seen, uses
 
 
 def test_a_cycle_is_a_readable_value_error():
