@@ -100,17 +100,32 @@ def is_compute(node: torch.fx.Node) -> bool:
 
 
 def cut_regions(graph: torch.fx.Graph) -> list[Region]:
-    """The maximal runs of consecutive compute nodes of ``graph``, in program order."""
+    """The maximal runs of consecutive compute nodes of ``graph``, in program order.
+
+    A ``getitem`` of a compute node's outputs joins its source's region wherever the program has
+    it: a pass may have put a scheduling node between an op returning several tensors and the
+    ``getitem`` of one (the swap pass's copy of attention's log-sum-exp), and the region would
+    then return the op's whole tuple, which a kernel generator cannot (Inductor asserts on it).
+    A ``getitem`` only reads its source, so taking it early moves no decision of the program."""
     runs: list[list[torch.fx.Node]] = []
     current: list[torch.fx.Node] = []
+    projections: list[torch.fx.Node] = []
     for node in graph.nodes:
-        if is_compute(node):
+        if node.target is operator.getitem and is_compute(node):
+            projections.append(node)  # neither starts nor ends a run: joins its source's below
+        elif is_compute(node):
             current.append(node)
         elif current:
             runs.append(current)
             current = []
     if current:
         runs.append(current)
+    run_of = {node: k for k, run in enumerate(runs) for node in run}
+    for item in projections:  # in program order: a projection's source is placed before it
+        run_of[item] = run_of[item.args[0]]
+        runs[run_of[item]].append(item)
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    runs = [sorted(run, key=position.__getitem__) for run in runs]
     regions = []
     for nodes in runs:
         inside = set(nodes)

@@ -127,6 +127,18 @@ def test_tensor_and_sequence_parallel_parity(dist2, tmp_path):
     assert _compiled_region_dumps(tmp_path)
 
 
+def test_swap_and_recompute_parity(dist2):
+    """FSDP with one layer's activations swapped to host memory and the other's recomputed,
+    under Inductor, on padded labels. Swap failed to compile before: its copy of attention's
+    log-sum-exp sat between the attention op and the ``getitem`` of its outputs, so the region
+    returned the op's tuple (codegen/regions.py)."""
+    plan = {"fully_shard": {"units": ["model.layers.*", ""]}, "swap": {"model.layers.0": True},
+            "recompute": {"model.layers.1": "selective"}}
+    results = dist2.run(run_parity, "llama", plan, (2,), ("dp",), ignore_fraction=0.3,
+                        model_overrides={"num_hidden_layers": 2}, parallelize_options=INDUCTOR)
+    assert results[0]["summary"]["fallbacks"] == []
+
+
 def test_pipeline_two_stages_parity(dist2, tmp_path):
     plan = {"pipeline": {"split_points": ["model.layers.1"], "schedule": "1F1B", "num_microbatches": 2}}
     dist2.run(run_pipeline_parity, plan, (2,), ("pp",), num_layers=2, dump_dir=str(tmp_path),

@@ -200,3 +200,30 @@ def test_a_region_frees_each_input_after_its_last_use_inside():
     block = 256 * 256 * 4
     # noise, b and c (a freed once b is made); holding a to the region's end made it 4 blocks.
     assert measured.peak - measured.baseline < 3.5 * block, (measured.peak - measured.baseline) / block
+
+
+def test_an_op_with_several_outputs_keeps_their_getitems_in_its_region():
+    """A scheduling node between an op returning several tensors and the ``getitem`` of them (the
+    swap pass put its copy of attention's log-sum-exp there): the ``getitem``s join the op's region,
+    which returns the tensors. Before, the region returned the op's tuple, and Inductor refused to
+    compile it (an AssertionError on its output: swap under codegen="inductor" failed)."""
+    g = GraphBuilder()
+    x = g.input("x", 4, 6)
+    y = g(aten.mul.Tensor, x, x)
+    top = g(aten.max.dim, y, 1)  # (values, indices)
+    noise = g(aten.rand_like.default, x)  # a seeded random op: never in a region, so it cuts the run
+    values, indices = g(operator.getitem, top, 0), g(operator.getitem, top, 1)
+    gm = g.module(g(aten.add.Tensor, values, g(aten.sum.dim_IntList, noise, [1])), indices)
+    first, second = cut_regions(gm.graph)
+    assert first.nodes == [y, top, values, indices]
+    assert first.outputs == [values, indices]
+    assert noise not in first.nodes + second.nodes
+    program = generate(gm, "test")
+    assert program.regions == 2
+    value = torch.randn(4, 6)
+    torch.manual_seed(0)
+    expected = gm(value)
+    torch.manual_seed(0)
+    got = program(value)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)  # the indices
+    torch.testing.assert_close(got[0], expected[0])  # Inductor's sum may round differently
