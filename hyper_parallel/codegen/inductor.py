@@ -60,6 +60,25 @@ def clear_cache() -> None:
     _CACHE.clear()
 
 
+_TOOLCHAIN_ERRORS = ("CppCompileError", "CUDACompileError", "CalledProcessError")
+
+
+def _toolchain_problem(exc: BaseException) -> bool:
+    """Whether an Inductor failure comes from the toolchain it drives (no C++ compiler, a compile
+    that failed, Triton missing) rather than from the region itself: judged along the exception's
+    causes (Inductor wraps the original as ``inner_exception``)."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (OSError, ImportError)) or type(e).__name__ in _TOOLCHAIN_ERRORS or "triton" in str(e).lower():
+            return True
+        todo.extend([getattr(e, "inner_exception", None), e.__cause__, e.__context__])
+    return False
+
+
 def _arg_key(args) -> tuple:
     return tuple(
         (tuple(a.shape), a.stride(), a.dtype, a.device, a.storage_offset()) if isinstance(a, torch.Tensor) else repr(a)
@@ -114,11 +133,14 @@ class InductorRegion(torch.nn.Module):
                 with _host_lock(cache_key):
                     compiled = compat.inductor_compile(self.region_gm, list(args))
             except Exception as exc:  # noqa: BLE001 - any Inductor failure: name the region and the way out
+                first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                why = ("Inductor needs a C++ compiler on CPU and Triton on GPU" if _toolchain_problem(exc) else
+                       "this region is one Inductor does not handle: a bug of hyper_parallel's regions or of "
+                       "Inductor, please report it with the graph below")
                 raise RuntimeError(
                     f"codegen='inductor': Inductor could not compile {self.label} ({type(exc).__name__}: "
-                    f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}). Inductor needs a C++ "
-                    "compiler on CPU and Triton on GPU; parallelize(..., codegen='eager') runs the same "
-                    "program op by op. The region's graph:\n" + self.region_gm.code.strip()
+                    f"{first_line}). {why}; parallelize(..., codegen='eager') runs the same program op by op. "
+                    "The region's graph:\n" + self.region_gm.code.strip()
                 ) from exc
             _CACHE[cache_key] = compiled
             _STATS.compiled += 1
