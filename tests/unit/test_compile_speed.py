@@ -172,10 +172,13 @@ def test_older_objects_frozen_during_a_compile_only():
 
     gc.freeze()  # the application's
     try:
+        # Left alone: not frozen again inside, not unfrozen after. (The count is of live frozen
+        # objects: one freed meanwhile, by another test's worker thread, lowers it.)
         mine = gc.get_freeze_count()
         with older_objects_frozen():
-            pass
-        assert gc.get_freeze_count() == mine
+            assert gc.get_freeze_count() <= mine
+        assert 0 < gc.get_freeze_count() <= mine
+        assert mine - gc.get_freeze_count() < mine // 100
     finally:
         gc.unfreeze()
     gc.disable()
