@@ -11,8 +11,9 @@ allocated inside it and alive at once, from the allocator's own events
 * *program*: without what gloo allocates inside its own ops (its copy of a reduce-scatter's input,
   its all-gather scratch). gloo's worker thread frees those when it gets to them, sometimes after
   the program's next allocations, so with them an FSDP step's peak moves by up to a third from
-  step to step; without them the peak is the program's own, the same step after step. Both sides
-  run the same collectives, so this compares what the code generator does;
+  step to step; without them much less (a collective's input the program made is still freed when
+  gloo lets go of it: hence the least of several steps). Both sides run the same collectives, so
+  this compares what the code generator does;
 * *all*: everything, as a user's allocator sees it.
 
 Each is the least over the measured steps. The ratio inductor / eager is what

@@ -157,8 +157,10 @@ class AllocatorPeak:
     (gloo's copy of a reduce-scatter's input, its all-gather scratch: allocated inside a ``c10d::``
     or ``gloo:`` op). Their frees happen when the backend's worker thread gets to them, sometimes
     after the program's next allocations, so with them a step's peak moves by up to a third from
-    step to step (FSDP on gloo); without them it is the program's own, the same step after step.
-    Two programs with the same collectives (eager vs Inductor codegen) compare fairly that way."""
+    step to step (FSDP on gloo). Without them it moves less, not never: a collective's input the
+    program made is also freed when gloo's thread lets go of it (under load about one FSDP step in 8
+    peaks higher), so take the least of a few steps. Two programs with the same collectives (eager
+    vs Inductor codegen) compare fairly that way."""
 
     def __init__(self, baseline=(), device: str = "cpu", backend_buffers: bool = True):
         self.device = device
