@@ -81,23 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _peaks(model, batch, steps: int) -> dict:
-    from hyper_parallel.testing.memory_tracker import AllocatorPeak
+    """The least peak of ``steps`` steps, with gloo's own buffers ("all") and without ("program")."""
+    from hyper_parallel.testing.memory_tracker import least_step_peak
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def step():
-        model(**batch)["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step(), step()
-    measured = {"program": [], "all": []}
-    for _ in range(steps):  # one profiler at a time: a step for each measure
-        for measure, backend_buffers in (("program", False), ("all", True)):
-            with AllocatorPeak(list(model.parameters()), backend_buffers=backend_buffers) as peak:
-                step()
-            measured[measure].append(peak.peak)
-    return {measure: min(values) for measure, values in measured.items()}
+    return {measure: least_step_peak(model, batch, steps, backend_buffers=backend_buffers,
+                                     warmup_steps=2 if measure == "program" else 0)
+            for measure, backend_buffers in (("program", False), ("all", True))}
 
 
 def run(args) -> dict | None:

@@ -200,6 +200,30 @@ class AllocatorPeak:
         return False
 
 
+def least_step_peak(model: torch.nn.Module, batch: dict, steps: int, backend_buffers: bool = True,
+                    warmup_steps: int = 2) -> int:
+    """The least :class:`AllocatorPeak` of ``steps`` SGD training steps of ``model`` on ``batch``
+    (``loss.backward()``, step, ``zero_grad(set_to_none=True)``), after ``warmup_steps`` unmeasured
+    ones (compile, optimizer state). The least, because gloo frees some of a step's memory when its
+    thread gets to it (AllocatorPeak): a step's own peak is its lowest. Comparing two codegens of a
+    program, both sides take it the same way."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step():
+        model(**batch)["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(warmup_steps):
+        step()
+    peaks = []
+    for _ in range(steps):
+        with AllocatorPeak(list(model.parameters()), backend_buffers=backend_buffers) as peak:
+            step()
+        peaks.append(peak.peak)
+    return min(peaks)
+
+
 def _in_backend(op_names) -> bool:
     """Whether an allocation happened inside a process-group backend's own op."""
     return any(name.startswith(("c10d::", "gloo:", "nccl:")) for name in op_names)

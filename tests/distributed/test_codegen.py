@@ -154,29 +154,14 @@ def step_peaks(plan: dict, measured_steps: int = 1, backend_buffers: bool = True
     allocator's events (Inductor's buffers bypass MemoryTracker), the least of ``measured_steps``
     steps; padded labels (ranks count different tokens). ``backend_buffers=False``: without gloo's
     own buffers, whose late frees move an FSDP step's peak from step to step (AllocatorPeak)."""
-    from hyper_parallel.testing.memory_tracker import AllocatorPeak
+    from hyper_parallel.testing.memory_tracker import least_step_peak
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     reference = build_model("llama", **{"num_hidden_layers": 2, **model_overrides})
     batch = local_batch(global_batch("llama", 4, 32, ignore_fraction=0.3), mesh)
-    peaks = {}
-    for codegen in ("eager", "inductor"):
-        model = hp.parallelize(copy.deepcopy(reference), copy.deepcopy(plan), mesh, codegen=codegen)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-        def step():
-            model(**batch)["loss"].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        step(), step()
-        measured = []
-        for _ in range(measured_steps):
-            with AllocatorPeak(list(model.parameters()), backend_buffers=backend_buffers) as peak:
-                step()
-            measured.append(peak.peak)
-        peaks[codegen] = min(measured)
-    return peaks
+    return {codegen: least_step_peak(hp.parallelize(copy.deepcopy(reference), copy.deepcopy(plan), mesh,
+                                                    codegen=codegen), batch, measured_steps, backend_buffers)
+            for codegen in ("eager", "inductor")}
 
 
 def test_inductor_programs_hold_no_more_than_eager(dist2):
