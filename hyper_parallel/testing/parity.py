@@ -224,30 +224,64 @@ def bf16_reference_step(master: torch.nn.Module, batch: dict) -> tuple[torch.nn.
     return compute, loss
 
 
-def assert_matches_bf16_reference(model, loss, compute: torch.nn.Module, ref_loss, what: str = "") -> None:
+def assert_matches_bf16_reference(model, loss, compute: torch.nn.Module, ref_loss, batch: dict, what: str = "") -> None:
     """A mixed-precision step (bf16 compute, fp32 reduction) against :func:`bf16_reference_step`'s
-    ``compute`` copy and loss: the loss and every fp32 gradient within bf16's tolerances (the two
-    runs round partial sums at different points). A frozen parameter (a LoRA model's base) has no
-    gradient on either side."""
+    ``compute`` copy and loss (on the global ``batch``): the loss within bf16's tolerances (the two
+    runs round partial sums at different points), every fp32 gradient within DEVICE_ERRORS_ALLOWED
+    times the bf16 device's own distance from the exact gradient (the bound of
+    :func:`assert_bf16_gradients_near_exact`; the exact one computed in float64 at ``compute``'s bf16
+    weights). A frozen parameter (a LoRA model's base) has no gradient on either side."""
     torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2, msg=lambda m: f"{what}loss: {m}")
-    ref_grads = {n: p.grad.float() for n, p in compute.named_parameters() if p.requires_grad}
+    device = {n: p.grad for n, p in compute.named_parameters() if p.requires_grad}
     for name, p in model.named_parameters():
         if not p.requires_grad:
-            assert p.grad is None and name not in ref_grads, f"{what}frozen {name} got a gradient"
+            assert p.grad is None and name not in device, f"{what}frozen {name} got a gradient"
             continue
         assert p.grad.dtype == torch.float32, name
-        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=5e-2, atol=2e-3,
-                                   msg=lambda m, name=name: f"{what}grad of {name}: {m}")
+    weights = {n: p.detach() for n, p in compute.named_parameters()}
+    _assert_near_exact(model, _gradients(compute, weights, batch, torch.float64), device, what)
 
 
+def _gradients(structure: torch.nn.Module, weights: dict, batch: dict, dtype: torch.dtype) -> dict:
+    """Float64 gradients of one step of a copy of ``structure`` on ``batch``, computing in ``dtype``
+    at ``weights`` rounded to bf16."""
+    copy_ = copy.deepcopy(structure)
+    for name, p in copy_.named_parameters():
+        p.data = weights[name].to(torch.bfloat16).to(dtype)
+        p.grad = None
+    _loss(copy_(**batch)).backward()
+    return {n: p.grad.double() for n, p in copy_.named_parameters() if p.grad is not None}
+
+
+# How far from the exact gradient a mixed-precision step's gradients may be, in units of one bf16
+# device's own error. Each rank rounds its partial gradient to bf16 before the fp32 reduction where
+# one device rounds the whole sum once, so the roundings of several partials add up: measured 0.5-1.0x
+# under Inductor on 2-rank FSDP, up to 2.2-2.7x on eager 2- and 4-rank FSDP, FSDP x TP and LoRA
+# plans. A gradient 3% off (a wrong token count) still fails 4x (tests/unit/test_bf16_gradient_bound.py).
+DEVICE_ERRORS_ALLOWED = 4
 BF16_EPS = 2.0 ** -8  # bf16's relative rounding step (8 significant bits)
+
+
+def _assert_near_exact(model, exact: dict, device: dict, what: str) -> None:
+    """Each gradient of ``model`` no further from ``exact`` than DEVICE_ERRORS_ALLOWED times
+    ``device``'s distance from it (floor: one bf16 rounding of the tensor's largest exact value)."""
+    for name, p in model.named_parameters():
+        if name not in exact:
+            continue
+        ours = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        our_error = (ours.double() - exact[name]).abs().max().item()
+        device_error = (device[name].double() - exact[name]).abs().max().item()
+        bound = max(DEVICE_ERRORS_ALLOWED * device_error, BF16_EPS * exact[name].abs().max().item())
+        assert our_error <= bound, (f"{what}grad of {name}: {our_error:.3g} from the exact gradient, one bf16 "
+                                    f"device {device_error:.3g} (bound {bound:.3g})")
 
 
 def assert_bf16_gradients_near_exact(model, structure: torch.nn.Module, batch: dict, what: str = "") -> None:
     """Every gradient of a mixed-precision step (bf16 compute, fp32 reduction) is no further from
-    the exact gradient than twice one bf16 device's own error. The exact gradient and the device's
-    are computed from the model's current weights rounded to bf16 (``structure``: a module of the
-    same architecture, copied; ``batch``: the global batch), one in float64, one in bf16.
+    the exact gradient than DEVICE_ERRORS_ALLOWED times one bf16 device's own error. The exact
+    gradient and the device's are computed from the model's current weights rounded to bf16
+    (``structure``: a module of the same architecture, copied; ``batch``: the global batch), one in
+    float64, one in bf16.
 
     For kernels that round where eager bf16 does not (``codegen="inductor"`` computes a fused bf16
     chain in fp32 and rounds once), this is the meaningful bound: a fixed tolerance against the
@@ -258,24 +292,8 @@ def assert_bf16_gradients_near_exact(model, structure: torch.nn.Module, batch: d
     from failing on a single rounding."""
     weights = {n: p.full_tensor().detach() if hasattr(p, "full_tensor") else p.detach()
                for n, p in model.named_parameters()}
-    runs = {}
-    for dtype in (torch.float64, torch.bfloat16):
-        copy_ = copy.deepcopy(structure)
-        for name, p in copy_.named_parameters():
-            p.data = weights[name].to(torch.bfloat16).to(dtype)
-            p.grad = None
-        _loss(copy_(**batch)).backward()
-        runs[dtype] = {n: p.grad.double() for n, p in copy_.named_parameters() if p.grad is not None}
-    exact, device = runs[torch.float64], runs[torch.bfloat16]
-    for name, p in model.named_parameters():
-        if name not in exact:
-            continue
-        ours = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        our_error = (ours.double() - exact[name]).abs().max().item()
-        device_error = (device[name] - exact[name]).abs().max().item()
-        bound = max(2 * device_error, BF16_EPS * exact[name].abs().max().item())
-        assert our_error <= bound, (f"{what}grad of {name}: {our_error:.3g} from the exact gradient, one bf16 "
-                                    f"device {device_error:.3g} (bound {bound:.3g})")
+    exact, device = (_gradients(structure, weights, batch, dtype) for dtype in (torch.float64, torch.bfloat16))
+    _assert_near_exact(model, exact, device, what)
 
 
 def mixed_precision_steps(master: torch.nn.Module, model, mesh, steps: int = 2, ignore_fraction: float = 0.0) -> None:
@@ -289,7 +307,7 @@ def mixed_precision_steps(master: torch.nn.Module, model, mesh, steps: int = 2, 
         compute, ref_loss = bf16_reference_step(master, full)
         loss = _loss(model(**local_batch(full, mesh)))
         loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, what=f"step {step} ")
+        assert_matches_bf16_reference(model, loss, compute, ref_loss, full, what=f"step {step} ")
         for p, c in zip(master.parameters(), compute.parameters()):
             p.grad = c.grad.float()
         for opt in optimizers:

@@ -306,7 +306,7 @@ def _bf16_fsdp_cp(style: str = "ring", hf_packed: bool = False) -> dict:
     compute, ref_loss = bf16_reference_step(master, full)
     loss = model(**local_batch(full, mesh))["loss"]
     loss.backward()
-    assert_matches_bf16_reference(model, loss, compute, ref_loss)
+    assert_matches_bf16_reference(model, loss, compute, ref_loss, full)
     if hf_packed:  # keys after the queries skipped: each layer's own block and half the other rank's
         pairs = [(a["query"].meta["val"].shape[-2], a["key"].meta["val"].shape[-2])
                  for n in model.compiled_programs()[0].graph.nodes

@@ -110,7 +110,7 @@ def _fsdp_tp_bf16() -> dict:
         loss.backward()
         compute, ref_loss = bf16_reference_step(reference, full)
         if step == 0:
-            assert_matches_bf16_reference(model, loss.detach(), compute, ref_loss.detach(), what="step 0 ")
+            assert_matches_bf16_reference(model, loss.detach(), compute, ref_loss.detach(), full, what="step 0 ")
         else:
             torch.testing.assert_close(loss.detach(), ref_loss.detach().float(), rtol=1e-2, atol=1e-2)
         with torch.no_grad():  # the reference's fp32 weights take the step its bf16 copy's gradients give

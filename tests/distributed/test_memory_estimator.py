@@ -142,7 +142,7 @@ def _fsdp_one_rank_mixed_precision() -> dict:
         loss = pmodel(**batch)["loss"]
         loss.backward()
         compute, ref_loss = bf16_reference_step(master, batch)
-        assert_matches_bf16_reference(pmodel, loss, compute, ref_loss, f"step {step}: ")
+        assert_matches_bf16_reference(pmodel, loss, compute, ref_loss, batch, f"step {step}: ")
         pmodel.zero_grad()
     peaks = {}
     for name, model in (("hp", pmodel), ("fsdp2", peer)):

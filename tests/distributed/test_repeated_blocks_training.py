@@ -28,7 +28,7 @@ def copied_blocks_parity(steps: int = 2) -> dict:
         compute, ref_loss = bf16_reference_step(master, full)
         loss = model(**local).loss
         loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, f"step {step}: ")
+        assert_matches_bf16_reference(model, loss, compute, ref_loss, full, f"step {step}: ")
         for p, cp in zip(master.parameters(), compute.parameters()):
             p.grad = cp.grad.float()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()

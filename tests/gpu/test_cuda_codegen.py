@@ -84,7 +84,7 @@ def test_fsdp_bf16_mixed_precision_tracks_eager(mesh, tmp_path):
         loss = model(**batch)["loss"]
         loss.backward()
         compute, ref_loss = bf16_reference_step(master, batch)
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, f"step {step}: ")
+        assert_matches_bf16_reference(model, loss, compute, ref_loss, batch, f"step {step}: ")
         for p, cp in zip(master.parameters(), compute.parameters()):
             p.grad = cp.grad.float()
         for o in (opt, ref_opt):

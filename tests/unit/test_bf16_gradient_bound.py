@@ -41,3 +41,4 @@ def test_a_wrong_gradient_is_not(wrong):
         master.lm_head.weight.grad.mul_(0.5)
     with pytest.raises(AssertionError, match="from the exact gradient"):
         assert_bf16_gradients_near_exact(master, build_model("llama"), batch)
+
