@@ -61,8 +61,10 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, os.path.join(HERE, ".."))
     import hyper_parallel as hp
+    from hyper_parallel import compat
     from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
 
+    compat.print_native_stacks_on_fatal_signal()  # a crash's C++ stacks land in the rank's log
     if args.no_hold:
         import hyper_parallel.runtime.partition as partition
 

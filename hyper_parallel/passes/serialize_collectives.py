@@ -17,7 +17,15 @@ machine, 3 runs at once (2026-11-25):
   outstanding, rarely executing together): 0 in 21.
 
 So the trigger is two collectives of one gloo group executing concurrently; where exactly gloo or
-torch then writes freed memory we have not pinned down. This pass keeps each collective
+torch then writes freed memory we have not pinned down. With this pass, once since (a fresh-clone CI
+run, 2026-11-29): a 2-rank test worker, alive through hundreds of tests, aborted on glibc's
+"malloc_consolidate(): unaligned fastbin chunk detected" in the test's own DTensor all-gather, so
+the heap had been corrupted earlier in that process. Not reproduced: 12 of 12 runs of the stress
+below (depth 2, 3 at once), 1,800 FSDP steps of the failing test's model in the pool, raw gloo
+patterns (two collectives of one group in flight, bf16, send/recv beside a collective: 24,000 pairs)
+and all of tests/distributed under glibc's malloc checks (``glibc.malloc.check=3``) found nothing.
+Pool and stress workers now print every thread's C++ stack on a fatal signal
+(``compat.print_native_stacks_on_fatal_signal``), so the next one says where. This pass keeps each collective
 overlapping the compute around it, but waits for the previous collective of the same gloo process
 group before the next one is issued. Gradient reductions run on a second group of their axis (the
 reduction lane, passes/reduction_lanes.py, the pass before), so a gather and a reduction are still

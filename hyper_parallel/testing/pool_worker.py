@@ -78,6 +78,9 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, conn
         import torch
         import torch.distributed as dist
 
+        from hyper_parallel import compat
+
+        compat.print_native_stacks_on_fatal_signal()  # a native crash shows its thread's C++ stack
         torch.set_num_threads(1)
         try:
             torch.set_num_interop_threads(1)

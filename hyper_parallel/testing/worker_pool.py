@@ -403,6 +403,8 @@ class WorkerPool:
         if info.get("dead"):
             message = (f"{name} failed on rank {first} (world_size {self.world_size}): worker "
                        f"{info['message']}{dead_stacks.get(first, '')}")
+            if "code -" in info["message"]:  # killed by a signal: c10's handler printed C++ stacks
+                message += "\n--- its threads' C++ stacks were printed on the worker's stderr"
         else:
             message = (f"{name} raised on rank {first} (world_size {self.world_size}): "
                        f"{info['type_name']}: {info['message']}\n\n"

@@ -54,6 +54,12 @@ def _sleep_on_rank1_others_barrier():
     dist.barrier()
 
 
+def _abort_on_rank1_others_barrier():
+    if dist.get_rank() == 1:
+        os.abort()  # as glibc does on a corrupted heap
+    dist.barrier()
+
+
 def _make_subgroups():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -133,6 +139,21 @@ def test_timeout_kills_and_recovers():
     finally:
         pool.close()
     assert pool.closed and pool.pids == []
+
+
+def test_a_native_crash_reports_its_signal_and_cpp_stacks(capfd):
+    """A worker killed by a signal (here SIGABRT, as glibc's heap checks abort) is reported with its
+    exit code, and its C++ stacks reach stderr (c10's fatal-signal handler, which the worker turns
+    on): faulthandler alone shows only the Python stack of the thread that was waiting."""
+    pool = WorkerPool(2, timeout_s=60)
+    try:
+        with pytest.raises(RuntimeError, match="(?s)exited with code -6.*C\+\+ stacks were printed"):
+            pool.run(_abort_on_rank1_others_barrier)
+        err = capfd.readouterr().err
+        assert "SIGABRT(6)" in err and "frame #" in err, err[-2000:]
+        assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+    finally:
+        pool.close()
 
 
 def test_unpicklable_function_fails_in_caller(dist2):
