@@ -26,9 +26,10 @@ patterns (two collectives of one group in flight, bf16, send/recv beside a colle
 and all of tests/distributed under glibc's malloc checks (``glibc.malloc.check=3``) found nothing.
 Pool and stress workers now print every thread's C++ stack on a fatal signal
 (``compat.print_native_stacks_on_fatal_signal``), so the next one shows what every thread was
-doing (gloo's included) when glibc noticed. This pass keeps each collective
-overlapping the compute around it, but waits for the previous collective of the same gloo process
-group before the next one is issued. Gradient reductions run on a second group of their axis (the
+doing (gloo's included) when glibc noticed.
+
+This pass keeps each collective overlapping the compute around it, but waits for the previous
+collective of the same gloo process group before the next one is issued. Gradient reductions run on a second group of their axis (the
 reduction lane, passes/reduction_lanes.py, the pass before), so a gather and a reduction are still
 in flight together. NCCL/HCCL (ordered on one stream per group) and the fake
 backend (simulations: explain, the pass tests) are left alone.
