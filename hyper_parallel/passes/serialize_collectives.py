@@ -29,10 +29,10 @@ Pool and stress workers now print every thread's C++ stack on a fatal signal
 doing (gloo's included) when glibc noticed.
 
 This pass keeps each collective overlapping the compute around it, but waits for the previous
-collective of the same gloo process group before the next one is issued. Gradient reductions run on a second group of their axis (the
-reduction lane, passes/reduction_lanes.py, the pass before), so a gather and a reduction are still
-in flight together. NCCL/HCCL (ordered on one stream per group) and the fake
-backend (simulations: explain, the pass tests) are left alone.
+collective of the same gloo process group before the next one is issued. Gradient reductions run
+on a second group of their axis (the reduction lane, passes/reduction_lanes.py, the pass before),
+so a gather and a reduction are still in flight together. NCCL/HCCL (ordered on one stream per
+group) and the fake backend (simulations: explain, the pass tests) are left alone.
 
 Reads: the group name of each ``_c10d_functional`` collective and that process group's backend
 (every group a program uses, not only the mesh axes'). Writes: node order only (a wait moves
