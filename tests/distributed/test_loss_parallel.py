@@ -20,7 +20,9 @@ from torch.distributed.tensor import Replicate
 import hyper_parallel as hp
 from hyper_parallel.compile.capture import module_fqn_of
 from hyper_parallel.models import llama_tp_plan
-from hyper_parallel.testing.parity import build_model, error_message, global_batch, local_batch, run_parity
+from hyper_parallel.testing.parity import (
+    assert_matches_bf16_reference, build_model, error_message, global_batch, local_batch, run_parity,
+)
 
 PADDED = 0.3  # labels set to -100 at this rate, plus a whole row (global_batch)
 NUM_LAYERS = 2  # the example Llama, 2 layers: the loss does not depend on the depth
@@ -272,11 +274,7 @@ def mixed_precision_fsdp_tp(steps: int = 2) -> dict:
         ref_out["loss"].backward()
         out = model(**local_batch(full, mesh))
         out["loss"].backward()
-        torch.testing.assert_close(out["loss"], ref_out["loss"], rtol=1e-2, atol=1e-2)
-        ref_grads = {n: p.grad.float() for n, p in compute.named_parameters()}
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=5e-2, atol=2e-3,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+        assert_matches_bf16_reference(model, out["loss"], compute, ref_out["loss"], full, f"step {step} ")
         for p, cp in zip(master.parameters(), compute.parameters()):
             p.grad = cp.grad.float()
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
