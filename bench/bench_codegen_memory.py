@@ -4,7 +4,8 @@
 intra-op thread each. For each plan of ``--plans`` it parallelizes the same Llama (seed 0; 2 layers
 of hidden 128 by default) twice, with eager programs and with Inductor kernels between the
 collectives, trains two steps on padded labels (ranks count different tokens), then measures
-``--steps`` more steps of each: the peak of a step is the parameters plus the most bytes
+``--steps`` more steps of each for each of the two measures below
+(``testing.memory_tracker.least_step_peak``): the peak of a step is the parameters plus the most bytes
 allocated inside it and alive at once, from the allocator's own events
 (``testing.AllocatorPeak``: Inductor's buffers never pass the dispatcher). Two measures:
 
