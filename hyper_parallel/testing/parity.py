@@ -276,6 +276,25 @@ def _assert_near_exact(model, exact: dict, device: dict, what: str) -> None:
                                     f"device {device_error:.3g} (bound {bound:.3g})")
 
 
+def float64_gradients(module: torch.nn.Module, run: Callable[[torch.nn.Module], Any]) -> dict:
+    """The exact gradients at ``module``'s current weights: ``run(copy)`` does the forwards and
+    backwards (the step's micro-batches, each loss scaled as the step scales it) on a float64 copy
+    of ``module``, outside any autocast region. For :func:`assert_gradients_near_exact`."""
+    copy_ = copy.deepcopy(module).double()
+    for p in copy_.parameters():
+        p.grad = None
+    with torch.autocast("cpu", enabled=False):
+        run(copy_)
+    return {n: p.grad for n, p in copy_.named_parameters() if p.grad is not None}
+
+
+def assert_gradients_near_exact(model, exact: dict, device: dict, what: str = "") -> None:
+    """Each gradient of ``model`` (a step computing in bf16 somewhere: autocast, bf16 parameters) no
+    further from ``exact`` (:func:`float64_gradients`) than DEVICE_ERRORS_ALLOWED times the distance
+    of ``device`` (one device's gradients, the same step computing in bf16 the same way) from it."""
+    _assert_near_exact(model, {n: g.double() for n, g in exact.items()}, device, what)
+
+
 def assert_bf16_gradients_near_exact(model, structure: torch.nn.Module, batch: dict, what: str = "") -> None:
     """Every gradient of a mixed-precision step (bf16 compute, fp32 reduction) is no further from
     the exact gradient than DEVICE_ERRORS_ALLOWED times one bf16 device's own error. The exact

@@ -19,7 +19,10 @@ import torch
 import hyper_parallel as hp
 from hyper_parallel.debug import group_axis_names
 from hyper_parallel.models import llama_tp_plan
-from hyper_parallel.testing.parity import assert_same_step, build_model, build_plan, global_batch, local_batch
+from hyper_parallel.testing.parity import (
+    assert_gradients_near_exact, assert_same_step, build_model, build_plan, float64_gradients, global_batch,
+    local_batch,
+)
 
 MICRO = 3
 c10d = torch.ops._c10d_functional
@@ -44,16 +47,26 @@ def _backward_reductions(model) -> dict:
 
 
 def _tolerance(mixed_precision: bool) -> dict:
-    """bf16 autocast rounds where the two sides' reduction orders differ; fp32 is compared with
-    ``assert_close``'s defaults."""
+    """The loss: bf16 autocast rounds where the two sides' reduction orders differ; fp32 is compared
+    with ``assert_close``'s defaults."""
     return {"rtol": 5e-2, "atol": 2e-3} if mixed_precision else {}
 
 
-def _assert_grads(model, reference, step: int, mixed_precision: bool) -> None:
-    """Every gradient of ``model`` (gathered whole) equals one device's after the step's micro-steps."""
+def _assert_grads(model, reference, step: int, mixed_precision: bool, micro_batches: list) -> None:
+    """Every gradient of ``model`` (gathered whole) equals one device's after the step's micro-steps
+    (``micro_batches``, each loss divided by their number); under bf16 autocast, no further from the
+    exact gradient than a few times that device's own error."""
+    if mixed_precision:
+        def run(m):
+            for micro in micro_batches:
+                (m(**micro).loss / len(micro_batches)).backward()
+
+        device = {n: p.grad for n, p in reference.named_parameters()}
+        assert_gradients_near_exact(model, float64_gradients(reference, run), device, f"step {step} ")
+        return
     ref_grads = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, **_tolerance(mixed_precision),
+        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad,
                                    msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
 
 
@@ -79,7 +92,8 @@ def _accumulate_then_sync(mixed_precision: bool, use_no_sync: bool) -> dict:
                     loss = model(**local_batch(micro, mesh)).loss
                 (loss / MICRO).backward()
             reductions.append(_backward_reductions(model))
-        _assert_grads(model, reference, step, mixed_precision)
+        _assert_grads(model, reference, step, mixed_precision, [{k: v[i::MICRO] for k, v in full.items()}
+                                                                for i in range(MICRO)])
         grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
         for opt in optimizers:
             opt.step()
@@ -138,7 +152,8 @@ def _plan_accumulation(model_name: str, plan: str, names: tuple, mixed_precision
                 loss.backward()
             torch.testing.assert_close(loss.detach(), ref_loss.detach(), **_tolerance(mixed_precision))
             reductions.append(_backward_reductions(model))
-        _assert_grads(model, reference, step, mixed_precision)
+        _assert_grads(model, reference, step, mixed_precision, [{k: v[i::2] for k, v in full.items()}
+                                                                for i in range(2)])
         for opt in optimizers:
             opt.step()
             opt.zero_grad()
