@@ -521,7 +521,6 @@ def set_group_timeout(group, timeout) -> None:
     _set_pg_timeout(timeout, group)
 
 
-
 def print_native_stacks_on_fatal_signal() -> None:
     """On SIGSEGV, SIGABRT, SIGBUS, SIGILL or SIGFPE, print every thread's C++ stack to stderr
     (c10's fatal-signal handler) before the handlers installed earlier (faulthandler's Python
@@ -530,6 +529,7 @@ def print_native_stacks_on_fatal_signal() -> None:
     set_print = getattr(torch._C, "_set_print_stack_traces_on_fatal_signal", None)
     if set_print is not None:
         set_print(True)
+
 
 # --- data-dependent sizes (expert regions' all-to-all splits) -------------------------------------
 

@@ -147,7 +147,7 @@ def test_a_native_crash_reports_its_signal_and_cpp_stacks(capfd):
     on): faulthandler alone shows only the Python stack of the thread that was waiting."""
     pool = WorkerPool(2, timeout_s=60)
     try:
-        with pytest.raises(RuntimeError, match="(?s)exited with code -6.*C\+\+ stacks were printed"):
+        with pytest.raises(RuntimeError, match=r"(?s)exited with code -6.*C\+\+ stacks were printed"):
             pool.run(_abort_on_rank1_others_barrier)
         err = capfd.readouterr().err
         assert "SIGABRT(6)" in err and "frame #" in err, err[-2000:]
