@@ -20,7 +20,7 @@ So the trigger is two collectives of one gloo group executing concurrently; wher
 torch then writes freed memory we have not pinned down. With this pass, once since (a fresh-clone CI
 run, 2026-11-29): a 2-rank test worker, alive through hundreds of tests, aborted on glibc's
 "malloc_consolidate(): unaligned fastbin chunk detected" in the test's own DTensor all-gather, so
-the heap had been corrupted earlier in that process. Not reproduced: 12 of 12 runs of the stress
+the heap had been corrupted earlier in that process. Not reproduced: 21 of 21 runs of the stress
 below (depth 2, 3 at once), 1,800 FSDP steps of the failing test's model in the pool, raw gloo
 patterns (two collectives of one group in flight, bf16, send/recv beside a collective: 24,000 pairs)
 and all of tests/distributed under glibc's malloc checks (``glibc.malloc.check=3``) found nothing.
