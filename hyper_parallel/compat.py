@@ -531,6 +531,14 @@ def print_native_stacks_on_fatal_signal() -> None:
         set_print(True)
 
 
+def unwaited_collectives() -> int:
+    """How many functional collectives this process has issued and not waited for (torch's work
+    registry: a collective stays there until its ``wait_tensor``, even once its output is freed)."""
+    from torch._C._distributed_c10d import _get_work_registry_size
+
+    return _get_work_registry_size()
+
+
 # --- data-dependent sizes (expert regions' all-to-all splits) -------------------------------------
 
 

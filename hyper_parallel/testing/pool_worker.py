@@ -2,7 +2,9 @@
 
 ``_worker_main`` (the spawn target) initialises ``torch.distributed`` from the caller's TCPStore,
 then loops: it unpickles a job ``(fn, args, kwargs)``, runs it, sends back the pickled result or
-the encoded error, and destroys the process groups the job created. A watchdog thread exits when
+the encoded error, and destroys the process groups the job created. A job that returns with a
+functional collective issued and never waited fails, and the workers restart (torch keeps such a
+work registered; it would run beside the next job's collectives on the same gloo group). A watchdog thread exits when
 the caller goes away; ``SIGUSR1`` dumps the Python stacks to a file the caller reads on a timeout.
 Messages in both directions are pickled tuples (``_send``). Like the whole harness, this module
 does not import torch at module level (the worker imports it after setting its environment).
@@ -118,6 +120,8 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, conn
         # kind == "job"
         _, job_id, payload, sys_path = msg
         groups_before = set(c10d._world.pg_map) if destroy_new_groups else None
+        unwaited_before = compat.unwaited_collectives()
+        left_in_flight = False
         ok = True
         try:
             _sync_sys_path(sys_path)
@@ -129,6 +133,14 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, conn
                     "function must be defined at module level in a module the worker can import"
                 ) from e
             result = fn(*args, **kwargs)
+            left = compat.unwaited_collectives() - unwaited_before
+            if left > 0:  # they would run beside the next job's collectives on the same groups
+                left_in_flight = True
+                raise RuntimeError(
+                    f"{_fn_name(fn)} on rank {rank} left {left} collective(s) issued and never waited "
+                    "(a functional collective without its wait_tensor, or a DTensor redistribution "
+                    "whose result was never used): the next job's collectives would run beside them "
+                    "on the same process groups; the workers restart")
             try:
                 out = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException as e:  # noqa: BLE001
@@ -140,7 +152,7 @@ def _worker_main(rank: int, world_size: int, backend: str, store_port: int, conn
             ok = False
             out = _encode_error(e)
             del e
-        healthy = dist.is_initialized()
+        healthy = dist.is_initialized() and not left_in_flight  # torch cannot forget such a work
         if healthy and destroy_new_groups:
             for pg in list(c10d._world.pg_map):
                 if pg not in groups_before and pg is not c10d.GroupMember.WORLD:

@@ -60,6 +60,12 @@ def _abort_on_rank1_others_barrier():
     dist.barrier()
 
 
+def _all_reduce_never_waited():
+    group = dist.distributed_c10d._get_process_group_name(dist.group.WORLD)
+    torch.ops._c10d_functional.all_reduce(torch.ones(4), "sum", group)  # no wait_tensor
+    return 1
+
+
 def _make_subgroups():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -152,6 +158,20 @@ def test_a_native_crash_reports_its_signal_and_cpp_stacks(capfd):
         err = capfd.readouterr().err
         assert "SIGABRT(6)" in err and "frame #" in err, err[-2000:]
         assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+    finally:
+        pool.close()
+
+
+def test_a_job_that_leaves_a_collective_in_flight_fails_and_the_pool_restarts():
+    """A job must wait for every collective it issues: one still in flight would run beside the next
+    job's on the same gloo group (several collectives of one group at once corrupt gloo's heap)."""
+    pool = WorkerPool(2, timeout_s=60)
+    try:
+        restarts = pool.restarts
+        with pytest.raises(RuntimeError, match=r"_all_reduce_never_waited on rank \d left 1 collective"):
+            pool.run(_all_reduce_never_waited)
+        assert pool.run(_all_reduce_rank) == [1.0, 1.0]
+        assert pool.restarts == restarts + 1
     finally:
         pool.close()
 
