@@ -4,8 +4,9 @@
 then loops: it unpickles a job ``(fn, args, kwargs)``, runs it, sends back the pickled result or
 the encoded error, and destroys the process groups the job created. A job that returns with a
 functional collective issued and never waited fails, and the workers restart (torch keeps such a
-work registered; it would run beside the next job's collectives on the same gloo group). A watchdog thread exits when
-the caller goes away; ``SIGUSR1`` dumps the Python stacks to a file the caller reads on a timeout.
+work registered; it would run beside the next job's collectives on the same gloo group). A
+watchdog thread exits when the caller goes away; ``SIGUSR1`` dumps the Python stacks to a file the
+caller reads on a timeout.
 Messages in both directions are pickled tuples (``_send``). Like the whole harness, this module
 does not import torch at module level (the worker imports it after setting its environment).
 """
