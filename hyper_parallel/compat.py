@@ -428,6 +428,12 @@ def profiler_enabled() -> bool:
     return torch.autograd.profiler._is_profiler_enabled
 
 
+def graph_task_keeps_graph() -> bool:
+    """Inside a backward: whether autograd keeps the graph's saved tensors for another backward
+    (``retain_graph=True``), so a backward program must not write into them."""
+    return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
 def is_boxed_call(gm: torch.fx.GraphModule) -> bool:
     """Whether ``gm`` uses the boxed calling convention (frees each argument after its last use)."""
     return bool(getattr(gm, "_boxed_call", False))

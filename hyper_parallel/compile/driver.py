@@ -319,9 +319,11 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 
 def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, explicit_prefetch: dict,
-                      activation, annotated: dict, on_pass, timings: dict | None = None) -> torch.fx.GraphModule:
+                      activation, annotated: dict, on_pass, timings: dict | None = None,
+                      backward_reordered: bool = False) -> torch.fx.GraphModule:
     """The ordered passes over one lowered (or stage) joint graph with this module's options;
-    ``timings`` (if given) receives each pass's seconds."""
+    ``timings`` (if given) receives each pass's seconds; ``backward_reordered``: a pipeline stage
+    whose backward runs split into input- and weight-gradient programs (PassContext)."""
     return run_passes(
         local, PassContext(
             mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch or {},
@@ -331,6 +333,7 @@ def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, 
             first_gradient_bucket_bytes=state.options.first_gradient_bucket_bytes,
             disable_passes=state.options.disable_passes, reduction_lanes=resolved_plan.reduction_lanes,
             codegen=state.options.codegen, on_pass=on_pass, timings={} if timings is None else timings,
+            backward_reordered=backward_reordered,
         )
     )
 

@@ -28,9 +28,9 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = False) 
     vocabulary (``S(-1)``, ``ColwiseParallel``'s default). The cross-entropy then runs
     vocab-parallel on those shards (``propagation/rules.py``: per-token max and exp-sum all-reduces,
     each rank picking the targets in its vocabulary range), so the loss never gathers the logits.
-    The logits *returned* to the user are global either way (the model's outputs keep the user
-    contract: batch-sharded like the inputs, whole elsewhere): that output is the one all-gather of
-    the logits left, in the logits' own dtype, and only the returned copy reads it.
+    The logits *returned* to the user stay vocab-sharded too: a ``DTensor`` (``Shard(-1)`` on
+    ``tp``) whose ``full_tensor()`` gathers them; ``ParallelPlan.outputs = {"logits": Replicate()}``
+    returns them whole instead, for one all-gather in the logits' own dtype.
 
     ``sequence_parallel=True`` (needs ``hyper_parallel.styles``): the norms
     (``model.layers.*.input_layernorm``, ``post_attention_layernorm``, ``model.norm``) become

@@ -40,6 +40,7 @@ from .context import DEFAULT_GRADIENT_BUCKET_BYTES, DEFAULT_PREFETCH_DEPTH, Pass
 from .cse import cse_pass
 from .expert_overlap import expert_overlap_pass
 from .fuse_small_reductions import fuse_small_reductions_pass
+from .inplace_reuse import inplace_reuse_pass
 from .overlap_reductions import overlap_reductions_pass
 from .prefetch import prefetch_pass
 from .recompute import recompute_pass
@@ -101,6 +102,7 @@ PASSES: list[tuple[str, object]] = [
     ("overlap_reductions", overlap_reductions_pass),
     ("reduction_lanes", reduction_lanes_pass),
     ("serialize_collectives", serialize_collectives_pass),
+    ("inplace_reuse", inplace_reuse_pass),
 ]
 
 

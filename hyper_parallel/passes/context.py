@@ -39,6 +39,9 @@ class PassContext:
     # parallelize(codegen=): "inductor" compiles the compute between collectives, and fuses each
     # gradient's cast to the reduce dtype into the kernel that makes it (bucketing keeps the casts).
     codegen: str = "eager"
+    # True for a pipeline stage whose backward runs split into input- and weight-gradient programs
+    # (zero bubble), in another order than the joint graph's: inplace_reuse leaves backward alone.
+    backward_reordered: bool = False
     # Observers: each pass's output graph (dumps) and seconds (the compile summary's pass_seconds).
     on_pass: Callable[[str, torch.fx.GraphModule], None] | None = None
     timings: dict = dataclasses.field(default_factory=dict)

@@ -461,7 +461,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             stage_dumper.graph("split", variant.gm)
             seconds = pass_seconds[f"stage{s}{suffix}"] = {}
             gm = run_pass_pipeline(state, state.resolved, variant.gm, {}, None, lowered.annotated,
-                                   stage_dumper.graph, seconds)
+                                   stage_dumper.graph, seconds, backward_reordered=s in split_backward)
             forward_gm, backward_gm, _ = partition_by_phase(gm, variant.num_forward_outputs)
             insert_gate(forward_gm)  # a reused step's agreement is waited for before the first collective
             stage_dumper.graph("forward", forward_gm)

@@ -26,6 +26,7 @@ from .autocast_state import programs_run_as_captured
 from .partition import partition_by_phase
 from .profiled import ranges_wanted, with_ranges
 from .zero_tangents import without_tangents
+from ..passes.inplace_reuse import overwrites_inputs, without_saved_overwrites
 
 
 def flatten_placeholders(gm: torch.fx.GraphModule, captured: CapturedGraph) -> None:
@@ -109,11 +110,25 @@ class CompiledProgram:
                   and o.meta["val"].dim() == 0 for o in (outputs[i] for i in self.tangent_outputs)]
         return tuple(j for j, s in enumerate(scalar) if not s) if any(scalar) else ()
 
-    def runnable(self, phase: str, missing: tuple[int, ...] = ()):
+    def backward_keeping_saved(self, missing: tuple[int, ...] = ()) -> torch.fx.GraphModule:
+        """``backward_without(missing)`` that leaves the saved activations as they are (for
+        ``retain_graph=True``): the copy without passes/inplace_reuse.py's writes into them, or the
+        program itself if it makes none."""
+        gm = self.backward_without(missing)
+        key = ("keep_saved", missing)
+        if key not in self._without:
+            self._without[key] = without_saved_overwrites(gm) if overwrites_inputs(gm) else gm
+        return self._without[key]
+
+    def runnable(self, phase: str, missing: tuple[int, ...] = (), keep_saved: bool = False):
         """The program of ``phase`` to run now: with named ranges while a profiler records, through
-        the kernel generator when there is one. ``missing``: backward's tangents that are absent."""
-        gm = self.forward_gm if phase == "forward" else self.backward_without(missing)
-        variant = phase + "".join(f".no_tangent{m}" for m in missing)
+        the kernel generator when there is one. ``missing``: backward's tangents that are absent;
+        ``keep_saved``: backward must leave its saved activations unchanged (``retain_graph=True``)."""
+        if phase == "forward":
+            gm = self.forward_gm
+        else:
+            gm = self.backward_keeping_saved(missing) if keep_saved else self.backward_without(missing)
+        variant = phase + "".join(f".no_tangent{m}" for m in missing) + (".keep_saved" if keep_saved else "")
         profiled = self.ranges is not None and ranges_wanted()
         if profiled:
             if variant not in self._with_ranges:
@@ -251,8 +266,11 @@ class _RunStep(torch.autograd.Function):
         missing = tuple(j for j, t in enumerate(tangents) if t is None)
         program.last_missing_tangents = missing
         args += [t.contiguous() if t is not None else None for t in tangents]
-        ctx.maybe_clear_saved_tensors()  # the list is now the only owner of the saved activations
-        grads = _call(ctx.on_error, program.runnable("backward", missing), "backward", args, boxed=True)
+        # The list is now the only owner of the saved activations, so backward may write into them
+        # (passes/inplace_reuse.py), unless autograd keeps them for another backward.
+        keep_saved = compat.graph_task_keeps_graph()
+        ctx.maybe_clear_saved_tensors()
+        grads = _call(ctx.on_error, program.runnable("backward", missing, keep_saved), "backward", args, boxed=True)
         if len(grads) != program.num_primals + len(program.kept_gathered):
             # Gradients would be handed to the wrong parameters: never run on.
             raise internal_error(

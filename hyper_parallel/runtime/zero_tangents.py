@@ -43,10 +43,13 @@ def _same_value(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 
 def zero_add_operand(user: torch.fx.Node, tangent: torch.fx.Node) -> torch.fx.Node | None:
     """The other operand of ``user`` when it adds ``tangent`` to a value of its own shape and
-    dtype (what :func:`without_tangents` replaces it by), else None."""
-    if user.target is not aten.add.Tensor or len(user.args) != 2 or user.kwargs:
+    dtype (what :func:`without_tangents` replaces it by), else None. The add may be in place into
+    that value (passes/inplace_reuse.py), never into the tangent."""
+    if user.target not in (aten.add.Tensor, aten.add_.Tensor) or len(user.args) != 2 or user.kwargs:
         return None
     a, b = user.args
+    if user.target is aten.add_.Tensor and a is tangent:
+        return None
     other = b if a is tangent else a
     if isinstance(other, torch.fx.Node) and other is not tangent and _same_value(other, user):
         return other

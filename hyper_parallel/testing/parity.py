@@ -248,8 +248,16 @@ def _gradients(structure: torch.nn.Module, weights: dict, batch: dict, dtype: to
     copy_ = copy.deepcopy(structure)
     for name, p in copy_.named_parameters():
         p.data = weights[name].to(torch.bfloat16).to(dtype)
+    return _copy_gradients(copy_, lambda m: _loss(m(**batch)).backward())
+
+
+def _copy_gradients(copy_: torch.nn.Module, run: Callable[[torch.nn.Module], Any]) -> dict:
+    """The gradients (as float64) that ``run(copy_)`` leaves on ``copy_``'s parameters, from none,
+    outside any autocast region (the copy computes in its own dtype)."""
+    for p in copy_.parameters():
         p.grad = None
-    _loss(copy_(**batch)).backward()
+    with torch.autocast("cpu", enabled=False):
+        run(copy_)
     return {n: p.grad.double() for n, p in copy_.named_parameters() if p.grad is not None}
 
 
@@ -280,12 +288,7 @@ def float64_gradients(module: torch.nn.Module, run: Callable[[torch.nn.Module], 
     """The exact gradients at ``module``'s current weights: ``run(copy)`` does the forwards and
     backwards (the step's micro-batches, each loss scaled as the step scales it) on a float64 copy
     of ``module``, outside any autocast region. For :func:`assert_gradients_near_exact`."""
-    copy_ = copy.deepcopy(module).double()
-    for p in copy_.parameters():
-        p.grad = None
-    with torch.autocast("cpu", enabled=False):
-        run(copy_)
-    return {n: p.grad for n, p in copy_.named_parameters() if p.grad is not None}
+    return _copy_gradients(copy.deepcopy(module).double(), run)
 
 
 def assert_gradients_near_exact(model, exact: dict, device: dict, what: str = "") -> None:

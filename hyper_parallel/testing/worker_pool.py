@@ -49,6 +49,15 @@ class _Worker:
         self.stack_path = stack_path
 
 
+def _death(w: _Worker) -> dict:
+    """The error payload of a worker whose process exited: its exit code, and the signal that killed
+    it if one did (multiprocessing reports a signal as a negative exit code)."""
+    w.proc.join(1.0)
+    code = w.proc.exitcode
+    return {"dead": True, "message": f"process exited with code {code}",
+            "signal": -code if code is not None and code < 0 else None}
+
+
 _LIVE_POOLS: "weakref.WeakSet[WorkerPool]" = weakref.WeakSet()
 
 
@@ -345,19 +354,14 @@ class WorkerPool:
                 w = self._workers[r]
                 if reply is not _DEAD:
                     if reply is None:
-                        w.proc.join(1.0)
-                        replies[r] = (False, {"dead": True, "message":
-                                              f"process exited with code {w.proc.exitcode}"},
-                                      False)
+                        replies[r] = (False, _death(w), False)
                     elif reply[1] != job_id:  # stale message from an earlier job
                         continue
                     else:
                         _, _, _, ok, out, healthy = reply
                         replies[r] = (ok, out, healthy)
                 else:
-                    w.proc.join(1.0)
-                    replies[r] = (False, {"dead": True, "message":
-                                          f"process exited with code {w.proc.exitcode}"}, False)
+                    replies[r] = (False, _death(w), False)
                 pending.discard(r)
                 if not replies[r][0] and error_deadline is None and stop_on_error:
                     error_deadline = time.monotonic() + self.error_grace_s
@@ -403,7 +407,7 @@ class WorkerPool:
         if info.get("dead"):
             message = (f"{name} failed on rank {first} (world_size {self.world_size}): worker "
                        f"{info['message']}{dead_stacks.get(first, '')}")
-            if "code -" in info["message"]:  # killed by a signal: c10's handler printed C++ stacks
+            if info.get("signal"):  # c10's handler printed C++ stacks before the signal killed it
                 message += "\n--- its threads' C++ stacks were printed on the worker's stderr"
         else:
             message = (f"{name} raised on rank {first} (world_size {self.world_size}): "

@@ -135,9 +135,10 @@ def mixed_precision_parity(steps=3, ignore_fraction=0.0):
         loss.backward()
         assert_matches_bf16_reference(model, loss, compute, ref_loss, full, f"step {step}: ")
         worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
+        device = dict(compute.named_parameters())
         for name, p in model.named_parameters():
             assert p.dtype == torch.float32, name
-            g, ref = p.grad.full_tensor(), dict(compute.named_parameters())[name].grad.float()
+            g, ref = p.grad.full_tensor(), device[name].grad.float()
             worst["grad"] = max(worst["grad"], (g - ref).abs().max().item())
         for p, cp in zip(master.parameters(), compute.parameters()):
             p.grad = cp.grad.float()
