@@ -117,7 +117,7 @@ def test_a_tensor_a_collective_read_lives_until_its_wait_is_read():
     g.output(out)
     for n in (x, a, reduced, waited, b, out):
         n.meta["val"] = _meta([4, 8])
-    gm = inplace_reuse_pass(torch.fx.GraphModule(torch.nn.Module(), g), EAGER)
+    inplace_reuse_pass(torch.fx.GraphModule(torch.nn.Module(), g), EAGER)
     assert b.target is aten.exp.default  # a's storage may still be gloo's
     assert out.target is aten.add_.Tensor and out.args[0] is b  # b is fresh and dies at the add
 
