@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="timed steps per side (median reported, default 8)")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--disable-passes", default="", help="comma-separated passes hp runs without (e.g. inplace_reuse)")
     p.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     return p.parse_args(argv)
 
@@ -147,7 +148,8 @@ def run(args: argparse.Namespace) -> dict | None:
     batch = _batch(args)
 
     hp_model = hp.parallelize(copy.deepcopy(ref), {"tensor_parallel": {"lm_head": "colwise"}},
-                              hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+                              hp.init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+                              disable_passes=[p for p in args.disable_passes.split(",") if p])
     torch_model = TorchLossParallel(parallelize_module(
         copy.deepcopy(ref), init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
         {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}))
@@ -179,7 +181,7 @@ def run(args: argparse.Namespace) -> dict | None:
     # time_side_by_side averaged it over the ranks, which leaves it unchanged.
     return {
         "config": {k: getattr(args, k) for k in ("tp", "vocab", "hidden", "batch", "seq_len", "dtype",
-                                                  "ignore_fraction", "warmup", "steps")},
+                                                  "ignore_fraction", "warmup", "steps", "disable_passes")},
         "loss_step0": losses, "max_relative_grad_difference_step0": grad_diff,
         "loss_after_warmup": {"hyper_parallel": timed.hp_loss0, "torch": timed.peer_loss0},
         "step_ms": {"hyper_parallel": hp_ms, "torch": torch_ms}, "step_ratio": hp_ms / torch_ms,
