@@ -177,13 +177,14 @@ def run(args: argparse.Namespace) -> dict | None:
     unit = args.batch * args.seq_len * (args.vocab // world) * 4
     held = {name: _local_bytes(m.parameters()) for name, m in sides.items()}  # before the step
     hp_ms, torch_ms = statistics.median(timed.hp_times) * 1e3, statistics.median(timed.peer_times) * 1e3
-    # hp's step-0 loss is the global token mean; torch's (a replicated DTensor) the same on every rank:
-    # time_side_by_side averaged it over the ranks, which leaves it unchanged.
+    # The timed run's first step (before any update, as step 0): hp's loss is the global token mean,
+    # torch's a replicated DTensor's value, the same on every rank, so time_side_by_side's average
+    # over the ranks leaves it unchanged.
     return {
         "config": {k: getattr(args, k) for k in ("tp", "vocab", "hidden", "batch", "seq_len", "dtype",
                                                   "ignore_fraction", "warmup", "steps", "disable_passes")},
         "loss_step0": losses, "max_relative_grad_difference_step0": grad_diff,
-        "loss_after_warmup": {"hyper_parallel": timed.hp_loss0, "torch": timed.peer_loss0},
+        "loss_first_timed_run_step": {"hyper_parallel": timed.hp_loss0, "torch": timed.peer_loss0},
         "step_ms": {"hyper_parallel": hp_ms, "torch": torch_ms}, "step_ratio": hp_ms / torch_ms,
         "peak_bytes": peaks, "peak_ratio": peaks["hyper_parallel"] / peaks["torch"],
         "fp32_logits_unit_bytes": unit, "parameter_bytes": held,
