@@ -81,7 +81,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                     help="compute dtype (bf16 with FSDP: fp32 master weights, fp32 reduction); default: bf16")
     ex.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                    help="activation recompute of every decoder layer; default: none")
+                    help="activation recompute of every decoder layer (selective keeps every matmul, "
+                         "attention and collective output; another policy: a --plan file that sets recompute, as the "
+                         "repository's bench/plans/torchtitan_op_sac.py); default: none")
     ex.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of the config")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
     ex.add_argument("--trace", default=None, metavar="FILE",
