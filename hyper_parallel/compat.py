@@ -9,6 +9,7 @@ and module reparametrization for capture on fake tensors.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.utils._pytree as pytree  # noqa: F401 - flatten/unflatten of call arguments and outputs
@@ -432,6 +433,15 @@ def graph_task_keeps_graph() -> bool:
     """Inside a backward: whether autograd keeps the graph's saved tensors for another backward
     (``retain_graph=True``), so a backward program must not write into them."""
     return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy whose graph may be rewritten without touching ``gm`` (node meta copied shallowly),
+    with ``gm``'s code generator, so its calling convention (boxed or not) too."""
+    graph = torch.fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
 
 
 def is_boxed_call(gm: torch.fx.GraphModule) -> bool:

@@ -12,7 +12,6 @@ the pipeline splits the lowered graph into stages and runs ``run_pass_pipeline``
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import logging
@@ -309,15 +308,6 @@ def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
     ]
 
 
-def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy whose graph passes may rewrite without touching ``gm`` (node meta copied shallowly)."""
-    graph = torch.fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return torch.fx.GraphModule(gm, graph)
-
-
 def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, explicit_prefetch: dict,
                       activation, annotated: dict, on_pass, timings: dict | None = None,
                       backward_reordered: bool = False) -> torch.fx.GraphModule:
@@ -464,7 +454,7 @@ def compile_within_budget(
     def peak(i: int) -> int:
         if i not in tried:
             entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(i), silent,
-                            local=copy_graph_module(lowered.local))
+                            local=compat.copy_graph_module(lowered.local))
             value = torch.tensor([entry.full_summary()["memory"]["peak"]], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(value, op=dist.ReduceOp.MAX)

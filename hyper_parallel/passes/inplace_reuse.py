@@ -190,15 +190,11 @@ def inplace_reuse_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
 def without_saved_overwrites(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of backward program ``gm`` in which no op overwrites one of its inputs (the saved
     activations): for ``backward(retain_graph=True)``, which may run backward again on them."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    graph._codegen = gm.graph._codegen
-    for node in graph.nodes:
+    result = compat.copy_graph_module(gm)
+    for node in result.graph.nodes:
         if _overwrites_input(node):
             node.target = node.meta.pop(meta.INPLACE_OF)
-    result = torch.fx.GraphModule(gm, graph)
-    if compat.is_boxed_call(gm):
-        compat.use_boxed_calling_convention(result)
+    result.recompile()
     return result
 
 

@@ -48,7 +48,7 @@ from ..codegen import generate
 from ..compile.capture import flat_paths
 from ..compile.gc_freeze import older_objects_frozen
 from ..compile.driver import (
-    capture_and_lower, copy_graph_module, current_rank, format_signature, run_pass_pipeline, signature,
+    capture_and_lower, current_rank, format_signature, run_pass_pipeline, signature,
     training_grad_mode,
 )
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
@@ -543,7 +543,7 @@ def gradient_variants(graph: StageGraph, num_microbatches: int, deferred: tuple[
         return {"": graph}
 
     def variant(**how) -> StageGraph:
-        return gradient_variant(graph, copy_graph_module(graph.gm), **how)
+        return gradient_variant(graph, compat.copy_graph_module(graph.gm), **how)
 
     variants = {FIRST: variant(reduce=False, running_sums=False), "": variant(reduce=True, running_sums=True)}
     if deferred and num_microbatches > 2:

@@ -86,6 +86,8 @@ class CompiledProgram:
     # Backward programs for steps where some outputs got no gradient (zero_tangents.py), by the
     # positions of the missing tangents; and the positions the last backward ran without.
     _without: dict = dataclasses.field(default_factory=dict, repr=False)
+    # The same by missing tangents, leaving the saved activations unchanged (retain_graph=True).
+    _keeping_saved: dict = dataclasses.field(default_factory=dict, repr=False)
     last_missing_tangents: tuple[int, ...] | None = None
     # Set by the compile driver: user output -> factor its incoming gradient is scaled by (1/N for
     # an output split over N data-parallel ranks: compile/driver.data_parallel_tangent_scales).
@@ -114,11 +116,10 @@ class CompiledProgram:
         """``backward_without(missing)`` that leaves the saved activations as they are (for
         ``retain_graph=True``): the copy without passes/inplace_reuse.py's writes into them, or the
         program itself if it makes none."""
-        gm = self.backward_without(missing)
-        key = ("keep_saved", missing)
-        if key not in self._without:
-            self._without[key] = without_saved_overwrites(gm) if overwrites_inputs(gm) else gm
-        return self._without[key]
+        if missing not in self._keeping_saved:
+            gm = self.backward_without(missing)
+            self._keeping_saved[missing] = without_saved_overwrites(gm) if overwrites_inputs(gm) else gm
+        return self._keeping_saved[missing]
 
     def runnable(self, phase: str, missing: tuple[int, ...] = (), keep_saved: bool = False):
         """The program of ``phase`` to run now: with named ranges while a profiler records, through

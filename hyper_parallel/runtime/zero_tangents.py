@@ -59,9 +59,8 @@ def zero_add_operand(user: torch.fx.Node, tangent: torch.fx.Node) -> torch.fx.No
 def without_tangents(gm: torch.fx.GraphModule, missing: tuple[int, ...]) -> torch.fx.GraphModule:
     """``gm`` with the tangents at positions ``missing`` (indices into :func:`tangent_placeholders`)
     treated as zeros (module docstring)."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    graph._codegen = gm.graph._codegen
+    result = compat.copy_graph_module(gm)
+    graph = result.graph
     tangents = tangent_placeholders(graph)
     first_compute = next(n for n in graph.nodes if n.op != "placeholder")
     for position in missing:
@@ -79,8 +78,6 @@ def without_tangents(gm: torch.fx.GraphModule, missing: tuple[int, ...]) -> torc
             zeros.meta = {**tangent.meta}
             tangent.replace_all_uses_with(zeros)
     graph.lint()
-    result = torch.fx.GraphModule(gm, graph)
-    if compat.is_boxed_call(gm):
-        compat.use_boxed_calling_convention(result)
+    result.recompile()
     return result
 

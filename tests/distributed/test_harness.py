@@ -61,7 +61,7 @@ def _abort_on_rank1_others_barrier():
 
 
 def _all_reduce_never_waited():
-    group = dist.distributed_c10d._get_process_group_name(dist.group.WORLD)
+    group = dist.group.WORLD.group_name
     torch.ops._c10d_functional.all_reduce(torch.ones(4), "sum", group)  # no wait_tensor
     return 1
 

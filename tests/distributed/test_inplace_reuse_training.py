@@ -81,17 +81,24 @@ def test_the_vocab_parallel_loss_holds_one_logits_buffer_less(dist2):
 
 def on_and_off_agree(steps: int = 3) -> None:
     """The same training with the pass on and off: every loss and gradient bitwise equal, for
-    the loss head (bf16) and the example Llama under FSDP x TP with bf16 mixed precision."""
+    the loss head (bf16) and, under FSDP x TP with bf16 mixed precision and the loss vocab-parallel,
+    the example Llama and transformers' Llama (30% of the labels -100 in both)."""
+    from hyper_parallel.models.hf_zoo import tiny_hf_model
+
     mesh = hp.init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    llama = build_model("llama", num_hidden_layers=2)
     llama_plan = {**llama_tp_plan(loss_parallel=True),
                   "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
+
+    def llama_case(reference):
+        return (lambda disable: hp.parallelize(copy.deepcopy(reference), llama_plan, mesh,
+                                               disable_passes=["inplace_reuse"] if disable else []),
+                lambda step: local_batch(global_batch("llama", 4, 16, seed=step, ignore_fraction=0.3), mesh))
+
     cases = {
         "head": (lambda disable: _head(disable), lambda step: _batch(step)),
-        "llama": (lambda disable: hp.parallelize(copy.deepcopy(llama), llama_plan, mesh,
-                                                 disable_passes=["inplace_reuse"] if disable else []),
-                  lambda step: local_batch(global_batch("llama", 4, 16, seed=step, ignore_fraction=0.3), mesh)),
+        "llama": llama_case(build_model("llama", num_hidden_layers=2)),
+        "hf_llama": llama_case(tiny_hf_model("LlamaForCausalLM")),
     }
     for name, (make, batch_of) in cases.items():
         models = [make(False), make(True)]
