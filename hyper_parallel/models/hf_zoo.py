@@ -85,6 +85,20 @@ _SPECS: dict[str, tuple[str, dict[str, Any], str]] = {
         qk_nope_head_dim=8, v_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1),
         "sdpa"),
+    # GPT-OSS: attention sinks (a learned logit per head), sliding + full layers, experts with
+    # biases and a clamped SwiGLU, run by transformers' batched kernel (its grouped one sorts every
+    # token by expert, which runs replicated under DP as for Mixtral).
+    "GptOssForCausalLM": ("GptOssConfig", dict(
+        _DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], experts_implementation="batched_mm"), "eager"),
+    # Qwen3-Next: a gated delta-net linear-attention layer (causal conv1d, softplus gates, chunked
+    # delta rule: transformers' PyTorch reference kernels) before a full-attention one; MoE with a
+    # shared expert.
+    "Qwen3NextForCausalLM": ("Qwen3NextConfig", dict(
+        _DECODER, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        experts_implementation="batched_mm"), "sdpa"),
     "T5ForConditionalGeneration": ("T5Config", dict(
         vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, use_cache=False), "sdpa"),
@@ -184,8 +198,10 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
     * Llama-style (Llama, Mistral, Qwen2/3, Gemma2/3, Olmo2, StableLM): the plan of
       :func:`hyper_parallel.models.llama_tp_plan`. Gemma's tied embedding and head are both sharded
       over the vocabulary (dim 0 of the one weight).
-    * Mixtral: attention only; the experts (3-D ``gate_up_proj`` / ``down_proj`` parameters of one
-      module) stay replicated. Qwen2-MoE: attention and the shared expert.
+    * Mixtral, GPT-OSS: attention only; the experts (3-D ``gate_up_proj`` / ``down_proj`` parameters
+      of one module) stay replicated, as do GPT-OSS's attention sinks (one logit per head: each rank
+      reads its heads'). Qwen2-MoE: attention and the shared expert.
+    * Qwen3-Next: none here (its linear-attention layers' fused projections would need their own).
     * DeepSeek-V3 (MLA): ``q_b_proj`` and ``kv_b_proj`` column-parallel (per-head up-projections),
       ``o_proj`` row-parallel, the dense first layer's MLP Megatron-style; the low-rank
       down-projections and the routed experts replicated.
@@ -206,13 +222,15 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
     from hyper_parallel.models.plans import llama_tp_plan
 
     _spec(arch)
+    if arch == "Qwen3NextForCausalLM":
+        return None
     if arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", "StableLmForCausalLM"):
         return llama_tp_plan()
     layer = "model.layers.*"
     qkv, o = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",)
     lm = {"model.embed_tokens": "rowwise", "lm_head": "colwise"}
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GptOssForCausalLM"):
         tp = {**_megatron(layer, qkv, o), **lm}
     elif arch == "Qwen2MoeForCausalLM":
         tp = {**_megatron(layer, qkv + ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),

@@ -5,6 +5,8 @@ arguments must be redistributed to and which layout the result has. PyTorch's DT
 ~1,100 aten ops; we ask its propagator (which picks, among an op's strategies, the one with the
 least alpha-beta redistribution cost) and add rules only where it has none:
 
+* elementwise ops it has none for (``elementwise_rules.py``): the functional ``copy`` (what
+  functionalization makes of a write into a slice), ``fill``, activation backward kernels ...;
 * the SDPA kernels (``attention_rules.py``): the CPU flash kernel, which DTensor has no rule for,
   and, while a program is propagated, the sequence-sharded layout of every SDPA kernel (context
   parallelism).
@@ -68,7 +70,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..compat import pytree
 from .. import compat
 from ..cp import attention as cp_attention
-from . import attention_rules, fused_projections, strided_views
+from . import attention_rules, elementwise_rules, fused_projections, strided_views
 from ..ir import meta
 from ..layout import format_placements
 
@@ -88,6 +90,7 @@ def register_own_rules() -> None:
     if _registered:
         return
     attention_rules.register(compat.sharding_propagator())
+    elementwise_rules.register(compat.sharding_propagator())
     _registered = True
 
 
@@ -349,7 +352,8 @@ def local_kernel(op, args: tuple, layout, context=None, name: str = "", mask_wit
     sequence_parallel = cp_attention.local_kernel(op, layout, context, name, mask_within_causal)
     if sequence_parallel is not None:
         return sequence_parallel
-    view = strided_views.local_kernel(op, layout) or fused_projections.local_kernel(op, args, layout)
+    view = (strided_views.local_kernel(op, layout) or fused_projections.local_kernel(op, args, layout)
+            or elementwise_rules.local_kernel(op, layout))
     if view is not None:
         return view
     if op not in _VOCAB_PARALLEL_RULES or not layout.inputs or len(args) != _ARITY[op]:

@@ -49,6 +49,10 @@ MATRIX = {
     "DeepseekV3ForCausalLM": ("dp", "fsdp", "tp"),
     "T5ForConditionalGeneration": ("dp", "fsdp", "tp"),
     "BertForMaskedLM": ("tp",),
+    # The functional copy's rule (GPT-OSS experts' backward) and the softplus backward's (Qwen3-Next's
+    # gates, whose CPU kernel lays its result out otherwise than fake tensors): none runs replicated.
+    "GptOssForCausalLM": ("dp", "fsdp", "tp"),
+    "Qwen3NextForCausalLM": ("dp",),
 }
 CASES = [(arch, plan) for arch, plans in MATRIX.items() for plan in plans]
 
@@ -57,15 +61,10 @@ CASES = [(arch, plan) for arch, plans in MATRIX.items() for plan in plans]
 _MOE = {"aten.floor_divide.default", "transformers.grouped_mm_fallback.default",
         "transformers.grouped_mm_fallback_backward.default"}
 KNOWN_FALLBACKS = {
-    # _split_heads builds index constants (torch.tensor) in the graph
-    "FalconForCausalLM": {"aten.lift_fresh_copy.default"},
     # grouped_mm sorts all tokens by expert: under DP the routed tokens are gathered
     "MixtralForCausalLM": _MOE,
     "Qwen2MoeForCausalLM": _MOE,
-    # expand_kv's copy into the concatenated key (MLA's decoupled RoPE part)
-    "DeepseekV3ForCausalLM": _MOE | {"aten.copy.default"},
-    # _shift_right(labels) writes into a new tensor
-    "T5ForConditionalGeneration": {"aten.copy.default", "aten.lift_fresh_copy.default", "aten.fill.Tensor"},
+    "DeepseekV3ForCausalLM": _MOE,
 }
 
 
