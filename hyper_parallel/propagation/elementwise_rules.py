@@ -19,8 +19,14 @@ broadcast to it, or read whole where it is broadcast there:
   gates; ``elu``, ``leaky_relu``, ``hardswish``, ``hardsigmoid``, ``hardtanh``, ``mish``,
   ``softshrink``, ``hardshrink``) and ``hardswish`` itself.
 
-No op here is linear in all its operands, so apart from ``copy`` none keeps a ``Partial`` operand
-partial: the engine reduces it first, as for any non-linear op.
+``tril`` / ``triu`` are elementwise in every dim but the last two (a batch of matrices: Qwen3-Next's
+chunked delta rule masks one per batch, head and chunk), and linear. DTensor replicates them (its
+linear-algebra fallback): under data parallelism an all-gather of the batch. Inside propagation
+(:func:`propagate_batched_triangle`) they keep any leading dim sharded, or a partial sum partial,
+and their local kernel runs them on the shard.
+
+The other ops are not linear in all their operands, so none keeps a ``Partial`` operand partial:
+the engine reduces it first, as for any non-linear op.
 
 Five backward kernels (``softplus``, ``elu``, ``hardswish``, ``hardsigmoid``, ``hardtanh``) lay
 their result out like ``grad_output`` (torch's elementwise kernels follow their first operand),
@@ -36,7 +42,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import compat
 
@@ -79,6 +85,21 @@ def elementwise_strategy(op_schema):
     return compat.expand_to_full_mesh_op_strategy(mesh, op_schema, rows, input_index=1)
 
 
+TRIANGLES = (aten.tril.default, aten.triu.default)
+
+
+def propagate_batched_triangle(args_schema: tuple):
+    """(result, wanted input layouts) of ``tril`` / ``triu`` on a DTensorSpec: it stays as it is
+    where its sharded dims are all leading (or it is partial), else None (DTensor's rule decides)."""
+    x = args_schema[0]
+    ndim = len(x.tensor_meta.shape)
+    if any(p.is_shard() and p.dim >= ndim - 2 for p in x.placements) or all(p.is_replicate() for p in x.placements):
+        return None
+    if not all(p.is_replicate() or p.is_partial() or type(p) is Shard for p in x.placements):
+        return None
+    return x, None
+
+
 # Backward kernel -> the index of ``self`` (fake tensors lay the result out like it; module docstring).
 _LAYOUT_OF_SELF = {
     aten.softplus_backward.default: 1, aten.elu_backward.default: 5, aten.hardswish_backward.default: 1,
@@ -90,14 +111,16 @@ def local_kernel(op, layout):
     """For lowering: the kernel of ``op`` on local shards where the real kernel's result layout
     differs from the captured one, else None. Takes DTensors in ``layout.inputs``, returns one in
     ``layout.output``."""
+    if op in TRIANGLES and layout.inputs and not all(p.is_replicate() for p in layout.inputs[0].placements):
+        return functools.partial(_on_shard, op, layout.output)
     index = _LAYOUT_OF_SELF.get(op)
     if index is None or layout.output is None:
         return None
-    return functools.partial(_with_grad_laid_out_as_self, op, index, layout.output)
+    return functools.partial(_with_result_laid_out_as_self, op, index, layout.output)
 
 
-def _with_grad_laid_out_as_self(op, index, out_spec, *args):
-    local = [compat.local_of(a) if isinstance(a, torch.Tensor) else a for a in args]
+def _with_result_laid_out_as_self(op, index, out_spec, *args):
+    local = [compat.local_of(a) if isinstance(a, DTensor) else a for a in args]
     out = op(*local)
     grad, like = local[0], local[index]
     if _dim_order(grad) != _dim_order(like):
@@ -108,6 +131,10 @@ def _with_grad_laid_out_as_self(op, index, out_spec, *args):
         inverse = sorted(range(like.dim()), key=wanted.__getitem__)
         out = out.permute(wanted).clone(memory_format=torch.contiguous_format).permute(inverse)
     return compat.dtensor_from_spec(out, out_spec)
+
+
+def _on_shard(op, out_spec, x, *rest):
+    return compat.dtensor_from_spec(op(compat.local_of(x), *rest), out_spec)
 
 
 def _dim_order(t: torch.Tensor) -> list[int]:

@@ -114,6 +114,14 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     register_own_rules()
     if op is aten.expand.default and args_schema and has_partial(args_schema[0]):
         return _reduce_before_expand(op, args_schema, kwargs_schema)
+    if op in elementwise_rules.TRIANGLES and isinstance(args_schema[0], compat.DTensorSpec):
+        decided = elementwise_rules.propagate_batched_triangle(args_schema)
+        if decided is not None:
+            return decided
+    if op is aten.slice_scatter.default and not kwargs_schema:
+        decided = _slice_scatter_following_source(op, args_schema)
+        if decided is not None:
+            return decided
     if op in _VOCAB_PARALLEL_RULES and not kwargs_schema and len(args_schema) == _ARITY[op]:
         decided = _VOCAB_PARALLEL_RULES[op](args_schema)
         if decided is not None:
@@ -175,6 +183,29 @@ def _reduce_before_expand(op, args_schema: tuple, kwargs_schema: dict):
     reduced = _spec(x, tuple(Replicate() if p.is_partial() else p for p in x.placements))
     output, _ = propagate_op(op, (reduced, *args_schema[1:]), kwargs_schema)
     return output, [reduced]
+
+
+def _slice_scatter_following_source(op, args_schema: tuple):
+    """A buffer filled slice by slice (``buf[..., 1:] = x``: T5's shifted labels, DeepSeek-V3's
+    key with its shared RoPE part) is a replicated ``slice_scatter`` input with a sharded source.
+    DTensor's rule follows the input only, so the source was all-gathered (over the batch axes,
+    where the plan-boundary warning does not look: activations, every layer). On each mesh axis
+    where the input is replicated and the source is sharded on another dim than the scattered
+    one, the input takes the source's shard instead (a local slice) and the scatter stays local.
+    None where nothing changes."""
+    inp, src, *rest = args_schema
+    if not (isinstance(inp, compat.DTensorSpec) and isinstance(src, compat.DTensorSpec)):
+        return None
+    dim = _norm_dim(rest[0] if rest else 0, len(inp.tensor_meta.shape))
+    placements = tuple(
+        s if p.is_replicate() and type(s) is Shard and s.dim != dim else p
+        for p, s in zip(inp.placements, src.placements)
+    )
+    if placements == tuple(inp.placements):
+        return None
+    sliced = _spec(inp, placements)
+    output, wanted = propagate_op(op, (sliced, src, *rest), {})
+    return output, wanted if wanted is not None else [sliced, src]
 
 
 def propagate_token_mean(op, args_schema: tuple, kwargs_schema: dict):

@@ -67,6 +67,17 @@ KNOWN_FALLBACKS = {
     "DeepseekV3ForCausalLM": _MOE,
 }
 
+# What data parallelism all-gathers in these models (hf_parity's "gathered_by"). transformers'
+# grouped experts sort every token by expert (Mixtral, Qwen2-MoE, DeepSeek-V3); the batched ones'
+# expert-weight gradient is an index_put of the routed tokens' gradients, whose rule gathers them
+# (GPT-OSS, Qwen3-Next; a rule keeping it a partial sum would not). Nothing else: a buffer filled
+# slice by slice (DeepSeek-V3's key) and a batched tril (Qwen3-Next) gathered before their rules.
+_GROUPED = {"aten.sort", "aten.index.Tensor", "aten.index_put"}
+KNOWN_DP_GATHERS = {
+    "MixtralForCausalLM": _GROUPED, "Qwen2MoeForCausalLM": _GROUPED, "DeepseekV3ForCausalLM": _GROUPED,
+    "GptOssForCausalLM": {"aten.index_put", "gradient"}, "Qwen3NextForCausalLM": {"aten.index_put", "gradient"},
+}
+
 
 def _plan(arch: str, plan: str):
     from hyper_parallel.models.hf_zoo import hf_fsdp_plan, hf_tp_plan
@@ -129,7 +140,21 @@ def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int
     fallbacks = parallel.compile_summary()["fallbacks"]
     ops = {m.group(1) for f in fallbacks if (m := re.search(r"\(([\w.]+)\) ", f))}
     return {"losses": losses, "counts": counts, "fallback_ops": ops, "fallbacks": fallbacks,
+            "gathered_by": _gathered_by(parallel),
             "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu}
+
+
+def _gathered_by(model) -> set:
+    """What made each all-gather of the compiled programs: the op whose rule asked for it
+    ("aten.index_put"), or "gradient" (a gradient brought to its parameter's layout)."""
+    why = set()
+    for gm in model.compiled_programs():
+        for node in gm.graph.nodes:
+            if "all_gather" in str(node.target):
+                reason = node.meta.get("hp_why", "")
+                found = re.search(r"op rule: ([\w.]+)", reason)
+                why.add(found.group(1) if found else "gradient" if reason.startswith("gradient of") else reason)
+    return why
 
 
 @pytest.mark.parametrize("arch,plan", CASES, ids=[f"{a}-{p}" for a, p in CASES])
@@ -140,6 +165,9 @@ def test_hf_model_parity(dist2, arch, plan):
         assert results[0]["counts"] != results[1]["counts"], results[0]["counts"]
     unexpected = results[0]["fallback_ops"] - KNOWN_FALLBACKS.get(arch, set())
     assert not unexpected, [f for f in results[0]["fallbacks"] if any(op in f for op in unexpected)]
+    if plan == "dp":  # data parallelism gathers no activation but these (known, MoE routing)
+        extra = results[0]["gathered_by"] - KNOWN_DP_GATHERS.get(arch, set())
+        assert not extra, f"{arch} under DP all-gathers for {sorted(extra)}"
 
 
 def test_parameter_layouts_alone(dist2):

@@ -97,3 +97,23 @@ def test_backward_kernels_lay_their_result_out_as_captured(op, args):
         out = compat.local_of(kernel(*args(compat.dtensor_from_spec(grad, spec), compat.dtensor_from_spec(x, spec))))
     assert out.stride() == captured.stride()
     assert torch.equal(out, real)
+
+
+def test_a_batched_tril_stays_sharded_on_its_leading_dims():
+    """tril / triu are elementwise but for the last two dims (propagation/elementwise_rules.py):
+    DTensor replicates them; a batch of matrices keeps its batch shard, and the local kernel gives
+    the shard of the whole result."""
+    with fake_world(2):
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        for op in (aten.tril.default, aten.triu.default):
+            out, wanted = propagate_op(op, (_spec(mesh, Shard(0), (4, 2, 8, 8)), 1), {})
+            assert out.placements == (Shard(0),) and wanted is None, (op, out, wanted)
+            out, _ = propagate_op(op, (_spec(mesh, Shard(2), (4, 2, 8, 8)),), {})
+            assert out.placements == (Replicate(),), (op, out)  # rows: the diagonal's offset differs
+    with fake_world(1):
+        mesh = hp.init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+        x = torch.randn(4, 2, 8, 8)
+        spec = _spec(mesh, Shard(0), (4, 2, 8, 8))
+        layout = type("Layout", (), {"inputs": [spec], "output": spec})()
+        kernel = elementwise_rules.local_kernel(aten.tril.default, layout)
+        assert torch.equal(compat.local_of(kernel(compat.dtensor_from_spec(x, spec), -1)), torch.tril(x, -1))
