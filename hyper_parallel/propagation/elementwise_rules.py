@@ -108,9 +108,10 @@ _LAYOUT_OF_SELF = {
 
 
 def local_kernel(op, layout):
-    """For lowering: the kernel of ``op`` on local shards where the real kernel's result layout
-    differs from the captured one, else None. Takes DTensors in ``layout.inputs``, returns one in
-    ``layout.output``."""
+    """For lowering: the kernel of ``op`` on local shards where DTensor's dispatch would not run it
+    as propagated (``tril`` / ``triu`` on a sharded batch of matrices, which it replicates) or the
+    real kernel's result layout differs from the captured one; else None. Takes DTensors in
+    ``layout.inputs``, returns one in ``layout.output``."""
     if op in TRIANGLES and layout.inputs and not all(p.is_replicate() for p in layout.inputs[0].placements):
         return functools.partial(_on_shard, op, layout.output)
     index = _LAYOUT_OF_SELF.get(op)

@@ -186,8 +186,8 @@ def _reduce_before_expand(op, args_schema: tuple, kwargs_schema: dict):
 
 
 def _slice_scatter_following_source(op, args_schema: tuple):
-    """A buffer filled slice by slice (``buf[..., 1:] = x``: T5's shifted labels, DeepSeek-V3's
-    key with its shared RoPE part) is a replicated ``slice_scatter`` input with a sharded source.
+    """A buffer filled slice by slice (``buf[..., d:] = x``: DeepSeek-V3's key with its shared RoPE
+    part) is a replicated ``slice_scatter`` input with a sharded source.
     DTensor's rule follows the input only, so the source was all-gathered (over the batch axes,
     where the plan-boundary warning does not look: activations, every layer). On each mesh axis
     where the input is replicated and the source is sharded on another dim than the scattered
