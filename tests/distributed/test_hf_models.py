@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
+from hyper_parallel.ir import meta
 from hyper_parallel.testing.parity import global_batch, local_batch
 
 pytest.importorskip("transformers")
@@ -151,7 +152,7 @@ def _gathered_by(model) -> set:
     for gm in model.compiled_programs():
         for node in gm.graph.nodes:
             if "all_gather" in str(node.target):
-                reason = node.meta.get("hp_why", "")
+                reason = node.meta.get(meta.WHY, "")
                 found = re.search(r"op rule: ([\w.]+)", reason)
                 why.add(found.group(1) if found else "gradient" if reason.startswith("gradient of") else reason)
     return why
