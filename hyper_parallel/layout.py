@@ -439,3 +439,8 @@ def to_placements(
         "TensorLayout (Layout(...)(...)), Placements (one per mesh axis), or a list of axis "
         "names / None per tensor dim"
     )
+
+
+def dims_by_stride(stride, shape) -> list[int]:
+    """The dims of more than one element, outermost in memory first (a tensor's memory order)."""
+    return [d for d in sorted(range(len(shape)), key=lambda d: (-stride[d], d)) if shape[d] > 1]

@@ -35,7 +35,7 @@ from ..errors import internal_error
 from ..ir import meta
 from ..ir.names import renumber
 from ..cp.load_balance import Balancer
-from ..layout import format_placements
+from ..layout import dims_by_stride, format_placements
 from ..moe.lowering import ExpertLowering
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
 from ..propagation import attention_rules, rules
@@ -82,11 +82,6 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
     return compat.dtensor_from_spec(local, dst)
 
 
-def _dims_by_stride(stride, shape) -> list[int]:
-    """The dims of more than one element, outermost in memory first."""
-    return [d for d in sorted(range(len(shape)), key=lambda d: (-stride[d], d)) if shape[d] > 1]
-
-
 _VIEW_OPS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
@@ -103,7 +98,7 @@ def _in_memory_order_of(local: torch.Tensor, tensor_meta) -> torch.Tensor:
     if tensor_meta is None or local.dim() != len(tensor_meta.shape) or local.dim() < 2:
         return local
     order = sorted(range(local.dim()), key=lambda d: (-tensor_meta.stride[d], d))
-    if _dims_by_stride(local.stride(), local.shape) == [d for d in order if local.shape[d] > 1]:
+    if dims_by_stride(local.stride(), local.shape) == [d for d in order if local.shape[d] > 1]:
         return local
     inverse = sorted(range(local.dim()), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)

@@ -45,6 +45,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import compat
+from ..layout import dims_by_stride
 
 aten = torch.ops.aten
 OPS = (
@@ -56,7 +57,7 @@ OPS = (
     aten.hardshrink_backward.default,
 )
 # Every argument after the first is part of the cache key (scalars included: harmless, exact).
-_SCHEMA_INFO = compat.RuntimeSchemaInfo(1)
+SCHEMA_INFO = compat.RuntimeSchemaInfo(1)
 
 
 def _dtype(strategy) -> torch.dtype | None:
@@ -124,7 +125,7 @@ def _with_result_laid_out_as_self(op, index, out_spec, *args):
     local = [compat.local_of(a) if isinstance(a, DTensor) else a for a in args]
     out = op(*local)
     grad, like = local[0], local[index]
-    if _dim_order(grad) != _dim_order(like):
+    if dims_by_stride(grad.stride(), grad.shape) != dims_by_stride(like.stride(), like.shape):
         # The kernel ran as eager runs it (same values); its result is laid out like ``grad``, the
         # captured one like ``like``: copy it into that order (a clone is always traced, where
         # ``contiguous()`` would trace nothing: the traced value already has the captured layout).
@@ -136,16 +137,3 @@ def _with_result_laid_out_as_self(op, index, out_spec, *args):
 
 def _on_shard(op, out_spec, x, *rest):
     return compat.dtensor_from_spec(op(compat.local_of(x), *rest), out_spec)
-
-
-def _dim_order(t: torch.Tensor) -> list[int]:
-    """The dims of more than one element, outermost in memory first."""
-    return [d for d in sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)) if t.shape[d] > 1]
-
-
-def register(propagator) -> None:
-    """Give DTensor these rules (only for ops it has none for: a torch that adds its own keeps it)."""
-    for op in OPS:
-        if not (op in propagator.op_strategy_funcs or op in propagator.op_single_dim_strategy_funcs
-                or op in propagator.op_to_rules):
-            propagator.register_op_strategy(op, elementwise_strategy, _SCHEMA_INFO)

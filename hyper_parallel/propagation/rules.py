@@ -89,8 +89,11 @@ def register_own_rules() -> None:
     global _registered
     if _registered:
         return
-    attention_rules.register(compat.sharding_propagator())
-    elementwise_rules.register(compat.sharding_propagator())
+    propagator = compat.sharding_propagator()
+    attention_rules.register(propagator)
+    for op in elementwise_rules.OPS:  # only where DTensor has none: a torch that adds its own keeps it
+        if not has_rule(op):
+            propagator.register_op_strategy(op, elementwise_rules.elementwise_strategy, elementwise_rules.SCHEMA_INFO)
     _registered = True
 
 
