@@ -40,10 +40,24 @@ class Collective:
     shape: tuple  # local input shape; a data-dependent size (expert dispatch) as its symbol's text
     nbytes: int  # bytes of the local input (data-dependent sizes at their balanced-routing hint)
     node: str
-    source: str  # the joint-graph node it serves
+    source: str  # the joint-graph node it serves ("" for one a pass made: a fused bucket)
+    group: str = ""  # the process group's name (names differ between ranks, so not in signature())
+    why: str = ""  # why the program has it (why.reason): a fused bucket's members, a plan entry
 
     def signature(self) -> str:
         return f"{self.kind}[{self.axis}] {self.dtype}{list(self.shape)}"
+
+    def structure(self) -> str:
+        """The signature without the sizes: what every rank of the mesh has in common, also where
+        a shard's size depends on the rank (an uneven FSDP shard of a dim smaller than the mesh
+        axis) and so differs between the groups of one axis."""
+        return f"{self.kind}[{self.axis}] {self.dtype} {len(self.shape)}-d"
+
+    def describe(self) -> str:
+        """The node, what it serves and why, for messages: ``node 'all_reduce_3' for 'mm_3' (op
+        rule: aten.mm ...)``."""
+        serves = f" for '{self.source}'" if self.source else ""
+        return f"node '{self.node}'{serves}" + (f" ({self.why})" if self.why else "")
 
 
 def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:
@@ -89,6 +103,8 @@ def collectives(gm: torch.fx.GraphModule, axis_of_group: dict[str, str]) -> list
                 nbytes=compat.size_hint(val.numel()) * val.element_size(),
                 node=node.name,
                 source=node.meta.get(meta.SOURCE, ""),
+                group=group,
+                why=reason(node),
             )
         )
     return out

@@ -2,9 +2,15 @@
 
 Two checks, both a ValueError on every rank instead of a hang:
 
-* at compile time the ranks exchange a hash of their collective sequence (kind, mesh axis, dtype,
-  local shape, per program); a mismatch names the first collective that differs, with the
-  joint-graph node it serves;
+* at compile time (:func:`check_spmd_on_mesh`) the ranks compare their collective sequences (kind,
+  mesh axis, dtype, local shape, per program) as far as they must agree: the ranks of each
+  process group the same sequence on that group, sizes included; the ranks of the whole mesh the
+  same sequence without sizes (kind, axis, dtype, rank). A size may differ between the groups of
+  one axis: a parameter with fewer rows than its FSDP axis has ranks is stored empty on some, so
+  the tensor-parallel all-reduce of its gradient shard has another size in each data-parallel
+  group, and those all-reduces never meet. A size that depends on the data (expert-parallel
+  dispatch) is an unbacked symbol and is compared by its name. A mismatch names the first
+  collective that differs on both ranks, with its node and what it serves;
 * before ``parallelize`` distributes parameters and before every call, :func:`agree` exchanges a
   digest of the resolved plan / the call's input signature and flags, and whether this rank found a
   problem with its inputs (see the section below).
@@ -12,65 +18,172 @@ Two checks, both a ValueError on every rank instead of a hang:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 
 import torch
 import torch.distributed as dist
 
+from . import compat
 from .debug import Collective
 
 
 def sequence_hash(programs: dict[str, list[Collective]]) -> str:
+    """This rank's collective sequence (with sizes), as ``compile_summary()["spmd_hash"]``."""
     text = "\n".join(f"{name}: {c.signature()}" for name, colls in programs.items() for c in colls)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def check_spmd(programs: dict[str, list[Collective]], group=None) -> str:
-    """Exchange hashes over ``group`` (default: world); raise ValueError on any difference."""
-    digest = sequence_hash(programs)
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return digest
-    digests = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) == 1:
-        return digest
-    # Rare path: gather the full sequences so every rank can say exactly what differs.
-    mine = {name: [(c.signature(), c.source) for c in colls] for name, colls in programs.items()}
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    raise ValueError(_first_difference(everyone))
+def _text_hash(lines) -> str:
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:32]
 
 
-def _first_difference(everyone: list[dict]) -> str:
-    ref = everyone[0]
-    for rank, seqs in enumerate(everyone[1:], start=1):
-        for name in ref:
-            a, b = ref[name], seqs.get(name, [])
-            for i in range(max(len(a), len(b))):
-                x = a[i] if i < len(a) else ("<none>", "")
-                y = b[i] if i < len(b) else ("<none>", "")
-                if x[0] != y[0]:
-                    return (
-                        f"SPMD check failed: collective #{i} of the {name} program differs between "
-                        f"rank 0 ({x[0]} for node '{x[1]}') and rank {rank} ({y[0]} for node '{y[1]}'). "
-                        "All ranks must compile the same program: pass inputs with the same shapes and "
-                        "dtypes on every rank and the same plan; running it would hang."
-                    )
-    return "SPMD check failed: collective sequences differ between ranks"
+@dataclasses.dataclass(frozen=True)
+class _Sequences:
+    """This rank's collectives as the check compares them: the whole sequence without sizes, and
+    for each process group the sequence on that group with sizes. A group is keyed by its axis
+    label and its ranks (a gloo reduction lane has its axis's label and ranks: its reductions are
+    checked in one sequence with the axis's own collectives, an order every rank of it shares)."""
+
+    structure: list  # (program, index in program, Collective)
+    groups: dict  # group key -> (ranks, [(program, index in program, Collective)])
+
+    @classmethod
+    def of(cls, programs: dict[str, list[Collective]], group_ranks=None) -> "_Sequences":
+        """``group_ranks``: group name -> its global ranks (default: the registered groups')."""
+        group_ranks = group_ranks or _group_ranks
+        structure, groups, ranks_of = [], {}, {}
+        for name, colls in programs.items():
+            for i, c in enumerate(colls):
+                structure.append((name, i, c))
+                if c.group not in ranks_of:
+                    ranks_of[c.group] = tuple(group_ranks(c.group))
+                ranks = ranks_of[c.group]
+                key = f"{c.axis} {_text_hash(map(str, ranks))}"
+                groups.setdefault(key, (ranks, []))[1].append((name, i, c))
+        return cls(structure, groups)
+
+    def digests(self) -> tuple:
+        """What is exchanged first: a digest of the structure and one per group."""
+        structure = _text_hash(f"{name}: {c.structure()}" for name, _, c in self.structure)
+        return structure, {key: _text_hash(f"{name}: {c.signature()}" for name, _, c in seq)
+                           for key, (_, seq) in self.groups.items()}
+
+    def details(self, rank: int) -> dict:
+        """What is exchanged after a mismatch, for the message (plain data: it is pickled)."""
+        entry = lambda name, i, c: (name, i, c.signature(), c.structure(), c.describe())  # noqa: E731
+        return {"rank": rank, "structure": [entry(*e) for e in self.structure],
+                "groups": {key: (ranks, [entry(*e) for e in seq]) for key, (ranks, seq) in self.groups.items()}}
+
+
+def _group_ranks(name: str) -> tuple:
+    """The global ranks of the process group registered as ``name`` (a collective's group
+    argument); ``(name,)`` when none is registered (then only ranks naming it alike agree)."""
+    group = compat.resolve_process_group(name) if name else None
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else (name,)
 
 
 def check_spmd_on_mesh(programs: dict[str, list[Collective]], mesh) -> str:
-    """:func:`check_spmd` among the ranks of ``mesh``, which may be a sub-mesh of the world (a
-    pipeline stage's): over the world when the mesh spans it, else along each mesh axis in turn
-    (ranks that agree along every axis line agree everywhere on the mesh)."""
-    if not dist.is_initialized() or mesh.size() == dist.get_world_size():
-        return check_spmd(programs)
+    """Raise ValueError on every rank of ``mesh`` unless its ranks' collective sequences agree
+    (module docstring); returns this rank's :func:`sequence_hash`.
+
+    The ranks exchange over the world when ``mesh`` spans it, else along each mesh axis in turn
+    (``mesh`` may be a pipeline stage's sub-mesh; ranks that agree along every axis line agree
+    everywhere on the mesh, and every group a program uses lies within one line or, FSDP's joint
+    group over several axes, is connected by lines within it)."""
     digest = sequence_hash(programs)
-    for axis in range(mesh.ndim):
-        check_spmd(programs, group=mesh.get_group(axis))
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return digest
+    mine = _Sequences.of(programs)
+    exchanges = [None] if mesh.size() == dist.get_world_size() else [mesh.get_group(a) for a in range(mesh.ndim)]
+    for group in exchanges:
+        _check_among(mine, group)
     return digest
 
+
+def _check_among(mine: _Sequences, group) -> None:
+    """One exchange over ``group`` (None: the world). First each rank's digests; each rank checks
+    the groups it belongs to against their members, then all learn whether any rank found a
+    difference (so no rank goes on to a collective its peers will not join); only then, on the
+    rare path, the full sequences, so every rank can name what differs."""
+    members = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+    everyone = [None] * len(members)
+    dist.all_gather_object(everyone, mine.digests(), group=group)
+    found = _differs(mine, dict(zip(members, everyone)))
+    verdicts = [None] * len(members)
+    dist.all_gather_object(verdicts, found, group=group)
+    if not any(verdicts):
+        return
+    details = [None] * len(members)
+    dist.all_gather_object(details, mine.details(dist.get_rank()), group=group)
+    raise ValueError(first_difference(details) or "SPMD check failed: collective sequences differ between ranks")
+
+
+def _differs(mine: "_Sequences", digests_of: dict) -> bool:
+    """Whether a rank of this exchange disagrees with this one: on the structure, or, for a group
+    this rank belongs to, on that group's sequence (a member issuing nothing on it disagrees)."""
+    structure, groups = mine.digests()
+    if any(theirs[0] != structure for theirs in digests_of.values() if theirs is not None):
+        return True
+    for key, (ranks, _) in mine.groups.items():
+        for rank in ranks:
+            theirs = digests_of.get(rank)
+            if theirs is not None and theirs[1].get(key) != groups[key]:
+                return True
+    return False
+
+
+_AFTER = ("All ranks must compile the same program: pass inputs with the same shapes and dtypes on "
+          "every rank and the same plan; running it would hang.")
+
+
+def first_difference(details: list[dict]) -> str | None:
+    """The message for the first difference among ``details`` (one :meth:`_Sequences.details` per
+    rank of the exchange), or None: first in the sequence without sizes, then, group by group, in
+    the sequence of each group among its members. The same text on every rank."""
+    ref = details[0]
+    for other in details[1:]:
+        found = _first_in(ref["structure"], other["structure"], field=3)
+        if found is not None:
+            return _message(found, ref["rank"], other["rank"], "")
+    by_rank = {d["rank"]: d for d in details}
+    for key in sorted({k for d in details for k in d["groups"]}):
+        holders = [d for d in details if key in d["groups"]]
+        ranks = holders[0]["groups"][key][0]
+        first = holders[0]
+        for rank in ranks:
+            other = by_rank.get(rank)
+            if other is None or other is first:
+                continue
+            theirs = other["groups"].get(key, (ranks, []))[1]
+            found = _first_in(first["groups"][key][1], theirs, field=2)
+            if found is not None:
+                axis = key.split(" ")[0]
+                where = f" (collective #{found[2]} on the {axis} group of ranks {list(ranks)})"
+                return _message(found, first["rank"], rank, where)
+    return None
+
+
+def _first_in(a: list, b: list, field: int):
+    """The first index at which entries of ``a`` and ``b`` differ in ``field`` (2: signature, 3:
+    structure), as ``(entry of a or None, entry of b or None, index)``, or None."""
+    for i, (x, y) in enumerate(itertools.zip_longest(a, b)):
+        if x is None or y is None or x[field] != y[field]:
+            return x, y, i
+    return None
+
+
+def _message(found, rank_a: int, rank_b: int, where: str) -> str:
+    x, y, _ = found
+    entry = x if x is not None else y
+    name, index = entry[0], entry[1]
+
+    def side(e) -> str:
+        return "no collective" if e is None else f"{e[2]} for {e[4]}"
+
+    return (f"SPMD check failed: collective #{index} of the {name} program{where} differs between rank "
+            f"{rank_a} ({side(x)}) and rank {rank_b} ({side(y)}). {_AFTER}")
 
 
 # --- agreement before anything can hang -----------------------------------------------------------

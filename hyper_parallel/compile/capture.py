@@ -32,6 +32,7 @@ from ..compat import pytree
 from .. import compat
 from ..moe.region import expert_regions
 from .annotations import boundary, boundary_key
+from .capture_errors import capture_error
 from .decompositions import capture_decompositions
 
 aten = torch.ops.aten
@@ -180,20 +181,6 @@ def _boundary_annotations(model: nn.Module, boundaries: Mapping[str, Any]):
             h.remove()
 
 
-def _capture_fix(model: nn.Module, exc: Exception) -> str:
-    """What to do when torch.export refuses ``model``: the general rule, or the specific fix for
-    transformers' default ``use_cache=True`` (a training step needs no KV cache, and export
-    cannot return the cache object)."""
-    config = getattr(model, "config", None)
-    if "Cache" in str(exc) and getattr(config, "use_cache", False):
-        return (f"{type(model).__name__} returns a KV cache because its config has use_cache=True "
-                "(transformers' default): training needs none. Load the model with use_cache=False "
-                "(from_pretrained(..., use_cache=False), or model.config.use_cache = False), or pass "
-                "use_cache=False in the call.")
-    return ("hyper_parallel needs a model that torch.export.export(model, args, kwargs, strict=False) "
-            "accepts (no data-dependent Python control flow on tensor values).")
-
-
 def capture(
     model: nn.Module,
     args: tuple,
@@ -213,9 +200,9 @@ def capture(
         try:
             exported = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         except Exception as exc:  # re-raised with the fix a user needs most often
-            raise type(exc)(
-                f"torch.export could not capture {type(model).__name__}: {exc}\n" + _capture_fix(model, exc)
-            ) from exc
+            error = capture_error(model, exc)
+            # A data-dependent guard's own text is export's whole partial graph: not chained.
+            raise error from (None if isinstance(exc, compat.DATA_DEPENDENT_ERRORS) else exc)
     program = exported.module()
     with contextlib.ExitStack() as stack:
         with fx_traceback.preserve_node_meta():

@@ -248,7 +248,19 @@ def _gradients(structure: torch.nn.Module, weights: dict, batch: dict, dtype: to
     copy_ = copy.deepcopy(structure)
     for name, p in copy_.named_parameters():
         p.data = weights[name].to(torch.bfloat16).to(dtype)
+    if dtype == torch.float64:
+        _float64_experts(copy_)
     return _copy_gradients(copy_, lambda m: _loss(m(**batch)).backward())
+
+
+def _float64_experts(module: torch.nn.Module) -> None:
+    """transformers' grouped experts (Qwen2-MoE, Mixtral ... in bf16) call ``torch._grouped_mm``,
+    which has no float64 kernel: a float64 copy runs their reference loop ("eager") instead, the
+    same sums of the same products. ``module`` is a copy: its config is its own."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "_experts_implementation", None) == "grouped_mm":
+            config._experts_implementation = "eager"
 
 
 def _copy_gradients(copy_: torch.nn.Module, run: Callable[[torch.nn.Module], Any]) -> dict:
@@ -288,7 +300,9 @@ def float64_gradients(module: torch.nn.Module, run: Callable[[torch.nn.Module], 
     """The exact gradients at ``module``'s current weights: ``run(copy)`` does the forwards and
     backwards (the step's micro-batches, each loss scaled as the step scales it) on a float64 copy
     of ``module``, outside any autocast region. For :func:`assert_gradients_near_exact`."""
-    return _copy_gradients(copy.deepcopy(module).double(), run)
+    copy_ = copy.deepcopy(module).double()
+    _float64_experts(copy_)
+    return _copy_gradients(copy_, run)
 
 
 def assert_gradients_near_exact(model, exact: dict, device: dict, what: str = "") -> None:
