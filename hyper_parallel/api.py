@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from . import compat, options
 from .codegen import check_codegen
 from .compile.repeated_blocks import check_option as check_repeated_blocks
-from .compile.driver import current_rank
+from .compile.signature import current_rank
 from .compile.options import CompileOptions
 from .fsdp.fully_shard import link_units_to_root
 from .init import distribute_parameters
@@ -168,7 +168,7 @@ def parallelize(
         fail_on_recompile_limit=fail_on_recompile_limit, codegen=codegen, repeated_blocks=repeated_blocks,
     )
     model._hp = ParallelState(resolved, mesh, original_cls, list(model.parameters()), compile_options,
-                              activation=activation, plan_swap=resolution.plan.swap)
+                              activation=activation, auto_candidates=resolution.auto_candidates)
     model._hp.pipeline = resolution.pipeline
     link_units_to_root(model)
     return model

@@ -14,7 +14,6 @@ byte-identical files.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import logging
 import os
@@ -22,42 +21,13 @@ import os
 import torch
 
 from . import compat
-from .compile.capture import module_fqn_of, source_line
+from .ir.graph import module_fqn_of, source_line
 from .ir import meta
-from .ir.collectives import collective_kind
+from .ir.collectives import Collective, collective_kind
 from .layout import format_placements
 from .why import reason
 
 log = logging.getLogger(__name__)
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of a program: what a user counts and what the SPMD check compares."""
-
-    kind: str
-    axis: str  # mesh axis name (or group name if it is not a mesh axis)
-    dtype: str
-    shape: tuple  # local input shape; a data-dependent size (expert dispatch) as its symbol's text
-    nbytes: int  # bytes of the local input (data-dependent sizes at their balanced-routing hint)
-    node: str
-    source: str  # the joint-graph node it serves ("" for one a pass made: a fused bucket)
-    group: str = ""  # the process group's name (names differ between ranks, so not in signature())
-    why: str = ""  # why the program has it (why.reason): a fused bucket's members, a plan entry
-
-    def signature(self) -> str:
-        return f"{self.kind}[{self.axis}] {self.dtype}{list(self.shape)}"
-
-    def structure(self) -> str:
-        """The signature without the sizes: what every rank of the mesh has in common, also where
-        a shard's size depends on the rank (an uneven FSDP shard of a dim smaller than the mesh
-        axis) and so differs between the groups of one axis."""
-        return f"{self.kind}[{self.axis}] {self.dtype} {len(self.shape)}-d"
-
-    def describe(self) -> str:
-        """The node, what it serves and why, for messages: ``node 'all_reduce_3' for 'mm_3' (op
-        rule: aten.mm ...)``."""
-        serves = f" for '{self.source}'" if self.source else ""
-        return f"node '{self.node}'{serves}" + (f" ({self.why})" if self.why else "")
 
 
 def group_axis_names(mesh, fsdp=None, context=None) -> dict[str, str]:

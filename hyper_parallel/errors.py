@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .compile import capture
+from .ir.graph import describe_node as _describe_node
 
 __all__ = ["InternalError", "REPORT", "describe_node", "internal_error", "pass_workaround"]
 
@@ -30,7 +30,7 @@ class InternalError(RuntimeError):
 def describe_node(node) -> str:
     """``node 'x' (op) in module 'm' at file:line`` for an fx node; other values as they print."""
     if isinstance(node, torch.fx.Node):
-        return capture.describe_node(node)
+        return _describe_node(node)
     return str(node)
 
 

@@ -557,7 +557,7 @@ def _sweep(timeline: _Timeline, storages, start: int, state: int, step_temps: in
 
 
 def _point(phase: str, node: torch.fx.Node | None, total: int, live: dict) -> dict:
-    from .compile.capture import module_fqn_of
+    from .ir.graph import module_fqn_of
 
     return {"phase": phase, "node": node.name if node is not None else "",
             "module": module_fqn_of(node) if node is not None else "", "bytes": total,
@@ -567,6 +567,6 @@ def _point(phase: str, node: torch.fx.Node | None, total: int, live: dict) -> di
 def _site(phase: str, node: torch.fx.Node | None) -> PeakSite:
     if node is None:
         return PeakSite(phase, "", "", "")
-    from .compile.capture import module_fqn_of, source_line
+    from .ir.graph import module_fqn_of, source_line
 
     return PeakSite(phase, node.name, module_fqn_of(node), source_line(node))

@@ -122,7 +122,7 @@ class StepMeter:
             reserved_bytes=reserved,
             predicted_reserved_bytes=estimate["reserved_expandable" if expandable else "reserved_default"],
         )
-        from .compile.driver import current_rank
+        from .compile.signature import current_rank
 
         if current_rank() == 0:
             log.info("%s", metrics)

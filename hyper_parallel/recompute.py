@@ -235,6 +235,15 @@ def auto_candidates(blocks: tuple[str, ...]) -> list[dict[str, str]]:
     return candidates
 
 
+def auto_activation_candidates(activation: "ActivationPlan", swap: Any, model: nn.Module) -> tuple:
+    """``recompute="auto"``: ``(recompute entry, ActivationPlan)`` of every candidate of
+    :func:`auto_candidates` for ``activation.auto_blocks``, resolved once with the plan (the compile
+    only chooses among them); ``()`` without ``auto_blocks``."""
+    if not activation.auto_blocks:
+        return ()
+    return tuple((c, resolve_activation_plan(c, swap, model)) for c in auto_candidates(activation.auto_blocks))
+
+
 def resolve_activation_plan(recompute: Any, swap: Any, model: nn.Module) -> ActivationPlan:
     """The plan's ``recompute`` / ``swap`` entries plus recorded wrappers, against ``model``.
     ``recompute="auto"`` leaves the choice to compile time (``auto_blocks``)."""

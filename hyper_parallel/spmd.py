@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import compat
-from .debug import Collective
+from .ir.collectives import Collective
 
 
 def sequence_hash(programs: dict[str, list[Collective]]) -> str:

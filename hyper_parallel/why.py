@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from .compile.capture import module_fqn_of
+from .ir.graph import module_fqn_of
 from .ir import meta
 
 _C10D_NAMESPACES = ("_c10d_functional", "c10d_functional")

@@ -5,8 +5,11 @@
 
 ``capture_and_lower`` is the front half (what ``recompute="auto"`` and the pipeline path share:
 the pipeline splits the lowered graph into stages and runs ``run_pass_pipeline`` on each);
-``finish`` the back half. ``state`` arguments are the module's ``runtime.module.ParallelState``
-(options and program-changing flags); nothing here keeps state between calls.
+``finish`` the back half. Every function takes a frozen ``compile.request.CompileRequest`` (what
+the module's run-time state or a planner asks for) and returns what it built: nothing here changes
+the module's run-time state or keeps state between calls. What the capture read of the module
+(its attribute reads, which guard later calls) comes back in ``Lowered.reads`` /
+``CompiledEntry.reads`` for the caller to record.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import functools
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +32,7 @@ from ..compat import pytree
 from ..cp.check import check_attention_stays_sharded
 from .. import compat
 from ..codegen import generate
-from .capture import CapturedGraph, flat_paths, module_fqn_of
+from ..ir.graph import CapturedGraph, flat_paths, module_fqn_of
 from .gc_freeze import older_objects_frozen
 from .repeated_blocks import capture_blocks_once
 from .repeated_lowering import lower_blocks_once
@@ -41,8 +44,7 @@ from ..passes import PassContext, run_passes, run_rewrites
 from ..plan import ResolvedPlan
 from ..progress import Progress
 from ..propagation.engine import PropagationReport, propagate
-from ..recompute import (annotated_regions, auto_candidates, capturing, forget_annotated_regions,
-                         resolve_activation_plan)
+from ..recompute import annotated_regions, capturing, forget_annotated_regions
 from ..runtime.agreement_gate import insert_gate
 from ..runtime.attribute_guards import recording_reads
 from ..runtime.input_check import index_inputs
@@ -51,9 +53,9 @@ from ..runtime.program import CompiledProgram, flatten_placeholders
 from ..runtime.random_state import replicated_random_axes
 from ..spmd import check_spmd_on_mesh
 from ..ir import meta
+from .request import CompileRequest
+from .signature import capture_device, current_rank
 
-if TYPE_CHECKING:  # the runtime module calls the driver, not the other way round
-    from ..runtime.module import ParallelModule, ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,9 @@ class CompiledEntry:
     # Mesh axes over which a random op of the forward has a replicated output: the ranks of each
     # draw from one generator state (runtime/random_state.py).
     random_axes: tuple[str, ...] = ()
+    # Module attributes the captured forward read (runtime/attribute_guards.py): the caller guards
+    # later calls on their values.
+    reads: tuple = ()
 
     def full_summary(self) -> dict:
         """``summary`` with its ``"memory"`` estimate."""
@@ -123,21 +128,6 @@ def data_parallel_tangent_scales(mesh, resolved: ResolvedPlan, report: Propagati
     return scales
 
 
-def signature(x):
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad, x.device.type)
-    return ("const", type(x).__name__, repr(x))
-
-
-def format_signature(signature: tuple) -> str:
-    """``int64[4, 16] on cpu`` for a tensor's :func:`signature`, ``int 3`` for a constant."""
-    if signature[0] == "tensor":
-        _, shape, dtype, requires_grad, device = signature
-        text = f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}"
-        return text + (" requiring grad" if requires_grad else "")
-    return f"{signature[1]} {signature[2]}"
-
-
 def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:
     """Layouts of the user's tensor inputs: plan.inputs, else Shard(0) over the data-parallel axes."""
     return {
@@ -168,13 +158,6 @@ def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def capture_device(t: torch.Tensor) -> torch.device:
-    """The device a value is captured on: where it lives, so factory ops in the graph (positions,
-    masks) and the swap pass's copies back name the device the program runs on. Meta tensors
-    (planning) are captured on the CPU."""
-    return torch.device("cpu") if t.device.type == "meta" else t.device
-
-
 @dataclasses.dataclass
 class Lowered:
     """The front half of a compile (capture, propagate, lower) for one input signature: what the
@@ -190,6 +173,9 @@ class Lowered:
     # "2 of 32 blocks of model.layers traced" when capture copied blocks, "..., propagated and
     # lowered" when their layouts and lowering were copied too (compile/repeated_lowering.py)
     repeated_blocks: str = ""
+    # (object, attribute, label) of each module attribute the forward read while captured
+    # (runtime/attribute_guards.recording_reads), for the caller to guard
+    reads: tuple = ()
 
 
 @contextlib.contextmanager
@@ -203,14 +189,16 @@ def training_grad_mode():
 
 
 def capture_and_lower(
-    module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
-    dumper: Dumper, wrap_forward=None, progress: Progress | None = None,
+    module: nn.Module, request: CompileRequest, args, kwargs, flat, dumper: Dumper, wrap_forward=None,
+    progress: Progress | None = None,
 ) -> Lowered:
     """``wrap_forward``: a context manager factory that changes what the module's forward returns
     while it is captured (the pipeline's loss). ``progress``: where each phase's seconds go (the
-    rank-0 progress lines), or None."""
-    progress = progress or Progress(f"compile {state.original_cls.__name__}", enabled=False)
-    mesh = state.mesh
+    rank-0 progress lines), or None. The module runs as ``request.original_cls`` while captured,
+    on fake parameters; on return it is as it was."""
+    progress = progress or Progress(f"compile {request.model_name}", enabled=False)
+    mesh = request.mesh
+    resolved_plan = request.resolved
     # DTensor's cached decisions hold the mesh they were made for and match any equal mesh.
     compat.sharding_caches_for(mesh)
     paths = flat_paths((args, kwargs))
@@ -232,13 +220,13 @@ def capture_and_lower(
             fqn: nn.Parameter(
                 torch.empty(shape, dtype=compute_dtypes.get(fqn, dtype), device=device), requires_grad=requires_grad,
             )
-            for fqn, (shape, dtype, requires_grad, device) in state.all_parameters(module).items()
+            for fqn, (shape, dtype, requires_grad, device) in request.parameters.items()
         }
         fake_state.update({
             fqn: torch.empty(t.shape, dtype=t.dtype, device=capture_device(t)) for fqn, t in module.named_buffers()
         })
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_flat, pytree.tree_flatten((args, kwargs))[1])
-    module.__class__, parallel_cls = state.original_cls, module.__class__
+    module.__class__, parallel_cls = request.original_cls, module.__class__
     reads: list = []  # module attributes the forward reads: guarded per call (runtime/attribute_guards.py)
     try:
         started = time.perf_counter()
@@ -247,19 +235,18 @@ def capture_and_lower(
                     (wrap_forward() if wrap_forward else contextlib.nullcontext()):
                 blocks = capture_blocks_once(
                     module, fake_args, fake_kwargs, resolved_plan.modules, resolved_plan.experts,
-                    state.options.repeated_blocks, forget_annotated_regions)
+                    request.options.repeated_blocks, forget_annotated_regions)
                 annotated = annotated_regions()
         progress.record("capture", time.perf_counter() - started, blocks.traced)
     finally:
         module.__class__ = parallel_cls
-    state.attributes.add(reads)
     for graph in (blocks.captured, blocks.two, blocks.pristine):
         if graph is not None:
             _name_tied_parameters(graph, module)
     if dumper.dir:
         dumper.graph("captured", blocks.full().gm)
 
-    storage_dtypes = {fqn: spec[1] for fqn, spec in state.all_parameters(module).items()}
+    storage_dtypes = {fqn: spec[1] for fqn, spec in request.parameters.items()}
     timings: dict = {}
 
     def front_end(graph: CapturedGraph, on_rewrite, check_rewritten=None) -> tuple:
@@ -267,7 +254,7 @@ def capture_and_lower(
         ``check_rewritten(graph)`` runs between the rewrites and propagation (it may raise)."""
         with progress.phase("propagation"):
             run_rewrites(graph, PassContext(mesh=mesh, resolved=resolved, storage_dtypes=storage_dtypes,
-                                            fsdp=resolved.fsdp, disable_passes=state.options.disable_passes,
+                                            fsdp=resolved.fsdp, disable_passes=request.options.disable_passes,
                                             on_pass=on_rewrite, timings=timings))
             if check_rewritten is not None:
                 check_rewritten(graph)
@@ -290,7 +277,7 @@ def capture_and_lower(
         captured = blocks.full()
         report, local = front_end(captured, dumper.rewrite)
     dumper.graph("lowered", local)
-    return Lowered(captured, resolved, report, local, input_placements, annotated, timings, traced)
+    return Lowered(captured, resolved, report, local, input_placements, annotated, timings, traced, tuple(reads))
 
 
 def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
@@ -308,36 +295,34 @@ def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
     ]
 
 
-def run_pass_pipeline(state: ParallelState, resolved_plan: ResolvedPlan, local, explicit_prefetch: dict,
-                      activation, annotated: dict, on_pass, timings: dict | None = None,
-                      backward_reordered: bool = False) -> torch.fx.GraphModule:
-    """The ordered passes over one lowered (or stage) joint graph with this module's options;
+def run_pass_pipeline(request: CompileRequest, local, annotated: dict, on_pass, timings: dict | None = None,
+                      backward_reordered: bool = False, activation=None) -> torch.fx.GraphModule:
+    """The ordered passes over one lowered (or stage) joint graph with the request's options;
     ``timings`` (if given) receives each pass's seconds; ``backward_reordered``: a pipeline stage
-    whose backward runs split into input- and weight-gradient programs (PassContext)."""
+    whose backward runs split into input- and weight-gradient programs (PassContext);
+    ``activation``: the recompute/swap plan to run with (default: the request's)."""
+    options = request.options
     return run_passes(
         local, PassContext(
-            mesh=state.mesh, fsdp=resolved_plan.fsdp, explicit_prefetch=explicit_prefetch or {},
-            prefetch_depth=state.options.prefetch_depth, reductions_in_flight=state.options.reductions_in_flight,
-            activation=dataclasses.replace(activation or state.activation, annotated=annotated),
-            gradient_bucket_bytes=state.options.gradient_bucket_bytes,
-            first_gradient_bucket_bytes=state.options.first_gradient_bucket_bytes,
-            disable_passes=state.options.disable_passes, reduction_lanes=resolved_plan.reduction_lanes,
-            codegen=state.options.codegen, on_pass=on_pass, timings={} if timings is None else timings,
+            mesh=request.mesh, fsdp=request.resolved.fsdp, explicit_prefetch=dict(request.explicit_prefetch),
+            prefetch_depth=options.prefetch_depth, reductions_in_flight=options.reductions_in_flight,
+            activation=dataclasses.replace(activation or request.activation, annotated=annotated),
+            gradient_bucket_bytes=options.gradient_bucket_bytes,
+            first_gradient_bucket_bytes=options.first_gradient_bucket_bytes,
+            disable_passes=options.disable_passes, reduction_lanes=request.resolved.reduction_lanes,
+            codegen=options.codegen, on_pass=on_pass, timings={} if timings is None else timings,
             backward_reordered=backward_reordered,
         )
     )
 
 
 @older_objects_frozen()
-def compile_program(
-    module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
-    explicit_prefetch: dict, activation=None,
-) -> CompiledEntry:
-    """``activation``: the recompute/swap plan to compile with (default: the module's)."""
-    dumper = Dumper(state.options.dump_dir, current_rank())
-    progress = Progress(f"compile {state.original_cls.__name__}")
-    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper, progress=progress)
-    entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation, dumper, progress=progress)
+def compile_program(module: nn.Module, request: CompileRequest, args, kwargs, flat) -> CompiledEntry:
+    """One input signature of ``module`` compiled as ``request`` asks (the module docstring)."""
+    dumper = Dumper(request.options.dump_dir, current_rank())
+    progress = Progress(f"compile {request.model_name}")
+    lowered = capture_and_lower(module, request, args, kwargs, flat, dumper, progress=progress)
+    entry = finish(request, lowered, dumper, progress=progress)
     progress.done(_collective_count(entry.summary))
     return entry
 
@@ -348,25 +333,23 @@ def _collective_count(summary: dict) -> str:
     return f"{count} collective{'s' if count != 1 else ''} per step"
 
 
-def current_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def finish(
-    state: ParallelState, resolved_plan: ResolvedPlan, lowered: Lowered, explicit_prefetch: dict, activation,
-    dumper: Dumper, local: torch.fx.GraphModule | None = None, progress: Progress | None = None,
+    request: CompileRequest, lowered: Lowered, dumper: Dumper, local: torch.fx.GraphModule | None = None,
+    progress: Progress | None = None, activation=None,
 ) -> CompiledEntry:
     """The back half of a compile: passes, partition, SPMD check, summary and dumps. ``local``: the
     lowered graph to run the passes on (default: ``lowered.local`` itself); ``progress``: where
-    each phase's seconds go, or None."""
-    progress = progress or Progress(f"compile {state.original_cls.__name__}", enabled=False)
-    mesh = state.mesh
+    each phase's seconds go, or None; ``activation``: the recompute/swap plan to run the passes
+    with (default: the request's)."""
+    progress = progress or Progress(f"compile {request.model_name}", enabled=False)
+    mesh = request.mesh
+    resolved_plan = request.resolved
     captured = lowered.captured
     pass_seconds = dict(lowered.rewrite_seconds)
     started = time.perf_counter()
     run_seconds: dict = {}
-    local = run_pass_pipeline(state, resolved_plan, lowered.local if local is None else local, explicit_prefetch,
-                              activation, lowered.annotated, dumper.graph, run_seconds)
+    local = run_pass_pipeline(request, lowered.local if local is None else local, lowered.annotated, dumper.graph,
+                              run_seconds, activation=activation)
     pass_seconds.update(run_seconds)
     progress.record("passes", time.perf_counter() - started,
                     ", ".join(f"{name} {s:.2f}" for name, s in run_seconds.items()))
@@ -380,7 +363,7 @@ def finish(
     program.tangent_scales = data_parallel_tangent_scales(mesh, resolved_plan, lowered.report)
     dumper.graph("forward", program.forward_gm)
     dumper.graph("backward", program.backward_gm)
-    if state.options.codegen == "inductor":
+    if request.options.codegen == "inductor":
         program.generator = functools.partial(generate, dumper=dumper)
         for phase in ("forward", "backward"):
             program.runnable(phase)  # outlined now, so its dump sits with the others; compiled on first call
@@ -425,43 +408,40 @@ def finish(
     return CompiledEntry(captured, lowered.resolved, program, lowered.report, summary, index_inputs(captured),
                          returned_shardings(mesh, resolved_plan, lowered.report),
                          lambda: estimate_program(program, captured).as_dict(),
-                         replicated_random_axes(program.forward_gm, mesh))
+                         replicated_random_axes(program.forward_gm, mesh), lowered.reads)
 
 
 @older_objects_frozen()
-def compile_within_budget(
-    module: ParallelModule, state: ParallelState, resolved_plan: ResolvedPlan, args, kwargs, flat,
-    explicit_prefetch: dict,
-) -> CompiledEntry:
-    """``recompute="auto"``: among :func:`recompute.auto_candidates` (each recomputing at least as
-    much as the one before, none more than full recompute of every block), compile the first
-    whose estimated peak (``summary["memory"]["peak"]``, the largest over ranks so every rank
-    picks the same program) fits ``memory_budget_bytes``, found by bisection.
+def compile_within_budget(module: nn.Module, request: CompileRequest, args, kwargs, flat) -> CompiledEntry:
+    """``recompute="auto"``: among ``request.auto_candidates`` (recompute.auto_candidates, each
+    recomputing at least as much as the one before, none more than full recompute of every
+    block), compile the first whose estimated peak (``summary["memory"]["peak"]``, the largest over
+    ranks so every rank picks the same program) fits ``memory_budget_bytes``, found by bisection.
 
     Capture, propagation and lowering run once; each tried candidate runs only the passes (on a
     copy of the lowered graph) and the estimate. The dumps show the chosen candidate: its passes
     are re-run with the dumper at the end."""
-    dumper = Dumper(state.options.dump_dir, current_rank())
-    progress = Progress(f"compile {state.original_cls.__name__}")
-    lowered = capture_and_lower(module, state, resolved_plan, args, kwargs, flat, dumper, progress=progress)
+    dumper = Dumper(request.options.dump_dir, current_rank())
+    progress = Progress(f"compile {request.model_name}")
+    lowered = capture_and_lower(module, request, args, kwargs, flat, dumper, progress=progress)
     silent = Dumper(None, current_rank())
-    candidates = auto_candidates(state.activation.auto_blocks)
+    candidates = [entry for entry, _ in request.auto_candidates]
     tried: dict[int, int] = {}
 
     def activation_of(i: int):
-        return resolve_activation_plan(candidates[i], state.plan_swap, module)
+        return request.auto_candidates[i][1]
 
     def peak(i: int) -> int:
         if i not in tried:
-            entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(i), silent,
-                            local=compat.copy_graph_module(lowered.local))
+            entry = finish(request, lowered, silent, local=compat.copy_graph_module(lowered.local),
+                           activation=activation_of(i))
             value = torch.tensor([entry.full_summary()["memory"]["peak"]], dtype=torch.float64)
             if dist.is_initialized():
                 dist.all_reduce(value, op=dist.ReduceOp.MAX)
             tried[i] = int(value.item())
         return tried[i]
 
-    budget = state.options.memory_budget_bytes
+    budget = request.options.memory_budget_bytes
     last = len(candidates) - 1
     if peak(last) > budget:
         raise ValueError(
@@ -477,7 +457,7 @@ def compile_within_budget(
             hi = mid
         else:
             lo = mid + 1
-    entry = finish(state, resolved_plan, lowered, explicit_prefetch, activation_of(lo), dumper, progress=progress)
+    entry = finish(request, lowered, dumper, progress=progress, activation=activation_of(lo))
     progress.done(f"recompute='auto' chose candidate {lo} of {last + 1} after {len(tried)} trial compiles")
     entry.summary["recompute_auto"] = {
         "memory_budget_bytes": budget, "estimated_peak": tried[lo], "chosen": candidates[lo],

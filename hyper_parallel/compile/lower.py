@@ -30,7 +30,7 @@ from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
 from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
-from .capture import CapturedGraph, module_fqn_of
+from ..ir.graph import CapturedGraph, module_fqn_of
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.names import renumber

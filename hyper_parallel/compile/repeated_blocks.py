@@ -33,7 +33,7 @@ When any of this fails the compile traces every block, as without the option, an
 says why. Not checked, and the reason the option is not on by default: code outside the blocks
 that computes with their number (``len(self.layers)`` in a formula).
 
-Reads: the model, the two-block :class:`~.capture.CapturedGraph` (traced, propagated or lowered).
+Reads: the model, the two-block :class:`~..ir.graph.CapturedGraph` (traced, propagated or lowered).
 Writes: a new CapturedGraph of all blocks (the two-block one is not changed).
 """
 
@@ -53,10 +53,11 @@ import torch.nn as nn
 from .. import compat
 from ..compat import pytree
 from ..errors import internal_error
+from ..ir.graph import CapturedGraph, module_fqn_of
 from ..ir.kinds import InputKind, OutputKind
 from ..ir.meta import LAYOUT, SOURCE
 from ..ir.names import base_name, unnumbered
-from .capture import CapturedGraph, capture, module_fqn_of
+from .capture import capture
 
 log = logging.getLogger(__name__)
 

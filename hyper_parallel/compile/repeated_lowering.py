@@ -22,7 +22,7 @@ fails (block 0 and 1 lowered differently, a gradient accumulated over micro-step
 parallelism's ring transfers, which name their attention node) the steps run on the full graph, as
 without copying, and the INFO log says why.
 
-Reads: the two-block :class:`~.capture.CapturedGraph` as capture traced it. Writes: the full
+Reads: the two-block :class:`~..ir.graph.CapturedGraph` as capture traced it. Writes: the full
 joint graph (rewritten, with layouts), its :class:`~..propagation.engine.PropagationReport` and
 the lowered :class:`torch.fx.GraphModule`; the two-block graph is rewritten in place.
 """
@@ -36,9 +36,9 @@ from typing import Callable
 import torch.fx as fx
 
 from ..ir import meta
+from ..ir.graph import CapturedGraph
 from ..progress import Progress
 from ..propagation.engine import PropagationReport, report_of
-from .capture import CapturedGraph
 from .repeated_blocks import (
     BlocksDiffer, Instantiated, RepeatedBlocks, block_index, check_rewrites_copyable, instantiate, locate_blocks,
     renamer,

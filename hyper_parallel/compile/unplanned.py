@@ -25,7 +25,7 @@ import torch
 
 from ..ir.collectives import collective_kind
 from ..why import reason
-from .capture import module_fqn_of, source_line
+from ..ir.graph import module_fqn_of, source_line
 
 ADDED_BY_RULES = ("op rule:", "no rule:")
 # Kinds that move sharded data. A reduction (all-reduce, reduce-scatter) of a Partial value happens

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import torch
 
 from ..compat import pytree
-from ..compile.capture import module_fqn_of
+from ..ir.graph import module_fqn_of
 from ..compat import op_overload_name
 from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
 from ..ir.collectives import collective_kind

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..compat import pytree
-from ..compile.capture import describe_node, module_fqn_of
+from ..ir.graph import describe_node, module_fqn_of
 from ..ir import meta
 from ..layout import format_placements
 from .attention_ops import FAMILIES

@@ -124,7 +124,7 @@ class FullyShard:
     @classmethod
     def from_value(cls, value: Any) -> "FullyShard":
         """Accept a FullyShard or the same as a plain dict (plans read from YAML/JSON)."""
-        from ..plan import option_from_value
+        from ..plan.values import option_from_value
 
         return option_from_value(cls, value, "fully_shard")
 

@@ -18,7 +18,7 @@ import math
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from ..compile.capture import describe_node
+from ..ir.graph import describe_node
 from ..layout import format_placements
 
 

@@ -82,7 +82,7 @@ import torch
 
 from ..ir.kinds import InputKind, OutputKind
 from .. import compat
-from ..compile.capture import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
+from ..ir.graph import CapturedGraph, InputInfo, OutputInfo, _normalize_fqn, source_line
 from ..ir.collectives import COLLECTIVE_KINDS
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, phases_of, tag

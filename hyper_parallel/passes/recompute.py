@@ -29,7 +29,7 @@ import torch
 
 from ..compat import pytree
 from .. import compat
-from ..compile.capture import module_fqn_of
+from ..ir.graph import module_fqn_of
 from ..recompute import CheckpointPolicy
 from ..ir import meta
 from ..ir.ops import is_view_of_input

@@ -45,12 +45,10 @@ from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
 from ..codegen import generate
-from ..compile.capture import flat_paths
+from ..ir.graph import flat_paths
 from ..compile.gc_freeze import older_objects_frozen
-from ..compile.driver import (
-    capture_and_lower, current_rank, format_signature, run_pass_pipeline, signature,
-    training_grad_mode,
-)
+from ..compile.driver import capture_and_lower, run_pass_pipeline, training_grad_mode
+from ..compile.signature import current_rank, format_signature, signature
 from ..debug import Dumper, collective_summary, collectives, group_axis_names
 from ..ir import meta
 from ..progress import Progress
@@ -64,6 +62,7 @@ from ..runtime.recompiles import describe_frozen
 from ..runtime.input_check import empty_problem
 from ..spmd import agree, check_spmd_on_mesh, digest_of
 from .loss import expose_loss_count, loss_combination, loss_source
+from .step_arguments import call_arguments, loss_of
 from .plan import AUTO, DEFAULT_INPUT, TARGETS, BatchDimSpec, ResolvedPipeline
 from .runtime import (
     PipelineExecutor, StageProgram, first_microbatches, flat_steps, program_for, split_stage_backward, sync_microbatches,
@@ -145,43 +144,6 @@ def loss_forward(module: nn.Module, loss_fn: Callable | None, original_forward: 
         yield
     finally:
         del module.forward
-
-
-def loss_of(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        loss = out
-    elif isinstance(out, dict) or hasattr(out, "keys"):
-        loss = out.get("loss") if hasattr(out, "get") else None
-    else:
-        loss = getattr(out, "loss", None)
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise ValueError(
-            "a pipelined model needs its loss: pass parallelize(..., loss_fn=fn) (called as "
-            "fn(model_output, target)) or use a model whose forward returns a scalar loss or an "
-            f"output with a 'loss' entry; got {type(out).__name__}"
-        )
-    return loss
-
-
-def call_arguments(inputs: Any, targets: Any, loss_fn) -> tuple[tuple, dict]:
-    """``step``'s ``inputs`` (a tensor, a tuple of positional arguments or a dict of keyword
-    arguments) and ``targets`` as the (args, kwargs) the captured forward takes."""
-    if isinstance(inputs, dict):
-        args, kwargs = (), dict(inputs)
-    elif isinstance(inputs, (tuple, list)):
-        args, kwargs = tuple(inputs), {}
-    else:
-        args, kwargs = (inputs,), {}
-    if loss_fn is not None:
-        if targets is None:
-            raise ValueError("step(inputs, targets): this model was parallelized with loss_fn, so pass the targets")
-        args = (*args, targets)
-    elif targets is not None:
-        raise ValueError(
-            "step(inputs, targets): targets are for parallelize(..., loss_fn=...); this model computes its "
-            "own loss, so pass everything it takes in inputs"
-        )
-    return args, kwargs
 
 
 def input_names(forward: Callable, num_args: int, kwargs: Mapping, with_targets: bool) -> list[str]:
@@ -410,10 +372,12 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     dumper = Dumper(state.options.dump_dir, rank)
     original_forward = state.original_cls.forward.__get__(module)
     progress = Progress(f"compile {state.original_cls.__name__} (pipeline)")
+    request = state.compile_request(module)
     lowered = capture_and_lower(
-        module, state, state.resolved, args, kwargs, flat, dumper,
+        module, request, args, kwargs, flat, dumper,
         wrap_forward=lambda: loss_forward(module, pipe.loss_fn, original_forward), progress=progress,
     )
+    state.attributes.add(list(lowered.reads))
     if plan.split_points == AUTO:
         from .auto import choose_split_points
 
@@ -460,8 +424,8 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
             stage_dumper = Dumper(os.path.join(dump_dir, folder) if dump_dir else None, rank)
             stage_dumper.graph("split", variant.gm)
             seconds = pass_seconds[f"stage{s}{suffix}"] = {}
-            gm = run_pass_pipeline(state, state.resolved, variant.gm, {}, None, lowered.annotated,
-                                   stage_dumper.graph, seconds, backward_reordered=s in split_backward)
+            gm = run_pass_pipeline(request, variant.gm, lowered.annotated, stage_dumper.graph, seconds,
+                                   backward_reordered=s in split_backward)
             forward_gm, backward_gm, _ = partition_by_phase(gm, variant.num_forward_outputs)
             insert_gate(forward_gm)  # a reused step's agreement is waited for before the first collective
             stage_dumper.graph("forward", forward_gm)

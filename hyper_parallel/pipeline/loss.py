@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..ir.kinds import OutputKind
-from ..compile.capture import CapturedGraph, OutputInfo
+from ..ir.graph import CapturedGraph, OutputInfo
 from ..passes.pipeline_split import LOSS_COUNT
 from ..ir import meta
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch.nn as nn
 
-from ..plan import option_from_value
+from ..plan.values import option_from_value
 from .schedules import SCHEDULES, CustomSchedule, build_schedule
 
 AUTO = "auto"

@@ -24,7 +24,7 @@ from ..fsdp.fully_shard import collect_recorded_fully_shard
 from ..fsdp.resolve import attach_joint_shard_group, attach_post_forward_groups, resolve_fully_shard
 from ..pipeline.api import PipelineState, stage_mesh
 from ..pipeline.plan import resolve_pipeline
-from ..recompute import ActivationPlan, resolve_activation_plan
+from ..recompute import ActivationPlan, auto_activation_candidates, resolve_activation_plan
 from .lanes import attach_reduction_lanes
 from .recorded import collect_recorded_plan, merge_plans
 from .resolved import ResolvedPlan
@@ -46,6 +46,8 @@ class Resolution:
       without a pipeline plan.
     * ``mesh``: the mesh the rest of the plan applies on: a pipeline stage's mesh (without the pp
       axis) with a pipeline plan, else the mesh given.
+    * ``auto_candidates``: with ``recompute="auto"``, each candidate's recompute entry and its
+      activation plan (recompute.auto_activation_candidates), which the compile chooses among.
     """
 
     plan: ParallelPlan
@@ -53,6 +55,7 @@ class Resolution:
     activation: ActivationPlan
     pipeline: PipelineState | None
     mesh: Any
+    auto_candidates: tuple = ()
 
     @property
     def full_mesh(self) -> Any:
@@ -125,4 +128,5 @@ def resolve(
     axes = tuple(a for a in axes if a is not None)
     resolved = dataclasses.replace(resolved, reduction_lanes=attach_reduction_lanes(mesh, axes))
     check_mesh_axes_used(resolved, full_plan)
-    return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh)
+    return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh,
+                      auto_candidates=auto_activation_candidates(activation, full_plan.swap, model))

@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 
 from ..ir.kinds import InputKind, OutputKind
-from ..compile.capture import CapturedGraph
+from ..ir.graph import CapturedGraph
 from . import recompile
 
 GRAD_ACCUM = InputKind.GRAD_ACCUM

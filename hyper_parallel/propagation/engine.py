@@ -39,8 +39,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .. import compat
 from ..compat import pytree
 from ..compile.annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
-from ..compile.capture import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
-from ..compile.capture import describe_node as _describe
+from ..ir.graph import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
+from ..ir.graph import describe_node as _describe
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.kinds import InputKind, OutputKind

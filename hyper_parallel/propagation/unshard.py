@@ -31,7 +31,7 @@ import torch
 
 from ..ir.kinds import InputKind, OutputKind
 from ..compile.annotations import UNSHARD
-from ..compile.capture import CapturedGraph, OutputInfo
+from ..ir.graph import CapturedGraph, OutputInfo
 from ..ir import meta
 from ..ir.phase import BACKWARD, FORWARD, is_tagged_backward, tag
 from . import recompile

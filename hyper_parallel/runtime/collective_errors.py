@@ -14,7 +14,7 @@ import types
 
 import torch
 
-from ..compile.capture import source_line
+from ..ir.graph import source_line
 from ..ir import meta
 
 _c10d = torch.ops._c10d_functional

@@ -15,7 +15,7 @@ generated code then drops them after the wait, on the main thread, and the graph
 happens. It changes no value and no collective.
 
 This is *not* the fix for the rare native crashes (heap corruption, SIGSEGV/SIGABRT) seen with
-several gloo collectives in flight: an earlier session believed it was, but
+several gloo collectives in flight: it was once believed to be, but
 ``bench/stress_gloo_prefetch.py`` crashed with these releases as without them (1 of 10 runs and 1
 of 19). The trigger is two collectives of one gloo group executing at once
 (passes/serialize_collectives.py, which handles it).

@@ -26,7 +26,7 @@ import torch
 
 from ..ir.kinds import InputKind
 from ..compile.annotations import BOUNDARY
-from ..compile.capture import CapturedGraph, module_fqn_of
+from ..ir.graph import CapturedGraph, module_fqn_of
 
 aten = torch.ops.aten
 

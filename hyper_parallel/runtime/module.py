@@ -21,11 +21,11 @@ from torch.distributed.tensor import DTensor
 from ..ir.kinds import InputKind
 from .. import compat
 from ..compat import pytree
-from ..compile.capture import flat_paths
+from ..ir.graph import flat_paths
 from ..compile.options import CompileOptions
-from ..compile.driver import (
-    CompiledEntry, capture_device, compile_program, compile_within_budget, current_rank, format_signature, signature,
-)
+from ..compile.driver import CompiledEntry, compile_program, compile_within_budget
+from ..compile.request import CompileRequest
+from ..compile.signature import capture_device, current_rank, format_signature, signature
 from ..debug import group_axis_names
 from ..fsdp.flags import FsdpFlags, program_key
 from ..fsdp.fully_shard import recorded_prefetch
@@ -33,7 +33,7 @@ from ..fsdp.grad_accumulation import GradientAccumulator
 from ..fsdp.methods import FsdpMethods
 from ..fsdp.unshard import GatheredParams, watch_optimizers
 from ..memory import estimate_program
-from ..pipeline.api import call_arguments, loss_of
+from ..pipeline.step_arguments import call_arguments, loss_of
 from ..plan import ResolvedPlan
 from ..propagation.accumulation import GRAD_ACCUM, deferred_replicated
 from ..propagation.unshard import PREGATHERED
@@ -56,14 +56,14 @@ class ParallelState:
     gathered parameters, the pipeline's)."""
 
     def __init__(self, resolved: ResolvedPlan, mesh, original_cls, parameters, options: CompileOptions, *,
-                 activation, plan_swap):
+                 activation, auto_candidates=()):
         self.resolved = resolved
         self.mesh = mesh
         self.original_cls = original_cls
         self.options = options
         self.cache: dict[Any, CompiledEntry] = {}
         self.activation = activation  # recompute.ActivationPlan
-        self.plan_swap = plan_swap  # the plan's swap entry (recompute="auto" re-resolves with it)
+        self.auto_candidates = auto_candidates  # recompute="auto": plan.resolution.Resolution.auto_candidates
         self.calls = 0  # calls so far, named in errors ("call 3")
         self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
         self.attributes = AttributeGuards()  # module attribute values the programs read (a key part)
@@ -90,6 +90,15 @@ class ParallelState:
             fqn: (tuple(t.shape), t.dtype, t.requires_grad, capture_device(t)) for fqn, t in module.named_parameters()
         }
         return {**specs, **self.released}
+
+    def compile_request(self, module: nn.Module, resolved: ResolvedPlan | None = None,
+                        explicit_prefetch=None) -> CompileRequest:
+        """What a compile of ``module`` reads of this state, frozen (compile/request.py):
+        ``resolved`` with this call's flags applied (default: the plan as resolved)."""
+        return CompileRequest(
+            mesh=self.mesh, resolved=self.resolved if resolved is None else resolved, activation=self.activation,
+            options=self.options, original_cls=self.original_cls, parameters=self.all_parameters(module),
+            explicit_prefetch=dict(explicit_prefetch or {}), auto_candidates=self.auto_candidates)
 
     def resolved_for_flags(self) -> ResolvedPlan:
         resolved = self.resolved
@@ -267,7 +276,8 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
         state.attributes.remember(values)
         before_compile(state, key, paths, changed())
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
-        entry = compile_fn(module, state, resolved, args, kwargs, flat, prefetch)
+        entry = compile_fn(module, state.compile_request(module, resolved, prefetch), args, kwargs, flat)
+        state.attributes.add(list(entry.reads))
         state.cache[key] = entry
         # Ids and labels could not be checked before the program existed: once more after compiling.
         if entry.index_inputs and state.options.check_inputs is not False:

@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from .. import compat
-from ..compile.capture import module_fqn_of
+from ..ir.graph import module_fqn_of
 from ..ir import meta
 from ..ir.collectives import collective_kind
 from ..why import reason

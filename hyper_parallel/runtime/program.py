@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from ..ir.kinds import InputKind
 from .. import compat
-from ..compile.capture import CapturedGraph
+from ..ir.graph import CapturedGraph
 from ..errors import internal_error
 from .autocast_state import programs_run_as_captured
 from .partition import partition_by_phase

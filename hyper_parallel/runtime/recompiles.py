@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from ..compile.driver import current_rank, format_signature
+from ..compile.signature import current_rank, format_signature
 from .autocast_state import describe as describe_autocast
 
 log = logging.getLogger(__name__)

@@ -231,5 +231,5 @@ def test_new_architectures_fsdp_bf16_mixed_precision(dist2, arch):
     the bound failed for both (step 1's embedding gradient 4.5x one device's error, bound 4x) and
     with all experts routed it holds, as it does for the dense models and as fp32 parity does with
     top-2: bf16 rounding flips near-tied expert choices, which moves those tokens' gradients by
-    more than rounding does (session 37's note)."""
+    more than rounding does (measured 2026-11-29)."""
     assert dist2.run(_bf16_fsdp, arch)[0] == []

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Replicate
 
 import hyper_parallel as hp
-from hyper_parallel.compile.capture import module_fqn_of
+from hyper_parallel.ir.graph import module_fqn_of
 from hyper_parallel.models import llama_tp_plan
 from hyper_parallel.testing.parity import (
     assert_matches_bf16_reference, build_model, error_message, global_batch, local_batch, run_parity,

@@ -16,7 +16,7 @@ def _split(split_point: str, tie: bool = False):
     import torch
 
     import hyper_parallel as hp
-    from hyper_parallel.compile.capture import module_fqn_of
+    from hyper_parallel.ir.graph import module_fqn_of
     from hyper_parallel.testing.parity import build_model, global_batch
 
     mesh = hp.init_device_mesh("cpu", (1,), mesh_dim_names=("pp",))

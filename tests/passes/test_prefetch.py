@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 
-from hyper_parallel.compile.capture import module_fqn_of
+from hyper_parallel.ir.graph import module_fqn_of
 from hyper_parallel.passes.prefetch import prefetch_pass
 from hyper_parallel.testing.pass_inputs import LayerStack, assert_valid_order, copy_graph_module, pass_input
 

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 import hyper_parallel as hp
 from hyper_parallel.ir.phase import is_tagged_backward
-from hyper_parallel.compile.capture import module_fqn_of
+from hyper_parallel.ir.graph import module_fqn_of
 from hyper_parallel.passes.recompute import recompute_pass
 from hyper_parallel.passes.reshard_after_forward import gathered_param_region, reshard_after_forward_pass
 from hyper_parallel.recompute import CheckpointPolicy

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from hyper_parallel.ir.phase import is_tagged_backward
-from hyper_parallel.compile.capture import module_fqn_of
+from hyper_parallel.ir.graph import module_fqn_of
 from hyper_parallel.passes.swap import swap_pass
 from hyper_parallel.recompute import CheckpointPolicy
 from hyper_parallel.runtime.host_copies import SWAP_IN, SWAP_OUT, SWAP_WAIT

@@ -2,8 +2,10 @@
 names only in compat.py (a torch upgrade that moves one is fixed in one file).
 
 Both are read from the source with ``ast``: every import statement counts, also the ones inside
-functions (a cycle hidden by a function-local import is still a cycle), except those under
-``if TYPE_CHECKING:`` (annotations only, never executed)."""
+functions (a cycle hidden by a function-local import is still a cycle) and those under
+``if TYPE_CHECKING:`` (never executed, but a type that must be imported that way to dodge a circle
+is a layering problem all the same). An import names the module it names: ``from ..plan.values
+import x`` is an edge to ``plan.values``, not to ``plan``, whose ``__init__`` Python also runs."""
 
 import ast
 import importlib
@@ -31,13 +33,11 @@ MODULES = _modules()
 
 
 def _imports(name: str, path: pathlib.Path):
-    """(imported module, line, the dotted names it imports) for every executed import of a module."""
+    """(imported module, line, the dotted names it imports) for every import statement of a module."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
 
     def walk(nodes):
         for node in nodes:
-            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-                continue
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     yield alias.name, node.lineno, [alias.name]

@@ -8,7 +8,7 @@ tests/distributed/test_moe_fsdp_tp.py (sizes that differ between data-parallel g
 
 import pytest
 
-from hyper_parallel.debug import Collective
+from hyper_parallel.ir.collectives import Collective
 from hyper_parallel.spmd import _differs, _Sequences, first_difference
 
 GROUPS = {"tp0": (0, 1), "tp1": (2, 3), "dp0": (0, 2), "dp1": (1, 3)}

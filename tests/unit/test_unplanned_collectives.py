@@ -71,7 +71,7 @@ def _compile_hf(arch: str, plan: dict | None = None) -> dict:
 
 def _source_module(node) -> str:
     """The module that computed ``node``, looking through the reshapes lowering adds (no module)."""
-    from hyper_parallel.compile.capture import module_fqn_of
+    from hyper_parallel.ir.graph import module_fqn_of
 
     for _ in range(4):
         if module_fqn_of(node):
