@@ -95,9 +95,9 @@ def hyper_parallel_backend(gm: torch.fx.GraphModule, example_inputs, *, options:
             f"{BACKEND_NAME} is a torch.compile backend; call it through {_USAGE}, not directly"
         )
     _reject_graph_break(tx)
-    module, local_name, args, kwargs = _module_call(tx)
+    module, (local_name, index), args, kwargs = _module_call(tx)
     output_paths = _output_paths(tx, gm, module)
-    compat.dynamo_guard_identity(local_name)
+    compat.dynamo_guard_identity(local_name, index)
     return _first_call(module, args, kwargs, output_paths, plan, mesh, pass_options)
 
 
@@ -176,8 +176,9 @@ def _reject_graph_break(tx) -> None:
     )
 
 
-def _module_call(tx) -> tuple[nn.Module, str, tuple, dict]:
-    """The module whose forward Dynamo compiled, the frame local naming it, and this call's
+def _module_call(tx) -> tuple[nn.Module, tuple, dict, dict]:
+    """The module whose forward Dynamo compiled, where the frame holds it (a local's name, and its
+    index when the local is a tuple holding it, else None), and this call's
     (args, kwargs); rejects any frame that is not the whole forward of the compiled module."""
     code = tx.f_code
     resumed = re.fullmatch(r"torch_dynamo_resume_in_(.+)_at_(\d+)", code.co_name)
@@ -207,13 +208,18 @@ def _module_call(tx) -> tuple[nn.Module, str, tuple, dict]:
             f"{type(module).__name__} is already parallelized by hp.parallelize; compile the "
             "original model with the backend instead (it calls parallelize itself)"
         )
-    names = [name for name, value in tx.f_locals.items() if value is module]
-    if not names:
+    where = [(name, None) for name, value in tx.f_locals.items() if value is module]
+    if not where:
+        # A decorator's wrapper(*args, **kwargs) around forward (transformers 5.24 wraps
+        # LlamaForCausalLM.forward in deprecate_kwarg): the module is an item of a tuple local.
+        where = [(name, i) for name, value in tx.f_locals.items() if isinstance(value, tuple)
+                 for i, item in enumerate(value) if item is module]
+    if not where:
         raise BackendTypeError(
             f"{type(module).__name__}.forward does not bind the module to a local; the "
             f"{BACKEND_NAME} backend needs an ordinary forward(self, ...)"
         )
-    return module, names[0], tuple(call["args"]), dict(call["kwargs"])
+    return module, where[0], tuple(call["args"]), dict(call["kwargs"])
 
 
 def _check_called_by_dynamo(frame, module: nn.Module) -> None:

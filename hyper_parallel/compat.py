@@ -502,13 +502,17 @@ def dynamo_return_tensors(tx) -> list[tuple[tuple, str]]:
     return out
 
 
-def dynamo_guard_identity(local_name: str) -> None:
+def dynamo_guard_identity(local_name: str, index: int | None = None) -> None:
     """Make the graph being compiled valid only for the very object now bound to the frame's local
-    ``local_name`` (an ``ID_MATCH`` guard; Dynamo also counts recompilations per such object)."""
+    ``local_name`` (item ``index`` of it when given: a wrapper's ``args``), an ``ID_MATCH`` guard;
+    Dynamo also counts recompilations per such object."""
     from torch._dynamo.guards import GuardBuilder, install_guard
-    from torch._dynamo.source import LocalSource
+    from torch._dynamo.source import GetItemSource, LocalSource
 
-    install_guard(LocalSource(local_name).make_guard(GuardBuilder.ID_MATCH))
+    source = LocalSource(local_name)
+    if index is not None:
+        source = GetItemSource(source, index)
+    install_guard(source.make_guard(GuardBuilder.ID_MATCH))
 
 
 def is_dynamo_entry_frame(frame) -> bool:

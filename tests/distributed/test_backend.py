@@ -263,6 +263,7 @@ def test_bad_options(options, error, match):
         compiled(x=torch.randn(2, 16), target=torch.randn(2, 8))
 
 
+@pytest.mark.slow
 def test_entry_point_resolves_by_name_in_fresh_process(tmp_path):
     # Plain torch only: the name must resolve through the entry point, with no import of ours.
     script = (

@@ -112,6 +112,7 @@ hp.save_checkpoint(path, build_model("mlp", seed=2))
 """
 
 
+@pytest.mark.slow
 def test_sigkill_after_data_before_manifest_keeps_the_previous_checkpoint(tmp_path):
     path = str(tmp_path / "ckpt")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

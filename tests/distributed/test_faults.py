@@ -137,6 +137,7 @@ def stuck_peer_in_backward() -> str:
     return "no error"
 
 
+@pytest.mark.pool
 def test_stuck_peer_times_out_naming_program_collective_and_call():
     # Its own pool: the timeout applies to the mesh's groups, here the pool's world group, and the
     # broken connection would outlive the test.

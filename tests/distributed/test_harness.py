@@ -9,6 +9,8 @@ import torch.distributed as dist
 
 from hyper_parallel.testing.distributed import WorkerPool, get_pool, run_on_ranks
 
+pytestmark = pytest.mark.pool  # every test starts or uses a pool
+
 
 # ----------------------------------------------------------------------------- job functions
 # (module level, so the workers can unpickle them by reference)

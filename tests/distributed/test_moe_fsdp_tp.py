@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import global_batch, local_batch
+from hyper_parallel.testing.parity import assert_same_step, global_batch, local_batch
 
 pytest.importorskip("transformers")
 
@@ -63,7 +63,6 @@ def fsdp_tp_parity(steps: int = 3) -> dict:
     model = hp.parallelize(copy.deepcopy(reference), qwen2_moe_fsdp_tp_plan(), mesh)
     chosen = _record_routing(reference)
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
-    ref_params = dict(reference.named_parameters())
     losses, routing, programs = [], [], []
     for step in range(steps):
         full = global_batch(ARCH, BATCH, SEQ, seed=step + 1, ignore_fraction=PADDED)
@@ -71,10 +70,7 @@ def fsdp_tp_parity(steps: int = 3) -> dict:
         loss, ref_loss = model(**local_batch(full, mesh)).loss, reference(**full).loss
         loss.backward()
         ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                       msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
+        assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
         losses.append(loss.item())
         routing.append(_tokens_per_expert(chosen, mesh["dp"].size(), reference.config.num_experts))
         programs.append(tuple(id(gm) for gm in model.compiled_programs()))

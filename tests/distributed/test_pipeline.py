@@ -54,6 +54,7 @@ def test_loss_fn_and_targets(dist2):
     _check_stages(results, 2)
 
 
+@pytest.mark.pool
 def test_interleaved_two_stages_on_one_rank():
     """Interleaved1F1B with 2 stages: both on the one pp rank, handed over in memory."""
     from hyper_parallel.testing.distributed import get_pool

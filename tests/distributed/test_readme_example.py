@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -17,6 +19,7 @@ def _example_script() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.pool  # torchrun, 2 processes
 def test_readme_example_trains_at_one_device_parity(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_example_script())

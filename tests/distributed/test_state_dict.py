@@ -127,6 +127,7 @@ def get_matrix(case):
     return len(full)
 
 
+@pytest.mark.pool  # request.getfixturevalue(f"dist{world}")
 @pytest.mark.parametrize("case,world", MATRIX_CASES)
 def test_get_model_state_dict_matrix(request, case, world):
     pool = request.getfixturevalue(f"dist{world}")
@@ -192,6 +193,7 @@ def set_paths(case):
     return True
 
 
+@pytest.mark.pool  # request.getfixturevalue(f"dist{world}")
 @pytest.mark.parametrize("case,world", MATRIX_CASES)
 def test_set_model_state_dict_round_trips(request, case, world):
     pool = request.getfixturevalue(f"dist{world}")

@@ -70,6 +70,7 @@ def _most_in_flight(nodes, targets) -> int:
 @pytest.mark.parametrize("mixed_precision", [
     None, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
 ], ids=["fp32", "bf16-params-fp32-reduce"])
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["example", "hf_llama"])
 def test_each_units_reduce_scatter_follows_its_backward(name, mixed_precision):
     nodes = _backward(name, mixed_precision)
@@ -97,6 +98,7 @@ BF16_FP32 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
     {"swap": {"model.layers.*": True}},
     {"fully_shard": {"units": ["model.layers.*", ""], "mixed_precision": BF16_FP32, "reshard_after_forward": 2}},
 ], ids=["recompute-full", "swap", "reshard-to-2-of-4"])
+@pytest.mark.slow
 def test_reductions_stay_interleaved_with_recompute_swap_and_partial_reshard(extra):
     """Recompute and swap add backward work per layer and reshard_after_forward=2 regathers over
     2 of 4 ranks; each unit's fused reduce-scatter (bf16 parameters, fp32 reduction) still follows
@@ -112,6 +114,7 @@ def test_reductions_stay_interleaved_with_recompute_swap_and_partial_reshard(ext
     assert _most_in_flight(nodes, {c10d.reduce_scatter_tensor.default}) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth", [0, 1])
 @pytest.mark.parametrize("name", ["example", "hf_llama"])
 def test_data_parallel_buckets_are_issued_during_backward(name, depth):
@@ -140,6 +143,7 @@ def test_data_parallel_buckets_are_issued_during_backward(name, depth):
         assert sum(overlapped) >= len(reductions) - 2, overlapped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixed_precision", [None, BF16_FP32], ids=["fp32", "bf16-params-fp32-reduce"])
 @pytest.mark.parametrize("name", ["example", "hf_llama"])
 def test_accumulated_fsdp_gradients_are_reduced_during_backward(name, mixed_precision):
@@ -157,6 +161,7 @@ def test_accumulated_fsdp_gradients_are_reduced_during_backward(name, mixed_prec
     assert sum(s < matmuls[-1] for s in scatters) >= LAYERS - 1, (scatters, matmuls[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["example", "hf_llama"])
 def test_accumulated_data_parallel_gradients_are_reduced_during_backward(name):
     """The same for data parallelism's buckets after ``no_sync()`` micro-steps: each bucket is
@@ -181,6 +186,7 @@ def _bucket_members(nodes) -> list[int]:
     return [int(label.split("(")[1].split()[0]) for label in labels]
 
 
+@pytest.mark.slow
 def test_bucket_sizes_follow_ddp_rule():
     """DDP's rule for ``bucket_cap_mb``: left at its default, a 1 MiB first bucket (the lm_head's
     gradient, which backward computes first: 1 MiB here) then 25 MB ones; given by the caller, every
@@ -220,6 +226,7 @@ def _backward_gradient_bytes(layers):
     return most, unit
 
 
+@pytest.mark.slow
 def test_estimated_unsharded_gradients_stay_within_the_reductions_in_flight():
     """The memory estimator's view of the schedule above: with one reduce-scatter in flight, backward
     holds at most the in-flight unit's packed gradients (a collective's input lives until its wait,

@@ -37,6 +37,7 @@ def test_gate_sits_right_before_the_first_collective(plan):
         assert gates[0] < matmuls[0]
 
 
+@pytest.mark.slow
 def test_gate_stays_in_place_around_inductor_regions():
     """codegen="inductor" hands only compute runs to Inductor; the gate, not compute, stays a node
     of the program between the last region and the first collective."""

@@ -118,6 +118,7 @@ H200_MEASURED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["full", "none"])
 def test_predicted_reserved_peak_matches_the_h200_measurement(recompute, monkeypatch):
     """The same program compiled here (explain: simulated rank, meta tensors) predicts the reserved

@@ -43,6 +43,7 @@ def _compile(model_name, plan, names):
         return [program.code for program in pmodel.compiled_programs()], hits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(PLANS))
 def test_programs_are_the_same_with_the_cache_and_without(case, monkeypatch):
     cached, hits_cached = _compile(*PLANS[case])

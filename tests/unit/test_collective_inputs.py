@@ -2,6 +2,7 @@
 (runtime/collective_inputs.py), as the backend really keeps it: the graph's liveness, which the
 memory estimator reads, counts an in-flight input as live."""
 
+import pytest
 import torch
 
 import hyper_parallel as hp
@@ -48,6 +49,7 @@ def _check_held(gm: torch.fx.GraphModule) -> int:
     return checked
 
 
+@pytest.mark.slow
 def test_inputs_of_prefetched_fsdp_collectives_live_until_their_waits():
     """FSDP with prefetch and reduce-scatters in flight under bf16/fp32 mixed precision: the
     all-gathers' and reduce-scatters' inputs (bf16 shard casts, packed gradients) are released

@@ -155,6 +155,7 @@ def test_sequence_parallel_preset_with_vocab_left_out_of_tensor_parallelism():
     assert fwd["reduce_scatter"]["tp"]["count"] == 2  # o_proj, down_proj; the embedding is not TP
 
 
+@pytest.mark.slow
 def test_mfu_counts_model_flops_and_hfu_adds_recompute():
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 512, "intermediate_size": 1024,
               "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1024}
@@ -167,6 +168,7 @@ def test_mfu_counts_model_flops_and_hfu_adds_recompute():
     assert full["hfu"] > full["mfu"]
 
 
+@pytest.mark.slow
 def test_cost_model_step_time_and_mfu_when_available():
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1024}
@@ -195,6 +197,7 @@ def test_when_the_cost_model_fails_memory_and_collectives_still_work(monkeypatch
     assert "step time: cost model not available" in format_report(report)
 
 
+@pytest.mark.slow
 def test_hsdp_collectives_are_labelled_by_axis_names():
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}
@@ -207,6 +210,7 @@ def test_hsdp_collectives_are_labelled_by_axis_names():
     assert per_step["all_reduce"]["dp_replicate"]["count"] == 2  # HSDP: one per unit after its RS
 
 
+@pytest.mark.slow
 def test_cli_json_plan_file_and_python_m(tmp_path, capsys):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps({"base": "llama3-8b", "hidden_size": 256, "intermediate_size": 512,
@@ -319,6 +323,7 @@ def test_fsdp_tp_preset_keeps_vocab_tp_only_when_fsdp_can_shard_it():
     assert full.plan["recompute"] == {"model.layers.*": "full"}
 
 
+@pytest.mark.slow
 def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, capsys):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps({"base": "llama3-8b", "hidden_size": 256, "intermediate_size": 512,
@@ -347,6 +352,7 @@ def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, c
     assert (memory["device"], memory["optimizer"]) == ("a100", "adamw")
 
 
+@pytest.mark.slow
 def test_fsdp_reduce_scatters_overlap_backward_in_the_simulated_step(tmp_path):
     """The 8B FSDP step (4 of its layers, bf16 compute / fp32 reduction, h100) as the cost model
     simulates it: each layer's reduce-scatter runs on the communication stream while the layers
@@ -364,6 +370,7 @@ def test_fsdp_reduce_scatters_overlap_backward_in_the_simulated_step(tmp_path):
     assert sum(e["ts"] < last_matmul for e in scatters) == 3, [(e["ts"], last_matmul) for e in scatters]
 
 
+@pytest.mark.slow
 def test_mixtral_expert_parallel_memory_and_all_to_all_match_analytic():
     """Mixtral 8x7B shape, one layer, dp_shard=2 x ep=4: each rank keeps 8/4 experts, FSDP-sharded
     over dp_shard (1 expert's worth of fp32 masters), dense weights FSDP-sharded over all eight
@@ -428,6 +435,7 @@ def test_presets_add_context_parallel_on_a_cp_mesh():
     assert "all-to-all (Ulysses) inside groups of 2 cp ranks, ring attention over the 4 groups" in hybrid.notes[0]
 
 
+@pytest.mark.slow
 def test_hybrid_collectives_and_their_groups_in_the_simulated_step(tmp_path):
     """``--parallel dp_shard=2,cp=8,ulysses_degree=2``: per attention forward, 5 all-to-alls inside each pair
     of consecutive cp ranks (query, key, value ``[batch, heads, seq / 8, head dim]`` and output
@@ -451,6 +459,7 @@ def test_hybrid_collectives_and_their_groups_in_the_simulated_step(tmp_path):
     assert "ring attention over 4 groups of 2 all-to-all ranks, cp=8" in format_report(report)
 
 
+@pytest.mark.slow
 def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys):
     """``--parallel dp_shard=2,cp=4 --cp-mode all_to_all`` (Ulysses) through the CLI. Per attention
     forward: query, key, value and output ``[local batch, heads, seq / cp, head dim]`` (bf16) and
@@ -480,6 +489,7 @@ def test_cli_cp_all_to_all_collectives_and_batch_match_analytic(tmp_path, capsys
     assert "all-to-all attention over cp=4" in text and "each of 4 cp ranks holds 128 tokens" in text
 
 
+@pytest.mark.slow
 def test_cp_divides_saved_activations_per_rank():
     """Saved-for-backward bytes with cp=4 are at most 0.3 of those without cp. Isolating the
     effect: the same 8 ranks, dp_shard=2 x cp=4 against dp_shard=8, so FSDP shards the weights
@@ -498,6 +508,7 @@ def test_cp_divides_saved_activations_per_rank():
     assert with_cp["batch"]["tokens_per_step"] == without["batch"]["tokens_per_step"] // 4  # dp 2, not 8
 
 
+@pytest.mark.slow
 def test_ring_transfers_are_priced_and_overlapped_in_the_simulated_step(tmp_path):
     """``hp.AsyncContextParallel`` on cp=4 (a plan file; 2 layers): the simulated step's timeline
     holds cp − 1 = 3 send_recv transfers over cp per attention forward, each of key and value
@@ -531,6 +542,7 @@ def test_ring_transfers_are_priced_and_overlapped_in_the_simulated_step(tmp_path
     assert exposed["AsyncContextParallel()"] < exposed["ContextParallel(mode='ring')"]
 
 
+@pytest.mark.slow
 def test_all_gather_attention_is_counted_and_named():
     """``--cp-mode all_gather`` on dp_shard=2 x cp=4 (2 layers): per attention forward one gather of
     every cp rank's key and value (this rank sends its bf16 block, ``2 x heads x seq / cp x head
@@ -550,6 +562,7 @@ def test_all_gather_attention_is_counted_and_named():
     assert "all-gather attention over cp=4 (load-balanced)" in format_report(report)
 
 
+@pytest.mark.slow
 def test_llama3_8b_at_128k_tokens_fits_an_h100_only_with_cp():
     """Llama 3 8B, 131072-token sequences, full recompute, 64 simulated H100s: dp_shard=8 x cp=8
     fits, dp_shard=64 (the same ranks, cp replaced by data parallelism) does not. Measured with all
@@ -574,6 +587,7 @@ def test_llama3_8b_at_128k_tokens_fits_an_h100_only_with_cp():
     assert with_cp["collectives"]["forward"]["send_recv"]["cp"]["count"] == 8 - 1
 
 
+@pytest.mark.slow
 def test_cp_with_fewer_sequences_than_cp_ranks():
     """dp_shard=2 x cp=4 with one sequence per data-parallel rank (2 sequences over 4 cp ranks, the
     long-context configuration): DTensor's view rule refuses the [batch * sequence] rows back to

@@ -126,6 +126,7 @@ def _captured_with_unshards(offload, compute_device):
     return len(unshards), len(copies)
 
 
+@pytest.mark.slow
 def test_cpu_offload_copies_shards_to_the_compute_device_before_unsharding():
     num_unshards, num_copies = _captured_with_unshards(offload=True, compute_device="cuda")
     assert num_unshards == 2 * 9 + 3 and num_copies == num_unshards

@@ -2,6 +2,8 @@
 collective over the mesh flattened from those axes, which parallelize creates on a plain mesh and
 reuses where the mesh has one (a ParallelDims mesh)."""
 
+import pytest
+
 import hyper_parallel as hp
 from hyper_parallel import compat
 from hyper_parallel.explain import compile_for_explain, fake_world
@@ -11,6 +13,7 @@ PLAN = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel(mode
         "fully_shard": hp.FullyShard(units=("model.layers.*", ""))}
 
 
+@pytest.mark.slow
 def test_a_plain_mesh_runs_one_collective_per_unit():
     with fake_world(4, 1):
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))

@@ -8,6 +8,7 @@ threads, which made the suite take 50 minutes instead of 30."""
 import gc
 import weakref
 
+import pytest
 import torch
 
 import hyper_parallel as hp
@@ -17,6 +18,7 @@ from hyper_parallel.models.plans import llama_tp_plan
 from hyper_parallel.testing.parity import build_model
 
 
+@pytest.mark.slow
 def test_a_compiled_mesh_is_freed_with_the_sharding_caches():
     with fake_world(4, 0):
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

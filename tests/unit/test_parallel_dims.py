@@ -409,6 +409,7 @@ _FAKE_MESH_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_build_mesh_on_fake_backend():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", _FAKE_MESH_SCRIPT], capture_output=True, text=True,

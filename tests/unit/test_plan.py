@@ -203,6 +203,7 @@ def test_init_device_mesh_npu_imports_torch_npu_lazily(monkeypatch):
         init_device_mesh("npu", (2,), ("dp",))
 
 
+@pytest.mark.slow
 def test_import_creates_no_process_group():
     code = (
         "import sys, torch.distributed as d\n"

@@ -118,6 +118,7 @@ def test_broken_torch_npu_warns_and_falls_back(tmp_path, monkeypatch, no_torch_n
         assert get_platform().device_type == "cpu"
 
 
+@pytest.mark.slow
 def test_importing_the_package_does_not_import_torch_npu(tmp_path):
     fake = _fake_torch_npu(tmp_path, "LOADED = True\n")
     code = (

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import logging, sys
 from hyper_parallel.progress import Progress, enable_default_logging
@@ -33,6 +35,7 @@ def _finish(probe: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(probe.args, probe.returncode, out, err)
 
 
+@pytest.mark.slow
 def test_default_handler_and_its_switch():
     # The four interpreters start at once: each spends its seconds importing torch.
     probes = [_start("plain", None), _start("plain", "quiet"), _start("configured", None), _start("plain", "loud"),

@@ -80,6 +80,7 @@ def _captured(result) -> tuple:
     return result.full(), result.traced
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ZOO))
 def test_transformers_models_copy_exactly_or_trace_every_block(arch, caplog):
     pytest.importorskip("transformers")
@@ -104,6 +105,7 @@ def _dump_plan(name: str) -> dict:
     return llama_tp_plan(sequence_parallel=True, loss_parallel=True)  # data parallel over "dp"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan_name,layers", [("fsdp_bf16_tp", 3), ("dp_tp_sp_loss_parallel", 4)])
 def test_compile_dumps_are_byte_identical(tmp_path, plan_name, layers):
     """On a 2x2 mesh: FSDP (bf16 params, fp32 reduce) x TP, and DP x TP with sequence parallelism

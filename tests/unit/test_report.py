@@ -78,6 +78,7 @@ def _comm_rows(layouts: dict) -> list[list[str]]:
         else "->" in r[col["input_layouts"]])]
 
 
+@pytest.mark.slow
 def test_every_collective_says_why(dump):
     """layouts.tsv's ``why`` column: every collective of the program has a reason, and FSDP + TP's
     reasons name the FSDP units, the plan entries, the vocab-parallel loss and the passes."""
@@ -288,6 +289,7 @@ setTimeout(function () {
 </script></body>"""
 
 
+@pytest.mark.slow
 def test_page_renders_in_headless_chromium(dump, tmp_path):
     _chromium()
     out = str(tmp_path / "report.html")
@@ -365,6 +367,7 @@ def test_chromium_check_catches_script_errors(tmp_path):
     assert _attr(dom, "data-rendered") == "ok"  # the page itself (with no data at all) rendered first
 
 
+@pytest.mark.slow
 def test_explain_dump_page_shows_what_explain_printed(tmp_path, capsys):
     """``explain --dump-dir`` then ``report``: the rendered page names the hardware explain priced the
     step on, its step time and peak, and the optimizer whose state explain counted."""

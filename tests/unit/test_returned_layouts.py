@@ -36,6 +36,7 @@ def test_vocab_parallel_logits_are_returned_sharded():
     assert dtensors == ((1, ("tp",), ("S(2)",)),)
 
 
+@pytest.mark.slow
 def test_logits_gathered_by_the_plan_are_returned_whole():
     with fake_world(2):
         # Sequence parallel without loss parallel gathers the logits at lm_head's output already.
@@ -46,6 +47,7 @@ def test_logits_gathered_by_the_plan_are_returned_whole():
             {"loss": ("R",), "logits": ("S(1)",)}, ((1, ("tp",), ("S(1)",)),))
 
 
+@pytest.mark.slow
 def test_data_parallel_axes_keep_the_batch_and_the_others_the_shard():
     with fake_world(4):
         placements, dtensors = _returned(llama_tp_plan(), (2, 2), ("dp", "tp"))

@@ -34,6 +34,7 @@ def _compile(kv_heads: int):
         return pmodel.compile_summary(), [str(w.message) for w in caught if "beyond its own" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_one_kv_head_over_tp2_is_warned_with_the_module_and_its_entries_two_fit_quietly():
     summary, messages = _compile(kv_heads=1)
     [finding] = summary["unplanned_collectives"]
@@ -93,6 +94,7 @@ def _gpt2_contiguous_column_split() -> dict:
     return {"layouts": layouts}
 
 
+@pytest.mark.slow
 def test_transformers_models_gpt2_fused_qkv_warned_llama_quiet():
     """GPT-2's fused ``c_attn`` (q, k, v in one [in, 3 * hidden] weight) split by contiguous columns
     puts each rank's columns across q, k and v: splitting them gathers per layer. Split per third
@@ -128,6 +130,7 @@ def _phi3_contiguous_column_split() -> dict:
     return plan
 
 
+@pytest.mark.slow
 def test_transformers_models_phi3_fused_projections_split_per_part():
     """Phi-3 keeps q, k and v in one ``qkv_proj`` and slices them apart (``qkv[..., :q]``), gate and
     up in one ``gate_up_proj`` (``.chunk(2)``). Split by contiguous columns, rank 0 holds all of q:
