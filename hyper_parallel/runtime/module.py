@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Any
 
 import torch
@@ -97,8 +98,10 @@ class ParallelState:
         ``resolved`` with this call's flags applied (default: the plan as resolved)."""
         return CompileRequest(
             mesh=self.mesh, resolved=self.resolved if resolved is None else resolved, activation=self.activation,
-            options=self.options, original_cls=self.original_cls, parameters=self.all_parameters(module),
-            explicit_prefetch=dict(explicit_prefetch or {}), auto_candidates=self.auto_candidates)
+            options=self.options, original_cls=self.original_cls,
+            parameters=types.MappingProxyType(self.all_parameters(module)),
+            explicit_prefetch=types.MappingProxyType(dict(explicit_prefetch or {})),
+            auto_candidates=self.auto_candidates)
 
     def resolved_for_flags(self) -> ResolvedPlan:
         resolved = self.resolved
