@@ -1,5 +1,5 @@
 """The ``pool`` marker (tests/conftest.py) splits the suite: ``bash scripts/test.sh --fast`` runs
-``-m "not pool"``, the tests that start no worker process.
+``-m "not pool and not slow"``, the tests that start no worker process (and take at most 5 s).
 
 Checked here, without starting any pool: collecting the suite with ``-m "not pool"`` (in a
 subprocess, so this session's own pools and conftest hooks are left alone) keeps no test that
