@@ -18,8 +18,8 @@ The published runs differ from the prediction's assumptions in ways the table st
 Memory: torchtitan's logged "memory" is the caching allocator's reserved peak
 (``max_reserved_gib``), and its launcher sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
 So the published figure is compared with the predicted reserved peak with expandable segments
-(``hyper_parallel/allocator_model.py`` replaying the step's allocations); the allocated peak, which
-``memory.py`` predicts, is printed beside it.
+(``hyper_parallel/analysis/allocator_model.py`` replaying the step's allocations); the allocated peak, which
+``analysis/memory.py`` predicts, is printed beside it.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ CASES = [
 
 
 def run_case(case: dict) -> dict:
-    from hyper_parallel.explain import explain
+    from hyper_parallel.tools.explain import explain
 
     kwargs = dict(case["explain"])
     if kwargs["plan"].endswith(".py"):  # a plan file of this repository, named from its root

@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from hyper_parallel.explain import explain, format_report
+    from hyper_parallel.tools.explain import explain, format_report
 
     kwargs = dict(config=args.config, parallel=args.parallel, world_size=args.world_size, plan=args.plan,
                   hardware=args.hardware, num_layers=args.layers, local_batch=args.local_batch,

@@ -10,7 +10,7 @@ shards or two sharded axes in front of DTensor's redistribution planner:
 * ``fsdp_x_tp``: FSDP over ``dp`` x the Llama TP plan.
 
 Each plan is compiled ``--repeats`` times (default 2) both ways, alternating: as shipped, and with
-``compat.cached_sharding_decisions`` replaced by a no-op (DTensor deciding every op afresh under
+``decision_cache.cached_sharding_decisions`` replaced by a no-op (DTensor deciding every op afresh under
 tracing, as before). It prints the seconds of each and the median ratio. The programs are the same
 either way (``tests/unit/test_cached_sharding_decisions.py``).
 """
@@ -27,8 +27,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import hyper_parallel as hp  # noqa: E402
-from hyper_parallel import compat  # noqa: E402
-from hyper_parallel.explain import compile_for_explain, fake_world  # noqa: E402
+from hyper_parallel.propagation import decision_cache  # noqa: E402
+from hyper_parallel.tools.explain import compile_for_explain, fake_world  # noqa: E402
 from hyper_parallel.models.plans import llama_tp_plan  # noqa: E402
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch  # noqa: E402
 
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
     args = parser.parse_args(argv)
-    shipped = compat.cached_sharding_decisions
+    shipped = decision_cache.cached_sharding_decisions
     off = lambda *a, **k: contextlib.nullcontext()  # noqa: E731
     print(f"example Llama, {args.layers} layers, rank 1 of a fake 2 x 2 mesh, batch 4 x 256")
     print(f"{'plan':<10} {'cached (s)':>22} {'afresh (s)':>22} {'ratio':>6}")
@@ -66,11 +66,11 @@ def main(argv=None) -> None:
         times = {"cached": [], "afresh": []}
         for _ in range(args.repeats):
             for mode, context in (("cached", shipped), ("afresh", off)):
-                compat.cached_sharding_decisions = context
+                decision_cache.cached_sharding_decisions = context
                 try:
                     times[mode].append(compile_seconds(plan, names, args.layers))
                 finally:
-                    compat.cached_sharding_decisions = shipped
+                    decision_cache.cached_sharding_decisions = shipped
         cached, afresh = (statistics.median(times[m]) for m in ("cached", "afresh"))
         shown = {m: ", ".join(f"{t:.2f}" for t in times[m]) for m in times}
         print(f"{name:<10} {shown['cached']:>22} {shown['afresh']:>22} {cached / afresh:6.2f}")

@@ -16,7 +16,7 @@ example Llama on the device from seed 0, takes ``--warmup`` steps (forward, back
 ``zero_grad``), then measures one step's ``max_memory_allocated`` / ``max_memory_reserved`` and the
 median time of ``--steps`` more. hyper_parallel's case also reports its estimate (the program's
 peak with the real AdamW state), the ratio of measured to estimated peak, and the reserved peak
-the allocator model (``allocator_model.py``) predicts for the case's allocator mode.
+the allocator model (``analysis/allocator_model.py``) predicts for the case's allocator mode.
 
 ``python bench/bench_memory_cuda.py`` runs the default cases on CUDA; ``--device cpu`` with small
 ``--hidden`` etc. checks the script on a machine without a GPU (no allocator numbers then).
@@ -157,7 +157,7 @@ def run_case(args) -> dict:
             result["estimated_peak"] = est["peak"]
             result["estimated_peak_site"] = est["peak_site"]["where"]
             result["estimated_peak_keeping_outputs"] = model.memory_report(opt)["peak"]
-            # What the caching allocator reserves, predicted (allocator_model.py) for this case's mode.
+            # What the caching allocator reserves, predicted (analysis/allocator_model.py) for this case's mode.
             expandable = "expandable_segments:True" in result["alloc_conf"]
             result["estimated_reserved"] = est["reserved_expandable" if expandable else "reserved_default"]
             if cuda:

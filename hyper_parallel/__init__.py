@@ -13,38 +13,38 @@ from .api import ParallelModule, parallelize
 from .fsdp import CPUOffloadPolicy, FullyShard, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from .init import init_empty_weights, init_on_device, manual_seed
 from .layout import Layout, TensorLayout
-from .mesh import init_device_mesh
+from .distributed.mesh import init_device_mesh
 from .custom_rules import register_sharding
-from .dtensor import (
+from .distributed.dtensor import (
     distribute_tensor, from_local, full_tensor, get_current_mesh, get_device_num_along_axis, is_partial,
     redistribute, reduce_partial, to_local,
 )
-from .platform import Platform, get_platform
-from .process_group import (
+from .distributed.platform import Platform, get_platform
+from .distributed.process_group import (
     destroy_process_group, get_backend, get_group_local_rank, get_process_group_ranks, init_process_group,
     mark_created_groups, split_group,
 )
-from .metrics import StepMeter, StepMetrics
+from .analysis.metrics import StepMeter, StepMetrics
 from .optim import AdamW, ChainedOptimizer, Muon, get_hyper_lr_scheduler, get_hyper_optimizer
 from .cp import AsyncContextParallel, ContextParallel, shard_sequence
 from .moe import ExpertParallel, ExpertTensorParallel, ExpertWeightTensorParallel
-from .parallel_dims import ParallelDims
+from .distributed.parallel_dims import ParallelDims
 from .pipeline import (
     BatchDimSpec, CustomSchedule, MetaStep, MetaStepType, PipelinePlan, PipelineStage, Schedule1F1B, ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
-from .checkpoint_io import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoints.io import CheckpointError, load_checkpoint, save_checkpoint
 from .errors import InternalError
-from .state_dict import (
+from .checkpoints.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from .styles import (
+from .tp.styles import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,

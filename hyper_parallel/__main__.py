@@ -1,7 +1,7 @@
-"""``python -m hyper_parallel``: the ``hyper-parallel`` command line (hyper_parallel/cli.py)."""
+"""``python -m hyper_parallel``: the ``hyper-parallel`` command line (hyper_parallel/tools/cli.py)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from . import compat, options
 from .codegen import check_codegen
-from .compile.repeated_blocks import check_option as check_repeated_blocks
+from .compile.repeated import check_option as check_repeated_blocks
 from .compile.signature import current_rank
 from .compile.options import CompileOptions
 from .fsdp.fully_shard import link_units_to_root
@@ -30,11 +30,12 @@ from .plan import ResolvedPlan
 from .plan.resolution import resolve
 from .progress import enable_default_logging
 from .pipeline.module import PipelinedModule
+from .pipeline.state import PipelineState
 from .runtime.agreement_gate import await_agreement
 from .runtime.module import ParallelModule, ParallelState, entry_for
 from .runtime.replaced_parameters import remember_replacements
 from .runtime.save_pretrained import SavePretrainedFull
-from .spmd import agree, digest_of
+from .distributed.spmd import agree, digest_of
 
 __all__ = ["ParallelModule", "compile_for_inputs", "parallelize"]
 
@@ -45,7 +46,7 @@ def compile_for_inputs(module: nn.Module, args: tuple = (), kwargs: dict | None 
     """Compile ``module`` (returned by :func:`parallelize`) for the signature of ``args`` /
     ``kwargs`` (per-rank local inputs; meta or fake tensors are fine) as its first call would,
     without running it: ``compile_summary()``, ``compiled_programs()`` and ``memory_report()``
-    then describe that program (planning, ``hyper_parallel.explain``)."""
+    then describe that program (planning, ``hyper_parallel.tools.explain``)."""
     if not isinstance(module, ParallelModule):
         raise TypeError(f"compile_for_inputs needs a module returned by hp.parallelize, got {type(module).__name__}")
     try:
@@ -89,7 +90,7 @@ def parallelize(
     every bucket at most that, the first one too; ``memory_budget_bytes``: the per-rank peak that
     ``recompute="auto"`` must fit; ``disable_passes``: pass names to skip; ``dump_dir``: per-rank
     dumps of every stage. ``materialize=False``: a meta-device model keeps meta shards (planning
-    only, see ``hyper_parallel.explain``: the module can be compiled and inspected, not run).
+    only, see ``hyper_parallel.tools.explain``: the module can be compiled and inspected, not run).
     ``loss_fn``: with a pipeline plan, ``loss_fn(output, target)`` gives the loss the last stage
     computes (else the model must return its loss); train with ``pmodel.step(inputs, targets)``.
     ``check_inputs``: check token ids and labels against the embedding's vocabulary and the loss's
@@ -167,9 +168,9 @@ def parallelize(
         check_inputs=check_inputs, timeout=timeout, recompile_limit=recompile_limit,
         fail_on_recompile_limit=fail_on_recompile_limit, codegen=codegen, repeated_blocks=repeated_blocks,
     )
-    model._hp = ParallelState(resolved, mesh, original_cls, list(model.parameters()), compile_options,
-                              activation=activation, auto_candidates=resolution.auto_candidates)
-    model._hp.pipeline = resolution.pipeline
+    model._hp = ParallelState(resolution, original_cls, list(model.parameters()), compile_options)
+    if resolution.pipeline is not None:
+        model._hp.pipeline = PipelineState(resolution.pipeline, resolution.full_mesh, loss_fn)
     link_units_to_root(model)
     return model
 

@@ -306,7 +306,9 @@ def _parallelize_in_place(module: nn.Module, plan, mesh, pass_options: dict) -> 
     before = dict(module.named_parameters())
     parallelize(module, plan, mesh, **pass_options)
     # Dynamo's graph returns the model's own tensors: plain, whole on the non-data-parallel axes.
-    module._hp.resolved = dataclasses.replace(module._hp.resolved, whole_outputs=True)
+    state = module._hp
+    state.resolution = dataclasses.replace(
+        state.resolution, resolved=dataclasses.replace(state.resolved, whole_outputs=True))
     remember_replacements(before, dict(module.named_parameters()), f"torch.compile(backend={BACKEND_NAME!r})",
                           "the first call")
 

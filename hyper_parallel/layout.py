@@ -290,7 +290,7 @@ class Layout:
     rank_list: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        from hyper_parallel.mesh import _validate_mesh_args
+        from hyper_parallel.distributed.mesh import _validate_mesh_args
 
         shape, names = _validate_mesh_args(self.mesh_shape, self.mesh_dim_names)
         if names is None:
@@ -316,7 +316,7 @@ class Layout:
 
     def axis_size(self, name: str) -> int:
         """Number of ranks along mesh axis ``name`` (ValueError naming the axes if unknown)."""
-        from hyper_parallel.mesh import axis_size
+        from hyper_parallel.distributed.mesh import axis_size
 
         return axis_size(self, name)
 

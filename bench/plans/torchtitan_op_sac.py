@@ -41,7 +41,7 @@ def op_sac_policy(ctx, op, *args, **kwargs) -> hp.CheckpointPolicy:
 
 
 def plan(mesh_axes: dict, config: dict):
-    from hyper_parallel.presets import build_plan
+    from hyper_parallel.tools.presets import build_plan
 
     base = build_plan("fsdp", mesh_axes, config).plan
     recompute = {"model.layers.*": op_sac_policy}

@@ -3,9 +3,10 @@
     capture (fake global-shape tensors) → propagate (pre-propagation rewrites, layouts) → lower →
     passes → partition → SPMD check → summary and dumps
 
-``capture_and_lower`` is the front half (what ``recompute="auto"`` and the pipeline path share:
-the pipeline splits the lowered graph into stages and runs ``run_pass_pipeline`` on each);
-``finish`` the back half. Every function takes a frozen ``compile.request.CompileRequest`` (what
+``capture_and_lower`` is the front half (what ``recompute="auto"`` and the pipeline path share);
+``finish`` wraps the back half (``compile/programs.build_programs``: passes → partition → gate →
+dumps → codegen, which the pipeline path runs once per stage and variant) with the SPMD check and
+the summary. Every function takes a frozen ``compile.request.CompileRequest`` (what
 the module's run-time state or a planner asks for) and returns what it built: nothing here changes
 the module's run-time state or keeps state between calls. What the capture read of the module
 (its attribute reads, which guard later calls) comes back in ``Lowered.reads`` /
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import logging
 import math
 import time
@@ -31,28 +31,27 @@ from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from ..cp.check import check_attention_stays_sharded
 from .. import compat
-from ..codegen import generate
 from ..ir.graph import CapturedGraph, flat_paths, module_fqn_of
 from .gc_freeze import older_objects_frozen
-from .repeated_blocks import capture_blocks_once
-from .repeated_lowering import lower_blocks_once
-from ..debug import Dumper, collective_summary, collectives, group_axis_names, layout_table
+from .repeated import capture_blocks_once, lower_blocks_once
+from ..analysis.debug import Dumper, collective_summary, group_axis_names, layout_table
 from .lower import lower
 from .unplanned import find_unplanned, warn_unplanned
-from ..memory import estimate_program
-from ..passes import PassContext, run_passes, run_rewrites
+from ..analysis.memory import estimate_program
+from ..passes import PassContext, run_rewrites
 from ..plan import ResolvedPlan
 from ..progress import Progress
+from ..propagation import decision_cache
 from ..propagation.engine import PropagationReport, propagate
 from ..recompute import annotated_regions, capturing, forget_annotated_regions
-from ..runtime.agreement_gate import insert_gate
 from ..runtime.attribute_guards import recording_reads
 from ..runtime.input_check import index_inputs
 from ..runtime.profiled import Ranges
 from ..runtime.program import CompiledProgram, flatten_placeholders
 from ..runtime.random_state import replicated_random_axes
-from ..spmd import check_spmd_on_mesh
+from ..distributed.spmd import check_spmd_on_mesh
 from ..ir import meta
+from .programs import build_programs
 from .request import CompileRequest
 from .signature import capture_device, current_rank
 
@@ -137,19 +136,6 @@ def _input_placements(resolved: ResolvedPlan, paths, flat) -> dict[str, tuple]:
     }
 
 
-def _compute_dtypes(module: nn.Module, resolved: ResolvedPlan) -> dict:
-    """Parameter FQN -> the dtype it computes in (FSDP mixed precision's param_dtype)."""
-    fsdp = resolved.fsdp
-    if fsdp is None:
-        return {}
-    return {
-        fqn: policy.param_dtype
-        for fqn, p in module.named_parameters()
-        if fqn in fsdp.unit_of and p.is_floating_point()
-        and (policy := fsdp.policy_of(fqn)) is not None and policy.param_dtype is not None
-    }
-
-
 def _global_shape(local_shape, placements, mesh) -> tuple[int, ...]:
     shape = list(local_shape)
     for axis, p in enumerate(placements):
@@ -171,7 +157,7 @@ class Lowered:
     annotated: dict  # hp.checkpoint / hp.swap calls seen while capturing
     rewrite_seconds: dict  # seconds per pre-propagation rewrite
     # "2 of 32 blocks of model.layers traced" when capture copied blocks, "..., propagated and
-    # lowered" when their layouts and lowering were copied too (compile/repeated_lowering.py)
+    # lowered" when their layouts and lowering were copied too (compile/repeated/lowering.py)
     repeated_blocks: str = ""
     # (object, attribute, label) of each module attribute the forward read while captured
     # (runtime/attribute_guards.recording_reads), for the caller to guard
@@ -200,7 +186,7 @@ def capture_and_lower(
     mesh = request.mesh
     resolved_plan = request.resolved
     # DTensor's cached decisions hold the mesh they were made for and match any equal mesh.
-    compat.sharding_caches_for(mesh)
+    decision_cache.sharding_caches_for(mesh)
     paths = flat_paths((args, kwargs))
     input_placements = _input_placements(resolved_plan, paths, flat)
     resolved = dataclasses.replace(resolved_plan, inputs={**resolved_plan.inputs, **input_placements})
@@ -215,7 +201,9 @@ def capture_and_lower(
             if isinstance(x, torch.Tensor) else x
             for p, x in zip(paths, flat)
         ]
-        compute_dtypes = _compute_dtypes(module, resolved_plan)
+        # FSDP mixed precision: a parameter computes in its unit's param_dtype.
+        compute_dtypes = resolved_plan.fsdp.compute_dtypes(
+            {fqn: spec[1] for fqn, spec in request.parameters.items()}) if resolved_plan.fsdp else {}
         fake_state = {
             fqn: nn.Parameter(
                 torch.empty(shape, dtype=compute_dtypes.get(fqn, dtype), device=device), requires_grad=requires_grad,
@@ -295,27 +283,6 @@ def _name_tied_parameters(captured: CapturedGraph, module: nn.Module) -> None:
     ]
 
 
-def run_pass_pipeline(request: CompileRequest, local, annotated: dict, on_pass, timings: dict | None = None,
-                      backward_reordered: bool = False, activation=None) -> torch.fx.GraphModule:
-    """The ordered passes over one lowered (or stage) joint graph with the request's options;
-    ``timings`` (if given) receives each pass's seconds; ``backward_reordered``: a pipeline stage
-    whose backward runs split into input- and weight-gradient programs (PassContext);
-    ``activation``: the recompute/swap plan to run with (default: the request's)."""
-    options = request.options
-    return run_passes(
-        local, PassContext(
-            mesh=request.mesh, fsdp=request.resolved.fsdp, explicit_prefetch=dict(request.explicit_prefetch),
-            prefetch_depth=options.prefetch_depth, reductions_in_flight=options.reductions_in_flight,
-            activation=dataclasses.replace(activation or request.activation, annotated=annotated),
-            gradient_bucket_bytes=options.gradient_bucket_bytes,
-            first_gradient_bucket_bytes=options.first_gradient_bucket_bytes,
-            disable_passes=options.disable_passes, reduction_lanes=request.resolved.reduction_lanes,
-            codegen=options.codegen, on_pass=on_pass, timings={} if timings is None else timings,
-            backward_reordered=backward_reordered,
-        )
-    )
-
-
 @older_objects_frozen()
 def compile_program(module: nn.Module, request: CompileRequest, args, kwargs, flat) -> CompiledEntry:
     """One input signature of ``module`` compiled as ``request`` asks (the module docstring)."""
@@ -348,33 +315,32 @@ def finish(
     pass_seconds = dict(lowered.rewrite_seconds)
     started = time.perf_counter()
     run_seconds: dict = {}
-    local = run_pass_pipeline(request, lowered.local if local is None else local, lowered.annotated, dumper.graph,
-                              run_seconds, activation=activation)
+    partition_started: list[float] = []
+
+    def before_partition(gm: torch.fx.GraphModule) -> None:
+        progress.record("passes", time.perf_counter() - started,
+                        ", ".join(f"{name} {s:.2f}" for name, s in run_seconds.items()))
+        if dumper.dir:
+            dumper.text("layouts.tsv", layout_table(gm))
+        flatten_placeholders(gm, captured)
+        partition_started.append(time.perf_counter())
+
+    built = build_programs(request, lowered.local if local is None else local, lowered.annotated, dumper,
+                           captured.num_forward_outputs, timings=run_seconds, activation=activation,
+                           before_partition=before_partition)
     pass_seconds.update(run_seconds)
-    progress.record("passes", time.perf_counter() - started,
-                    ", ".join(f"{name} {s:.2f}" for name, s in run_seconds.items()))
-    if dumper.dir:
-        dumper.text("layouts.tsv", layout_table(local))
-    flatten_placeholders(local, captured)
-    with progress.phase("partition"):
-        program = CompiledProgram.from_joint(local, captured)
-    # A call reusing this program waits for the ranks' agreement right before the first collective.
-    insert_gate(program.forward_gm)
+    program = CompiledProgram.from_programs(built.forward_gm, built.backward_gm, captured)
+    progress.record("partition", time.perf_counter() - partition_started[0])
     program.tangent_scales = data_parallel_tangent_scales(mesh, resolved_plan, lowered.report)
-    dumper.graph("forward", program.forward_gm)
-    dumper.graph("backward", program.backward_gm)
-    if request.options.codegen == "inductor":
-        program.generator = functools.partial(generate, dumper=dumper)
+    if built.generator is not None:
+        program.generator = built.generator
         for phase in ("forward", "backward"):
             program.runnable(phase)  # outlined now, so its dump sits with the others; compiled on first call
 
     axis_of_group = group_axis_names(mesh, resolved_plan.fsdp, resolved_plan.context)
     fsdp_units = tuple(sorted(set(resolved_plan.fsdp.unit_of.values()))) if resolved_plan.fsdp else ()
     program.ranges = Ranges(axis_of_group, fsdp_units)  # named profiler ranges (runtime/profiled.py)
-    colls = {
-        "forward": collectives(program.forward_gm, axis_of_group),
-        "backward": collectives(program.backward_gm, axis_of_group),
-    }
+    colls = built.collectives
     with progress.phase("SPMD check"):
         digest = check_spmd_on_mesh(colls, mesh)
     memory_series = [] if dumper.dir else None  # live bytes per moment, for the report's plot

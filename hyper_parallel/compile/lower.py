@@ -6,7 +6,7 @@ which every layout change is an explicit ``torch.ops._c10d_functional`` collecti
 ``wait_tensor``. Each new node carries in ``meta``: ``hp_source`` (the joint-graph node it comes
 from), ``hp_role`` ("compute", "redistribute", or "accumulate" for the add of a gradient accumulated by
 earlier micro-steps), ``hp_layout`` of its source for compute nodes, ``hp_redistribute``
-("S(0) -> R") and ``hp_why`` (why.py) for communication, and the source's ``stack_trace`` and
+("S(0) -> R") and ``hp_why`` (analysis/why.py) for communication, and the source's ``stack_trace`` and
 module stacks, so dumps and errors point at the user's code.
 
 How: the joint graph is interpreted once under ``make_fx`` with every value a DTensor wrapping a
@@ -38,8 +38,8 @@ from ..cp.load_balance import Balancer
 from ..layout import dims_by_stride, format_placements
 from ..moe.lowering import ExpertLowering
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
-from ..propagation import attention_rules, rules
-from ..why import lowering_reason
+from ..propagation import attention_rules, decision_cache, rules
+from ..analysis.why import lowering_reason
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +347,7 @@ def lower(captured: CapturedGraph, mesh, context=None, stack_inputs: bool = True
     # DTensor's dispatch reuses the sharding decisions propagation cached for the same schemas
     # (tracing alone would make it search every op's strategies again); not the attention ops,
     # whose strategies differ inside the sequence-sharding scope (attention_rules.py).
-    with fx_traceback.preserve_node_meta(), compat.cached_sharding_decisions(attention_rules.ATTENTION_OPS):
+    with fx_traceback.preserve_node_meta(), decision_cache.cached_sharding_decisions(attention_rules.ATTENTION_OPS):
         local_gm = compat.make_fx(interpreter, tracing_mode="fake", pre_dispatch=False)(primals, tangents)
     sources = {n.name: n for n in captured.gm.graph.nodes}
     tangents = frozenset(node for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs)

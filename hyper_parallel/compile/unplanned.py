@@ -4,7 +4,7 @@ A tensor-parallel plan says where values change layout: at its entries' module b
 it shards a dim the model later splits in a way the shard does not fit (one key/value head over
 ``tp=2``, heads not divisible by the degree), propagation still finds an exact program, but one
 that gathers and re-shards inside the module: the step grows from 12 to 22 collectives with no
-error. This reads every collective of the forward and backward programs with its reason (why.py)
+error. This reads every collective of the forward and backward programs with its reason (analysis/why.py)
 and its mesh axes, keeps those an op's sharding rule added on the model-parallel axes (not the
 data-parallel, context or expert axes, where the loss, label shifts and routing statistics are
 reduced by design; not the vocab-parallel cross-entropy's own reductions), and groups them by the
@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from ..ir.collectives import collective_kind
-from ..why import reason
+from ..analysis.why import reason
 from ..ir.graph import module_fqn_of, source_line
 
 ADDED_BY_RULES = ("op rule:", "no rule:")

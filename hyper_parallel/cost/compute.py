@@ -44,7 +44,7 @@ COLLECTIVE_KIND = {
     if hasattr(c10d, name)
 }
 WAIT_TARGET = c10d.wait_tensor.default
-# Schema says it allocates, but the kernel returns a view (as in memory.py).
+# Schema says it allocates, but the kernel returns a view (as in analysis/memory.py).
 
 
 def _causal_fraction(query, key, is_causal) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch.distributed.tensor import Partial, Replicate
@@ -225,6 +225,16 @@ class FsdpPlan:
     def policy_of(self, param: str) -> MixedPrecisionPolicy | None:
         """The mixed precision policy of ``param``'s unit (None: it computes in its own dtype)."""
         return self.unit(self.unit_of[param]).mixed_precision
+
+    def compute_dtypes(self, stored: Mapping[str, torch.dtype]) -> dict[str, torch.dtype]:
+        """Parameter FQN -> the dtype it computes in (its unit's ``param_dtype``), for the
+        floating-point parameters of ``stored`` (FQN -> stored dtype) whose unit casts them."""
+        return {
+            fqn: policy.param_dtype
+            for fqn, dtype in stored.items()
+            if fqn in self.unit_of and dtype.is_floating_point
+            and (policy := self.policy_of(fqn)) is not None and policy.param_dtype is not None
+        }
 
     def offload_of(self, param: str) -> OffloadPolicy | None:
         """The offload policy of ``param``'s unit."""

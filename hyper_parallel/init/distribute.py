@@ -76,7 +76,7 @@ def distribute_parameters(
     hook, or an initialiser leaves a tensor unset), or the ranks' generator states differ. On error
     the model is left as it was. ``stats``, if given, is filled with the bytes this call held.
 
-    ``materialize=False`` (planning, ``hyper_parallel.explain``): meta tensors stay on the meta
+    ``materialize=False`` (planning, ``hyper_parallel.tools.explain``): meta tensors stay on the meta
     device; each becomes a DTensor whose local tensor is its meta shard (right shapes, dtypes and
     placements, no memory, no initialisation, no communication). Real tensors are split locally.
     """

@@ -6,7 +6,7 @@ nodes are named in messages (``module_fqn_of``, ``describe_node``, ``source_line
 forward/backward of a node, defined once; ``kinds``: what each placeholder and output slot of a joint
 graph is; ``ops``: op sets reasoned about by kind (views); ``collectives``: the kind each collective
 counts as, and ``Collective``; ``names``: node names without gaps. Nothing here imports the rest of
-hyper_parallel but compat.py, so every stage can depend on it. See docs/architecture.md, "The graph
+hyper_parallel but compat/, so every stage can depend on it. See docs/architecture.md, "The graph
 contract".
 """
 

@@ -1,10 +1,10 @@
 """The functional collectives of a lowered program, the kind each one counts as, and
 :class:`Collective`, the record of one collective of a program.
 
-Dumps, summaries, the SPMD check (``debug.py``, ``spmd.py``), the cost model's timeline
+Dumps, summaries, the SPMD check (``analysis/debug.py``, ``distributed/spmd.py``), the cost model's timeline
 (``cost/simulate.py``) and the pipeline split read a collective's kind from here, so they agree on
 it; ``debug.collectives`` lists a program's collectives as :class:`Collective` records (it stays in
-debug.py because it asks ``why.reason`` why the program has each one).
+analysis/debug.py because it asks ``why.reason`` why the program has each one).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ SOURCE = "hp_source"  # name of the joint-graph node a lowered node comes from
 ROLE = "hp_role"  # one of the ROLE_* values below
 REDISTRIBUTE = "hp_redistribute"  # text of a layout change, "S(0) -> R"
 GRAD_OF = "hp_grad_of"  # FQN of the parameter whose gradient a collective reduces
-WHY = "hp_why"  # on redistributions: why the program has them, one line (why.py)
+WHY = "hp_why"  # on redistributions: why the program has them, one line (analysis/why.py)
 
 ROLE_COMPUTE = "compute"  # the op of the source node, on local shards
 ROLE_REDISTRIBUTE = "redistribute"  # a collective (or local slice) that changes a layout
@@ -49,7 +49,7 @@ SWAP_TO_HOST, SWAP_TO_DEVICE = "to_host", "to_device"
 # --- expert regions (moe/lowering.py; passes/expert_overlap.py) -----------------------------------
 EXPERT_CHUNK = "hp_expert_chunk"  # "<experts module fqn>#<chunk>" on the nodes of one token chunk
 
-# --- context parallelism (cp/ring.py; passes/ring_overlap.py, passes/cse.py, debug.py) -----------
+# --- context parallelism (cp/ring.py; passes/ring_overlap.py, passes/cse.py, analysis/debug.py) ---
 # {"attention": node, "moves": "kv" | "dkv", "step": t, "overlap": bool, "exchange": "ring" |
 # "all_gather"} on a ring transfer
 CP_RING = "hp_cp_ring"

@@ -2,7 +2,7 @@
 
 Tracing and rewriting leave gaps in the numbering (nodes dropped as dead, boundaries merged away),
 so the same program built two ways, by tracing every block or by copying two of them
-(compile/repeated_lowering.py), would be named differently. Every stage that may leave gaps
+(compile/repeated/lowering.py), would be named differently. Every stage that may leave gaps
 (capture, each rewrite, lowering) renumbers its graph before anything reads the names: dumps,
 ``hp_source``, the propagation report. Placeholders keep their names (``primals_3``), which name
 their slot."""

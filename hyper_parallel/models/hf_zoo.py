@@ -265,7 +265,7 @@ def hf_tp_plan(arch: str) -> dict[str, Any] | None:
                        ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"),
                        ("attention.output.dense", "output.dense"))
     else:  # Phi3ForCausalLM
-        from hyper_parallel.styles import ColwiseParallel
+        from hyper_parallel.tp.styles import ColwiseParallel
 
         tp = {**lm, f"{layer}.self_attn.qkv_proj": ColwiseParallel(parts=3),
               f"{layer}.mlp.gate_up_proj": ColwiseParallel(parts=2),

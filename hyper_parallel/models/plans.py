@@ -3,7 +3,7 @@
 ``hyper_parallel.parallelize`` accepts a ``ParallelPlan`` or the same thing as a plain dict whose
 styles may be strings (``"colwise"``, ``"rowwise"``, ``"sequence_parallel"``), so these plans need no
 import of the plan classes. Only plans that need non-default layouts (sequence parallelism, loss
-parallelism) build style objects, importing ``hyper_parallel.styles`` lazily inside the function.
+parallelism) build style objects, importing ``hyper_parallel.tp.styles`` lazily inside the function.
 Module globs match segment by segment (``"model.layers.*.mlp.up_proj"``).
 """
 
@@ -32,7 +32,7 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = False) 
     ``tp``) whose ``full_tensor()`` gathers them; ``ParallelPlan.outputs = {"logits": Replicate()}``
     returns them whole instead, for one all-gather in the logits' own dtype.
 
-    ``sequence_parallel=True`` (needs ``hyper_parallel.styles``): the norms
+    ``sequence_parallel=True`` (needs ``hyper_parallel.tp.styles``): the norms
     (``model.layers.*.input_layernorm``, ``post_attention_layernorm``, ``model.norm``) become
     ``SequenceParallel()`` and run on sequence shards (``S(1)`` activations between blocks), so the
     rowwise layers reduce-scatter to ``S(1)`` (``RowwiseParallel(output_layouts=Shard(1))``, the
@@ -40,7 +40,7 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = False) 
     (``ColwiseParallel(input_layouts=Shard(1))``). ``lm_head`` then returns ``Replicate()`` logits
     unless ``loss_parallel``.
 
-    ``loss_parallel=True`` (needs ``hyper_parallel.styles``): ``lm_head`` is
+    ``loss_parallel=True`` (needs ``hyper_parallel.tp.styles``): ``lm_head`` is
     ``ColwiseParallel(output_layouts=Shard(-1))`` stated explicitly, i.e. vocab-sharded logits go
     into the cross-entropy, which runs vocab-parallel (no ``[tokens, vocab]`` buffer per rank on the
     loss path; exact, also with ``ignore_index`` labels, class weights and every reduction). Without
@@ -65,7 +65,7 @@ def llama_tp_plan(sequence_parallel: bool = False, loss_parallel: bool = False) 
 
     from torch.distributed.tensor import Replicate, Shard
 
-    from hyper_parallel.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
+    from hyper_parallel.tp.styles import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     # Vocab-sharded logits into the loss (loss parallel), or gathered at lm_head's output.
     lm_head_out = Shard(-1) if loss_parallel else Replicate()

@@ -15,7 +15,7 @@ single-device numerics depend on all but the first, so they cannot be disabled:
 4. ``gradient_accumulation`` (propagation/accumulation.py): pending-gradient inputs for
    ``set_requires_gradient_sync(False)`` micro-steps.
 
-*Passes* run on the lowered local joint graph (compile/driver.run_pass_pipeline), each
+*Passes* run on the lowered local joint graph (compile/programs.run_pass_pipeline), each
 ``pass(gm, ctx) -> gm``, a pure graph-to-graph function whose module docstring says what it reads
 and writes in ``node.meta``; ``parallelize(disable_passes=...)`` skips any of them and that never
 changes numerics. Every step is timed into the compile summary's ``pass_seconds`` and dumped.

@@ -1,6 +1,6 @@
 """What every rewrite and pass may read: :class:`PassContext`, the one home of their defaults.
 
-A compile builds one context (compile/driver.py:run_pass_pipeline and capture_and_lower); tests
+A compile builds one context (compile/programs.py:run_pass_pipeline and compile/driver.py:capture_and_lower); tests
 build their own with only the fields a pass needs, the rest keeping the defaults below, which are
 the same ones ``parallelize`` uses. Passes read fields directly, never with a fallback of their own.
 """
@@ -11,6 +11,11 @@ import dataclasses
 from typing import Callable
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..fsdp.plan import FsdpPlan
+from ..plan.resolved import ResolvedPlan
+from ..recompute import ActivationPlan
 
 DEFAULT_GRADIENT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's bucket_cap_mb=25
 # DDP's first bucket (the last parameters, whose gradients backward computes first) is small, so
@@ -24,14 +29,14 @@ DEFAULT_REDUCTIONS_IN_FLIGHT = 1  # gradient reductions of a kind in flight (FSD
 class PassContext:
     """The mesh, the resolved plan's parts the passes use, the options, and observers."""
 
-    mesh: object = None
-    resolved: object = None  # plan.ResolvedPlan (pre-propagation rewrites: boundaries, FSDP unshard)
+    mesh: DeviceMesh | None = None
+    resolved: ResolvedPlan | None = None  # (pre-propagation rewrites: boundaries, FSDP unshard)
     storage_dtypes: dict = dataclasses.field(default_factory=dict)  # FSDP parameter FQN -> stored dtype
-    fsdp: object = None  # ResolvedPlan.fsdp when the plan has fully_shard units
+    fsdp: FsdpPlan | None = None  # ResolvedPlan.fsdp when the plan has fully_shard units
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     reductions_in_flight: int = DEFAULT_REDUCTIONS_IN_FLIGHT
     explicit_prefetch: dict = dataclasses.field(default_factory=dict)  # {"forward"/"backward": {unit: (units,)}}
-    activation: object = None  # recompute.ActivationPlan: recompute and swap regions
+    activation: ActivationPlan | None = None  # recompute and swap regions
     gradient_bucket_bytes: int = DEFAULT_GRADIENT_BUCKET_BYTES  # DDP-style gradient all-reduce buckets
     first_gradient_bucket_bytes: int = DEFAULT_FIRST_GRADIENT_BUCKET_BYTES  # capped by gradient_bucket_bytes
     disable_passes: frozenset[str] = frozenset()

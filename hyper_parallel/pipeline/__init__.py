@@ -2,7 +2,7 @@
 
 ``ParallelPlan.pipeline = hp.PipelinePlan(...)`` (pipeline/plan.py) cuts the captured program into stages
 (passes/pipeline_split.py), api.py compiles this rank's stages, runtime.py runs them on a schedule
-(schedules.py: the built-in ones, or a hand-written ``CustomSchedule`` of ``MetaStep`` lists) over
+(schedules/: the built-in ones, or a hand-written ``CustomSchedule`` of ``MetaStep`` lists) over
 micro-batches cut along each input's batch dim (``BatchDimSpec`` in plan.py), and auto.py
 places the cuts with the cost model when ``split_points="auto"``.
 stages.py holds the seed's ``PipelineStage`` / ``Schedule*`` objects for hand-built stages.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..ir.kinds import InputKind
 from ..cost import get_profile
 from ..cost.compute import node_work, roofline_time, tensor_bytes
-from ..debug import DEVICE_PROFILES
+from ..analysis.debug import DEVICE_PROFILES
 from ..errors import internal_error
 from ..passes.pipeline_split import assign_stages
 from ..recompute import repeated_blocks

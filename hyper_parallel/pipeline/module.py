@@ -2,7 +2,7 @@
 
 The same object as the plain path's :class:`~hyper_parallel.runtime.module.ParallelModule` (the
 user's model with its class swapped), with the methods a pipeline changes: training goes through
-``step`` over all micro-batches on the schedule (pipeline/api.py), calling the model directly is
+``step`` over all micro-batches on the schedule (pipeline/step.py), calling the model directly is
 refused, and the summary is the last step's stages'. The plain class has no pipeline branch.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..runtime.module import ParallelModule
-from .api import pipeline_report, pipeline_step
+from .report import pipeline_report
+from .step import pipeline_step
 
 
 class PipelinedModule(ParallelModule):

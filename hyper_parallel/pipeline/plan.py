@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import torch.nn as nn
 
+from .. import compat
 from ..plan.values import option_from_value
 from .schedules import SCHEDULES, CustomSchedule, build_schedule
 
@@ -237,3 +238,13 @@ def resolve_pipeline(value: Any, model: nn.Module, mesh) -> ResolvedPipeline:
             f"multiple of the {num_ranks} pipeline ranks"
         )
     return ResolvedPipeline(plan, num_ranks, mesh.get_local_rank(plan.axis), num_stages)
+
+
+def stage_mesh(mesh, axis: str):
+    """The mesh without ``axis``: this rank's slice, where the rest of the plan applies. With no
+    other axis, a one-rank axis named "stage" (no collectives run on it)."""
+    names = tuple(mesh.mesh_dim_names)
+    others = tuple(n for n in names if n != axis)
+    if others:
+        return mesh[others] if len(others) > 1 else mesh[others[0]]
+    return compat.unflatten_mesh_axis(mesh, axis, (mesh.size(0), 1), (axis, "stage"))["stage"]

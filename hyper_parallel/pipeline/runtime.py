@@ -51,7 +51,7 @@ from ..errors import internal_error
 from ..passes.pipeline_split import LOSS_COUNT, RECV_BWD, RECV_FWD, SEND_BWD, SEND_FWD, StageGraph, Transfer
 from ..ir.phase import BACKWARD, FORWARD
 from ..runtime.agreement_gate import await_agreement
-from ..runtime.partition import BackwardSplit, split_backward
+from ..runtime.partition import BackwardSplit
 from .. import compat
 from .loss import summed_loss
 from .schedules import MetaStep, MetaStepType
@@ -120,7 +120,7 @@ class StageProgram:
     sync: "StageProgram | None" = None
     first: "StageProgram | None" = None  # the variant of the stage's first micro-batch (no sums to take)
     name_suffix: str = ""  # of its summary names (api.NO_SYNC, api.FIRST)
-    split: BackwardSplit | None = None  # backward_gm cut into I and W (split_stage_backward)
+    split: BackwardSplit | None = None  # backward_gm cut into I and W (weight_outputs, compile/programs.py)
     # What runs in place of each program ("forward", "backward", "backward_input",
     # "backward_weight") with codegen="inductor" (codegen.generate); the GraphModules otherwise.
     runners: dict = dataclasses.field(default_factory=dict)
@@ -154,23 +154,25 @@ class StageProgram:
         return [num_saved + k for k, info in enumerate(self.tangent_infos) if info.kind == GRAD_ACCUM]
 
 
-def split_stage_backward(program: StageProgram) -> BackwardSplit:
-    """Cut ``program``'s backward into an input-gradient program I and a weight-gradient program W
-    (both boxed) for a split-backward schedule. W returns the parameter-gradient slots; in a sync
-    variant their reductions land in W with them, and W reads the ``grad_accum`` sums."""
-    weight = [i for i, info in enumerate(program.primal_infos) if info.kind == InputKind.PARAM]
-    split = split_backward(program.backward_gm, weight)
+def weight_outputs(graph: StageGraph) -> list[int]:
+    """The output slots of a stage's backward that are parameter gradients: the cut of a
+    split-backward schedule gives them (with their reductions, in a sync variant) to the
+    weight-gradient program (``compile/programs.build_programs``, ``runtime/partition.py:split_backward``).
+    Backward returns one slot per primal input, in order, then its sends."""
+    primals = [i for i in graph.inputs if i.kind not in (InputKind.TANGENT, RECV_BWD, GRAD_ACCUM)]
+    return [i for i, info in enumerate(primals) if info.kind == InputKind.PARAM]
+
+
+def check_split(program: StageProgram) -> None:
+    """A split backward's input-gradient program I must not read the step's pending gradient
+    sums: it runs before the other micro-batches' weight-gradient steps have added to them."""
     accum = set(program.grad_accum_args())
-    if accum & set(split.input_args):
-        # I runs before the other micro-batches' W steps: the pending sums are not complete yet.
+    if accum & set(program.split.input_args):
         raise internal_error(
             "the zero-bubble backward split", f"stage {program.stage}'s input-gradient program reads the "
             "pending gradient sums (grad_accum inputs), which only its weight-gradient program may read",
             workaround="another PipelinePlan(schedule=...), e.g. '1F1B'",
         )
-    for gm in (split.input_gm, split.weight_gm):
-        compat.use_boxed_calling_convention(gm)
-    return split
 
 
 @dataclasses.dataclass

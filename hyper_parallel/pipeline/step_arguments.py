@@ -1,7 +1,7 @@
 """What ``step(inputs, targets)`` hands the model and takes back as the loss.
 
 Shared by the plain module's ``ParallelModule.step`` (runtime/module.py) and the pipeline's step
-(pipeline/api.py), so the runtime needs nothing of the pipeline's compile for it.
+(pipeline/step.py), so the runtime needs nothing of the pipeline's compile for it.
 """
 
 from __future__ import annotations

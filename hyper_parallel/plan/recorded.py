@@ -13,8 +13,8 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from hyper_parallel.mesh import mesh_shape
-from hyper_parallel.styles import ParallelStyle, parse_style
+from hyper_parallel.distributed.mesh import mesh_shape
+from hyper_parallel.tp.styles import ParallelStyle, parse_style
 
 from .match import (
     _direct_tensors,

@@ -22,8 +22,7 @@ from torch import nn
 from ..cp.resolve import attach_context_groups
 from ..fsdp.fully_shard import collect_recorded_fully_shard
 from ..fsdp.resolve import attach_joint_shard_group, attach_post_forward_groups, resolve_fully_shard
-from ..pipeline.api import PipelineState, stage_mesh
-from ..pipeline.plan import resolve_pipeline
+from ..pipeline.plan import ResolvedPipeline, resolve_pipeline, stage_mesh
 from ..recompute import ActivationPlan, auto_activation_candidates, resolve_activation_plan
 from .lanes import attach_reduction_lanes
 from .recorded import collect_recorded_plan, merge_plans
@@ -42,10 +41,10 @@ class Resolution:
     * ``resolved``: parameter and buffer layouts, module-boundary constraints, input overrides and
       the FSDP units (``resolved.fsdp``), on ``mesh``.
     * ``activation``: the recompute and swap regions (``recompute="auto"``: the blocks to choose for).
-    * ``pipeline``: the pipeline state (resolved pipeline plan, full mesh, ``loss_fn``), or None
-      without a pipeline plan.
+    * ``pipeline``: the resolved pipeline plan, or None without a pipeline plan.
     * ``mesh``: the mesh the rest of the plan applies on: a pipeline stage's mesh (without the pp
       axis) with a pipeline plan, else the mesh given.
+    * ``full_mesh``: the mesh given, pp axis included (the ranks that must agree).
     * ``auto_candidates``: with ``recompute="auto"``, each candidate's recompute entry and its
       activation plan (recompute.auto_activation_candidates), which the compile chooses among.
     """
@@ -53,14 +52,10 @@ class Resolution:
     plan: ParallelPlan
     resolved: ResolvedPlan
     activation: ActivationPlan
-    pipeline: PipelineState | None
+    pipeline: ResolvedPipeline | None
     mesh: Any
+    full_mesh: Any
     auto_candidates: tuple = ()
-
-    @property
-    def full_mesh(self) -> Any:
-        """The mesh given to :func:`resolve`, pp axis included (the ranks that must agree)."""
-        return self.pipeline.mesh if self.pipeline is not None else self.mesh
 
 
 def resolve(
@@ -83,10 +78,11 @@ def resolve(
     recorded = collect_recorded_plan(model)
     full_plan = merge_plans(plan or {}, recorded) if plan is not None else recorded
     pipeline = None
+    full_mesh = mesh
     if full_plan.pipeline is not None:
         # The rest of the plan applies within a stage: on the mesh without the pp axis.
-        pipeline = PipelineState(resolve_pipeline(full_plan.pipeline, model, mesh), mesh, loss_fn)
-        mesh = stage_mesh(mesh, pipeline.resolved.plan.axis)
+        pipeline = resolve_pipeline(full_plan.pipeline, model, mesh)
+        mesh = stage_mesh(mesh, pipeline.plan.axis)
     elif loss_fn is not None:
         raise ValueError(
             "parallelize(loss_fn=...) is for pipeline plans (ParallelPlan.pipeline), whose stages need "
@@ -129,4 +125,5 @@ def resolve(
     resolved = dataclasses.replace(resolved, reduction_lanes=attach_reduction_lanes(mesh, axes))
     check_mesh_axes_used(resolved, full_plan)
     return Resolution(plan=full_plan, resolved=resolved, activation=activation, pipeline=pipeline, mesh=mesh,
+                      full_mesh=full_mesh,
                       auto_candidates=auto_activation_candidates(activation, full_plan.swap, model))

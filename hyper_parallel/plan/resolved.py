@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
+from hyper_parallel.cp.resolve import ContextPlan
+from hyper_parallel.distributed.mesh import is_data_parallel_axis
 from hyper_parallel.layout import Placement, Replicate, Shard, format_placements, normalize_placements
-from hyper_parallel.mesh import is_data_parallel_axis
+from hyper_parallel.moe.resolve import ExpertRegionPlan
 
-if TYPE_CHECKING:  # fsdp/ imports this package
+if TYPE_CHECKING:  # running fsdp/__init__ would import fsdp/resolve.py, which imports this package
     from hyper_parallel.fsdp.plan import FsdpPlan
 
 
@@ -76,10 +78,10 @@ class ResolvedPlan:
     # Every returned value whole on the non-data-parallel axes, plain tensors (the torch.compile
     # backend: Dynamo's graph expects the model's own output shapes).
     whole_outputs: bool = False
-    # expert_parallel: experts module FQN -> moe.resolve.ExpertRegionPlan.
-    experts: dict = field(default_factory=dict, hash=False)
-    # context_parallel: cp.resolve.ContextPlan, or None. Its axis shards inputs' sequence dim (1).
-    context: Any = field(default=None, hash=False)
+    # expert_parallel: experts module FQN -> its resolved region.
+    experts: dict[str, ExpertRegionPlan] = field(default_factory=dict, hash=False)
+    # context_parallel, or None. Its axis shards inputs' sequence dim (1).
+    context: ContextPlan | None = field(default=None, hash=False)
     # Gradient accumulation of the parameters no FSDP unit owns (``model.no_sync()``,
     # propagation/accumulation.py): False keeps their gradients this rank's partial sums over the
     # data-parallel axes (nothing all-reduced); ``replicated_pending``: the program adds such sums

@@ -26,7 +26,7 @@ from hyper_parallel.layout import (
     split_per_part,
     to_placements,
 )
-from hyper_parallel.mesh import (
+from hyper_parallel.distributed.mesh import (
     axis_size,
     data_parallel_axes,
     is_data_parallel_axis,

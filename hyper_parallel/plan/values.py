@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from hyper_parallel.layout import TensorLayout
 from hyper_parallel.cp.style import parse_context_style
 from hyper_parallel.moe.style import parse_expert_style
-from hyper_parallel.styles import ParallelStyle, parse_style
+from hyper_parallel.tp.styles import ParallelStyle, parse_style
 
 #: Keys of a layouts entry (the shard_module form) and of its "forward" part.
 LAYOUT_ENTRY_KEYS = ("parameter", "forward")

@@ -465,7 +465,7 @@ def _fallback_line(node: torch.fx.Node) -> str:
 
 def report_of(gm: torch.fx.GraphModule, output_placements: dict) -> PropagationReport:
     """The report propagation gives for ``gm``, read back from its nodes (a graph whose layouts were
-    copied, not propagated: compile/repeated_lowering.py); ``output_placements`` as propagation's."""
+    copied, not propagated: compile/repeated/lowering.py); ``output_placements`` as propagation's."""
     nodes = list(gm.graph.nodes)
     return PropagationReport(
         fallbacks=[_fallback_line(n) for n in nodes if meta.FALLBACK in n.meta],

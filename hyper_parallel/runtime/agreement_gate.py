@@ -12,7 +12,7 @@ while the forward computes up to there (data parallelism's whole forward, up to 
 all-reduce). The runtime also waits before any collective it issues itself (the shared dropout
 state, random_state.py) and when the forward returns, so no call leaves with the exchange pending. A
 call that compiles, or that found a problem with its inputs, waits at once (compiling runs
-collectives of its own). A pipeline step likewise (pipeline/api.py): each stage's forward program
+collectives of its own). A pipeline step likewise (pipeline/step.py): each stage's forward program
 has its gate, and the executor waits before its first transfer and before any backward program. A disagreement raises the same AgreementError on every rank from where it
 is waited: on a rank that runs a cached program that is the gate, before any collective of it.
 

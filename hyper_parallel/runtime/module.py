@@ -27,23 +27,25 @@ from ..compile.options import CompileOptions
 from ..compile.driver import CompiledEntry, compile_program, compile_within_budget
 from ..compile.request import CompileRequest
 from ..compile.signature import capture_device, current_rank, format_signature, signature
-from ..debug import group_axis_names
+from ..analysis.debug import group_axis_names
 from ..fsdp.flags import FsdpFlags, program_key
 from ..fsdp.fully_shard import recorded_prefetch
 from ..fsdp.grad_accumulation import GradientAccumulator
 from ..fsdp.methods import FsdpMethods
 from ..fsdp.unshard import GatheredParams, watch_optimizers
-from ..memory import estimate_program
+from ..analysis.memory import estimate_program
 from ..pipeline.step_arguments import call_arguments, loss_of
 from ..plan import ResolvedPlan
+from ..plan.resolution import Resolution
 from ..propagation.accumulation import GRAD_ACCUM, deferred_replicated
 from ..propagation.unshard import PREGATHERED
-from ..spmd import agree, digest_of
+from ..distributed.spmd import agree, digest_of
 from . import agreement_gate
 from .attribute_guards import AttributeGuards
 from .autocast_state import autocast_state, describe as describe_autocast
 from .collective_errors import reworded
 from .grad_norm import clip_grad_norm_
+from .selection import begin_agreement, cached_or_compiled
 from .recompiles import ProgramKey, before_compile, describe_dtypes, describe_frozen
 from .random_state import drawing_from, shared_generator_state
 from .input_check import empty_problem, index_problem
@@ -56,15 +58,13 @@ class ParallelState:
     program cache, and the state that changes between calls (FSDP flags, pending gradients,
     gathered parameters, the pipeline's)."""
 
-    def __init__(self, resolved: ResolvedPlan, mesh, original_cls, parameters, options: CompileOptions, *,
-                 activation, auto_candidates=()):
-        self.resolved = resolved
-        self.mesh = mesh
+    def __init__(self, resolution: Resolution, original_cls, parameters, options: CompileOptions):
+        # Every plan entry resolved (plan/resolution.py): the layouts and FSDP units, the activation
+        # plan, the pipeline, the mesh the plan applies on, recompute="auto"'s candidates.
+        self.resolution = resolution
         self.original_cls = original_cls
         self.options = options
         self.cache: dict[Any, CompiledEntry] = {}
-        self.activation = activation  # recompute.ActivationPlan
-        self.auto_candidates = auto_candidates  # recompute="auto": plan.resolution.Resolution.auto_candidates
         self.calls = 0  # calls so far, named in errors ("call 3")
         self.digests: dict = {}  # cache key -> digest exchanged by the per-call agreement
         self.attributes = AttributeGuards()  # module attribute values the programs read (a key part)
@@ -82,7 +82,26 @@ class ParallelState:
         # Pipeline parallelism: parameters of stages other ranks run, released from this rank after
         # the split (FQN -> (global shape, dtype, requires_grad, device), for later captures).
         self.released: dict[str, tuple] = {}
-        self.pipeline = None  # pipeline.api.PipelineState when the plan has a pipeline
+        self.pipeline = None  # pipeline.state.PipelineState when the plan has a pipeline
+
+    @property
+    def resolved(self) -> ResolvedPlan:
+        return self.resolution.resolved
+
+    @property
+    def mesh(self):
+        """The mesh the plan applies on (a pipeline's stage mesh)."""
+        return self.resolution.mesh
+
+    @property
+    def activation(self):
+        """The recompute and swap plan (recompute.ActivationPlan)."""
+        return self.resolution.activation
+
+    @property
+    def auto_candidates(self) -> tuple:
+        """recompute="auto": each candidate's entry and activation plan."""
+        return self.resolution.auto_candidates
 
     def all_parameters(self, module: nn.Module) -> dict[str, tuple]:
         """FQN -> (global shape, dtype, requires_grad, capture device) of every parameter of the
@@ -183,7 +202,7 @@ class ParallelModule(FsdpMethods, nn.Module):
         """Load full tensors, DTensors or local shards into the sharded parameters (in place)."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the sharded parameters; use assign=False")
-        from ..state_dict import StateDictOptions, set_model_state_dict
+        from ..checkpoints.state_dict import StateDictOptions, set_model_state_dict
 
         self._hp.gathered.clear()  # gathered from the old values
         return set_model_state_dict(self, state_dict, StateDictOptions(strict=strict))
@@ -211,7 +230,7 @@ class ParallelModule(FsdpMethods, nn.Module):
 
     def memory_report(self, optimizer=None, keep_outputs: bool = True) -> dict:
         """This rank's estimated memory for one training step of the program the last call ran
-        (hyper_parallel.memory): parameters, gradients, optimizer state, saved activations, the
+        (hyper_parallel.analysis.memory): parameters, gradients, optimizer state, saved activations, the
         forward / backward / optimizer-step peaks, the overall peak and the node (module, source
         line) where it is reached. ``optimizer``: the optimizer instance (its real state once it has
         stepped), or "sgd" / "sgd_momentum" / "adam" / "adamw"; None counts no optimizer state.
@@ -257,7 +276,6 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     if not key.backward and key not in state.cache and key._replace(backward=True) in state.cache:
         key = key._replace(backward=True)
     entry = state.cache.get(key)
-    state.calls += 1
     # Every rank agrees on the program before running or compiling one (spmd.agree): a rank that
     # hits its cache while a peer compiles another signature would otherwise hang.
     if key not in state.digests:
@@ -266,22 +284,17 @@ def entry_for(module: "ParallelModule", args: tuple, kwargs: dict) -> tuple["Com
     problem = empty_problem(flat, paths)
     if entry is not None and problem is None:
         problem = _index_problem(state, entry, flat)
-    what = f"call {state.calls} of {state.original_cls.__name__}"
     last_variant = state.last_key.attributes if state.last_key is not None else None
     changed = lambda: state.attributes.changes(last_variant, values)  # noqa: E731
     describe = lambda: _describe_call(key, flat, args, kwargs, changed())  # noqa: E731
-    # Reusing a program: the exchange is waited for before the call's first collective
-    # (agreement_gate.py), overlapping the forward up to there. Compiling or a problem: now.
-    overlap = entry is not None and problem is None
-    agreement_gate.begin(agree(state.mesh, what, state.digests[key], describe, problem,
-                               timeout=state.options.timeout, wait=not overlap))
+    what = begin_agreement(state, "call", state.mesh, state.digests[key], describe, problem,
+                           reusing=entry is not None)
     if entry is None:
-        state.attributes.remember(values)
-        before_compile(state, key, paths, changed())
         compile_fn = compile_within_budget if state.activation.auto_blocks else compile_program
-        entry = compile_fn(module, state.compile_request(module, resolved, prefetch), args, kwargs, flat)
-        state.attributes.add(list(entry.reads))
-        state.cache[key] = entry
+        entry = cached_or_compiled(
+            state, state.cache, key, values,
+            lambda: compile_fn(module, state.compile_request(module, resolved, prefetch), args, kwargs, flat),
+            before_compile=lambda: before_compile(state, key, paths, changed()))
         # Ids and labels could not be checked before the program existed: once more after compiling.
         if entry.index_inputs and state.options.check_inputs is not False:
             problem = _index_problem(state, entry, flat)

@@ -8,7 +8,7 @@ inserted as graph nodes (``record_function``'s own enter/exit ops), so a trace s
   modules (the innermost unit holding the node's module; the loss and anything outside every unit
   belong to the root unit);
 * ``hyper_parallel::<kind>[<axis>] <why>``: each collective's issue, named by kind, mesh axis and
-  reason (why.py), and ``hyper_parallel::wait <kind>[<axis>]`` for its wait.
+  reason (analysis/why.py), and ``hyper_parallel::wait <kind>[<axis>]`` for its wait.
 
 The copy is built on the first profiled call and kept; without a profiler the programs run
 unchanged (a range costs a little even when nothing records, so it is never paid outside profiling).
@@ -29,7 +29,7 @@ from .. import compat
 from ..ir.graph import module_fqn_of
 from ..ir import meta
 from ..ir.collectives import collective_kind
-from ..why import reason
+from ..analysis.why import reason
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 

@@ -23,7 +23,6 @@ from .. import compat
 from ..ir.graph import CapturedGraph
 from ..errors import internal_error
 from .autocast_state import programs_run_as_captured
-from .partition import partition_by_phase
 from .profiled import ranges_wanted, with_ranges
 from .zero_tangents import without_tangents
 from ..passes.inplace_reuse import overwrites_inputs, without_saved_overwrites
@@ -55,7 +54,7 @@ class CompiledProgram:
     forward_gm: torch.fx.GraphModule
     backward_gm: torch.fx.GraphModule
     # The forward's outputs before its saved tensors: the model's outputs, then one new value per
-    # entry of ``buffer_updates`` (memory.py reads this count too).
+    # entry of ``buffer_updates`` (analysis/memory.py reads this count too).
     num_user_outputs: int
     num_primals: int
     tangent_outputs: tuple[int, ...]  # which user outputs have a tangent input in backward
@@ -143,12 +142,14 @@ class CompiledProgram:
         return self._generated[key]
 
     @classmethod
-    def from_joint(cls, joint_gm: torch.fx.GraphModule, captured: CapturedGraph) -> "CompiledProgram":
+    def from_programs(cls, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule,
+                      captured: CapturedGraph) -> "CompiledProgram":
+        """The program of a joint graph partitioned into ``fw`` and ``bw`` (boxed) by the compile's
+        back half (compile/programs.py), ``captured`` describing its inputs and outputs."""
         primals = [i for i in captured.inputs if i.kind != InputKind.TANGENT]
         tangents = tuple(i.index for i in captured.inputs if i.kind == InputKind.TANGENT)
         # The buffer updates are forward outputs without a tangent, like non-differentiable user outputs.
         num_outputs = captured.num_forward_outputs
-        fw, bw, _ = partition_by_phase(joint_gm, num_outputs)
         differentiable = tuple(i in tangents for i in range(captured.num_user_outputs))
         differentiable += (False,) * len(captured.buffer_updates)
         for n in fw.graph.find_nodes(op="placeholder"):
@@ -161,9 +162,6 @@ class CompiledProgram:
                     "size, but capture specialises every input shape (dynamic shapes are not supported yet)",
                 )
         kept = tuple(o.name for o in captured.outputs if o.kind == "gathered")
-        # Backward frees each saved activation after its last use (as eager autograd does), not
-        # when it returns: it takes its arguments as one list that it clears.
-        compat.use_boxed_calling_convention(bw)
         return cls(fw, bw, num_outputs, len(primals), tangents, differentiable, kept,
                    buffer_updates=captured.buffer_updates)
 

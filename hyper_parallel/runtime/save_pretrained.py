@@ -26,7 +26,7 @@ class SavePretrainedFull:
         if is_main_process is None:
             is_main_process = rank == 0
         if state_dict is None:
-            from ..state_dict import StateDictOptions, get_model_state_dict
+            from ..checkpoints.state_dict import StateDictOptions, get_model_state_dict
 
             # Gathered on every rank, in the same order; only rank 0 keeps the tensors.
             full = get_model_state_dict(self, StateDictOptions(full_state_dict=True, cpu_offload=True))

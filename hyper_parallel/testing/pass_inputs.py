@@ -17,7 +17,7 @@ import torch.nn as nn
 import hyper_parallel as hp
 from .. import passes
 from ..compat import copy_graph_module
-from ..explain import compile_for_explain, fake_world
+from ..tools.explain import compile_for_explain, fake_world
 
 __all__ = ["LayerStack", "assert_right_before_first_use", "assert_valid_order", "copy_graph_module", "pass_input"]
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import assert_same_step, build_model, global_batch, local_batch
+from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 EPS = "model.layers.0.input_layernorm.variance_epsilon"
 
@@ -33,23 +34,20 @@ def _changed_value_recompiles(mixed_precision: bool) -> dict:
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     reference = build_model("hf_llama")
     model = hp.parallelize(copy.deepcopy(reference), {}, mesh)
-    programs = []
-    for step, eps in enumerate((1e-6, 0.5, 1e-6)):
+    epsilons, programs = (1e-6, 0.5, 1e-6), []
+
+    def set_eps(record):
         for m in (reference, model):
-            _set_eps(m, eps)
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
-            ref_loss, loss = reference(**full).loss, model(**local_batch(full, mesh)).loss
-        ref_loss.backward()
-        loss.backward()
-        if mixed_precision:  # bf16 autocast: one device's numbers within bf16's precision
-            torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=2e-2, atol=2e-2)
-        else:
-            assert_same_step(model, loss, reference, ref_loss, what=f"step {step} (eps {eps})")
-        programs.append(len(model._hp.cache))
-        for m in (reference, model):
-            m.zero_grad()
-    return {"programs": programs, "losses": [loss.item()]}
+            _set_eps(m, epsilons[record.step])
+
+    # bf16 autocast: one device's loss within bf16's precision; fp32: the loss and every gradient.
+    autocast = {"forward_context": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "rtol": 2e-2, "atol": 2e-2,
+                "grads": None}
+    stepper = ParityStepper(reference, model, mesh=mesh, batch=batches(ignore_fraction=0.3), optimizer=None,
+                            before_step=set_eps, before_optimizer=lambda r: programs.append(len(model._hp.cache)),
+                            **(autocast if mixed_precision else {}))
+    stepper.run(len(epsilons))
+    return {"programs": programs, "losses": stepper.losses[-1:]}
 
 
 @pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16-autocast"])
@@ -69,18 +67,15 @@ def _checkpointing_enabled_after_first_step() -> dict:
     reference = build_model("hf_llama")
     model = hp.parallelize(copy.deepcopy(reference), {}, mesh)
     saved = []
-    for step in range(2):
-        if step == 1:
+
+    def enable_after_first_step(record):
+        if record.step == 1:
             for m in (reference, model):
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        ref_loss, loss = reference(**full).loss, model(**local_batch(full, mesh)).loss
-        ref_loss.backward()
-        loss.backward()
-        assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
-        saved.append(sum(v["bytes"] for v in _layer_activations(model.compile_summary()).values()))
-        for m in (reference, model):
-            m.zero_grad()
+
+    ParityStepper(reference, model, mesh=mesh, optimizer=None, before_step=enable_after_first_step,
+                  before_optimizer=lambda r: saved.append(
+                      sum(v["bytes"] for v in _layer_activations(model.compile_summary()).values()))).run(2)
     return {"saved_bytes": saved}
 
 
@@ -134,19 +129,16 @@ def _counters_and_rank_values() -> dict:
     reference = _Counting()
     model = hp.parallelize(copy.deepcopy(reference), {}, mesh)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-    losses, programs = [], []
-    for step in range(4):
-        if step == 2:
+    programs = []
+
+    def scale_at_step_2(record):
+        if record.step == 2:
             reference.scale = model.scale = 3.0
-        loss = model(x.chunk(2)[dist.get_rank()])
-        ref = reference(x)
-        loss.backward()
-        ref.backward()
-        assert_same_step(model, loss, reference, ref, what=f"step {step}")
-        programs.append(len(model._hp.cache))
-        losses.append(loss.item())
-        for m in (reference, model):
-            m.zero_grad()
+
+    # The same x every step, this rank's half of its rows; the input passed positionally.
+    ParityStepper(reference, model, batch=lambda step: {"x": x}, local=lambda b: {"x": b["x"].chunk(2)[dist.get_rank()]},
+                  forward=lambda m, b: m(b["x"]), optimizer=None, before_step=scale_at_step_2,
+                  before_optimizer=lambda r: programs.append(len(model._hp.cache))).run(4)
     return {"programs": programs, "guarded": sorted(label for _, _, label in model._hp.attributes.guards)}
 
 

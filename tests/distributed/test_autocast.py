@@ -12,22 +12,20 @@ import pytest
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import (
-    assert_gradients_near_exact, build_model, build_plan, float64_gradients, global_batch, local_batch,
-)
+from hyper_parallel.testing.parity import build_model, build_plan, global_batch
+from hyper_parallel.testing.stepper import ParityStepper, sgd
 
 STEPS, LR = 3, 0.1
 
 
-def _loss(out) -> torch.Tensor:
-    return out["loss"] if isinstance(out, dict) else out.loss
+def _bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
 
 
-def _grads_close(model, reference, rtol, atol, what) -> None:
-    grads = {n: p.grad for n, p in reference.named_parameters()}
-    for name, p in model.named_parameters():
-        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(got, grads[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+# bf16 compute: both sides round, at different points: the loss within bf16's tolerances, each
+# gradient against the exact one, within a few times the device's own error.
+AUTOCAST = {"forward_context": _bf16_autocast, "rtol": 2e-2, "atol": 2e-3, "grads": "near_exact"}
+FP32 = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def _autocast_then_fp32(plan_name: str, axis: str) -> dict:
@@ -35,34 +33,20 @@ def _autocast_then_fp32(plan_name: str, axis: str) -> dict:
     master = build_model("hf_llama")
     reference = copy.deepcopy(master)
     model = hp.parallelize(copy.deepcopy(master), build_plan(plan_name), mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
     full = global_batch("llama", 4, 16, ignore_fraction=0.3)
-    mine = local_batch(full, mesh)
 
-    def step(autocast: bool, what: str, rtol: float, atol: float) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            ref_loss, loss = _loss(reference(**full)), _loss(model(**mine))
-        ref_loss.backward()
-        loss.backward()
-        assert loss.dtype == torch.float32, what
-        torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=atol, msg=lambda m: f"{what} loss: {m}")
-        if autocast:  # each gradient against the exact one, within a few times the device's own error
-            exact = float64_gradients(reference, lambda m: _loss(m(**full)).backward())
-            assert_gradients_near_exact(model, exact, {n: p.grad for n, p in reference.named_parameters()},
-                                        f"{what} ")
-        else:
-            _grads_close(model, reference, rtol, atol, f"{what} grad of")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    def fp32_loss(record):
+        assert record.loss.dtype == torch.float32, f"step {record.step}"
 
-    for i in range(STEPS):  # bf16 compute: both sides round, at different points
-        step(True, f"autocast step {i}", rtol=2e-2, atol=2e-3)
+    stepper = ParityStepper(reference, model, mesh=mesh, batch=lambda step: full, optimizer=sgd(LR),
+                            after_backward=fp32_loss)
+    for _ in range(STEPS):  # steps 0-2 under autocast
+        stepper.step(**AUTOCAST)
     with torch.no_grad():  # the same weights again, so the fp32 step is held to fp32's tolerance
         for p, q in zip(reference.parameters(), model.parameters()):
             p.copy_(q.full_tensor())
-    step(False, "fp32 step after autocast", rtol=1e-5, atol=1e-5)
-    step(True, "autocast step after fp32", rtol=2e-2, atol=2e-3)
+    stepper.step(**FP32)  # step 3: fp32 after autocast
+    stepper.step(**AUTOCAST)  # step 4: autocast after fp32
     return {"programs": len(model._hp.cache)}
 
 
@@ -81,21 +65,12 @@ def _pipeline_under_autocast() -> int:
     plan = {"pipeline": {"split_points": ["model.layers.2"], "schedule": "1F1B", "num_microbatches": 4}}
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
     full = global_batch("llama", 4, 16, ignore_fraction=0.3)
-    for autocast, rtol, atol in ((True, 2e-2, 2e-3), (False, 1e-5, 1e-5), (True, 2e-2, 2e-3)):
-        what = "autocast" if autocast else "fp32 after autocast"
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            ref_loss = _loss(reference(**full))
-            loss = model.step(full)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=rtol, atol=atol, msg=lambda m: f"{what} loss: {m}")
-        if autocast:
-            exact = float64_gradients(reference, lambda m: _loss(m(**full)).backward())
-            assert_gradients_near_exact(model, exact, {n: p.grad for n, p in reference.named_parameters()},
-                                        f"{what} ")
-        else:
-            _grads_close(model, reference, rtol, atol, f"{what} grad of")
-        for m in (reference, model):
-            m.zero_grad(set_to_none=True)
+    # The whole batch on every pp rank; ``step`` (forward and backward) inside the autocast region;
+    # no optimizer: the gradients are dropped after each step.
+    stepper = ParityStepper(reference, model, batch=lambda step: full, optimizer=None,
+                            forward=lambda m, b: m.step(b), backward_in_forward=True)
+    for settings in (AUTOCAST, FP32, AUTOCAST):
+        stepper.step(**settings)
     return len(model._hp.pipeline.cache)
 
 

@@ -19,6 +19,7 @@ import hyper_parallel as hp
 from hyper_parallel.models import MLP
 from hyper_parallel.testing.graph_builder import read_tree
 from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches, call
 
 
 def _loss(out):
@@ -39,23 +40,19 @@ def backend_parity(model_name, plan, mesh_names, *, optimizer_before_first_call=
         if compare_dumps:
             options["dump_dir"] = backend_dump
         compiled = torch.compile(model, backend="hyper_parallel", options=options, fullgraph=fullgraph)
-        opt = torch.optim.SGD(compiled.parameters(), lr=0.1) if optimizer_before_first_call else None
-        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-        for step in range(steps):
-            full = global_batch(model_name, 4, 16, seed=step + 1)
-            out = compiled(**local_batch(full, mesh))
-            ref_out = reference(**full)
+
+        def same_outputs_dtensor_params(record):
+            out, ref_out = record.output, record.ref_output
             assert type(out) is type(ref_out) and out.keys() == ref_out.keys()
-            _loss(out).backward()
-            _loss(ref_out).backward()
-            torch.testing.assert_close(_loss(out), _loss(ref_out), msg=lambda m: f"step {step} loss: {m}")
-            ref_params = dict(reference.named_parameters())
             for name, p in model.named_parameters():
                 assert isinstance(p, torch.distributed.tensor.DTensor), name
-                torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                           msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-            opt = opt or torch.optim.SGD(compiled.parameters(), lr=0.1)
-            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+        # The compiled module runs the forward; the gradients are read from ``model``'s parameters
+        # (the compiled module's). Without optimizer_before_first_call the optimizer is built after
+        # the first call, from the DTensor parameters.
+        ParityStepper(reference, model, mesh=mesh, batch=batches(model_name), forward=lambda m, b: compiled(**b),
+                      ref_forward=call, lazy_optimizer=not optimizer_before_first_call,
+                      after_backward=same_outputs_dtensor_params).run(steps)
         differing = None
         if compare_dumps:
             # The backend returns whole outputs (Dynamo's graph has the model's own shapes): the
@@ -202,19 +199,7 @@ def _compile_parallelized(fullgraph: bool) -> int:
     reference = build_model("hf_llama")
     parallel = hp.parallelize(copy.deepcopy(reference), {}, mesh)
     compiled = torch.compile(parallel, fullgraph=fullgraph)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, parallel)]
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        loss, ref = compiled(**local_batch(full, mesh)).loss, reference(**full).loss
-        loss.backward()
-        ref.backward()
-        torch.testing.assert_close(loss, ref, msg=lambda m: f"step {step} loss: {m}")
-        grads = dict(reference.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    ParityStepper(reference, parallel, mesh=mesh, forward=lambda m, b: compiled(**b), ref_forward=call).run(2)
     return len(parallel._hp.cache)
 
 

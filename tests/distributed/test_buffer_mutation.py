@@ -22,6 +22,7 @@ import torch.distributed as dist
 import hyper_parallel as hp
 from hyper_parallel.models import ConvNet
 from hyper_parallel.testing.parity import local_batch
+from hyper_parallel.testing.stepper import ParityStepper
 
 STEPS = 3
 BATCH = 8
@@ -48,16 +49,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _check_step(model, reference, out, ref_out, step, tol, worst) -> None:
-    """Loss, every gradient and every buffer of the parallel model against the reference's."""
-    torch.testing.assert_close(out["loss"].float(), ref_out["loss"], **tol["loss"], msg=lambda m: f"step {step} loss: {m}")
-    worst["loss"] = max(worst["loss"], abs(out["loss"].item() - ref_out["loss"].item()))
-    ref_params = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        g, ref = p.grad.full_tensor(), ref_params[name].grad
-        torch.testing.assert_close(g, ref, **tol["grad"], msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        worst["grad"] = max(worst["grad"], (g - ref).abs().max().item())
-    _check_buffers(model, reference, step, tol, worst)
+def _stepper(model, reference, mesh, batch, tol, worst, **options) -> ParityStepper:
+    """The parallel model against the reference, each step: the loss and every gradient (``tol``'s
+    tolerances), then every buffer; ``worst`` keeps the largest differences."""
+    def worst_and_buffers(record):
+        worst["loss"] = max(worst["loss"], abs(record.loss.item() - record.ref_loss.item()))
+        ref_params = dict(reference.named_parameters())
+        for name, p in model.named_parameters():
+            worst["grad"] = max(worst["grad"], (p.grad.full_tensor() - ref_params[name].grad).abs().max().item())
+        _check_buffers(model, reference, record.step, tol, worst)
+
+    return ParityStepper(reference, model, mesh=mesh, batch=batch, before_optimizer=worst_and_buffers,
+                         **tol["grad"], **{f"loss_{k}": v for k, v in tol["loss"].items()}, **options)
 
 
 def _check_buffers(model, reference, step, tol, worst) -> None:
@@ -90,25 +93,16 @@ def bn_parity(plan_name: str, track_running_stats: bool = True, mixed: bool = Fa
     torch.manual_seed(0)
     reference = ConvNet(track_running_stats=track_running_stats)
     model = hp.parallelize(copy.deepcopy(reference), _plan(plan_name, mixed), mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     tol = BF16_VS_FP32 if mixed else EXACT
     dtype = torch.bfloat16 if mixed else torch.float32  # no input cast in the program: feed bf16 images
     worst = {"loss": 0.0, "grad": 0.0, "buffer": 0.0, "eval": 0.0}
-
-    def train_step(step):
-        full = _batch(step + 1, dtype)
-        out = model(**local_batch(full, mesh))
-        ref_out = reference(**{k: (v.float() if v.is_floating_point() else v) for k, v in full.items()})
-        out["loss"].backward()
-        ref_out["loss"].backward()
-        _check_step(model, reference, out, ref_out, step, tol, worst)
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-
-    for step in range(STEPS):
-        train_step(step)
+    # The reference computes in fp32 on the same images; the loss compared in fp32.
+    stepper = _stepper(model, reference, mesh, lambda step: _batch(step + 1, dtype), tol, worst,
+                       loss=lambda out, batch: out["loss"].float(),
+                       ref_forward=lambda m, b: m(**{k: (v.float() if v.is_floating_point() else v) for k, v in b.items()}))
+    stepper.run(STEPS)
     summary = model.compile_summary()
-    memory = model.memory_report(opt)
+    memory = model.memory_report(stepper.optimizer)
 
     # Eval mode: the running statistics normalise, nothing is updated. The same input signature as
     # training (x, labels) must get its own program (the mode is part of the cache key), and so
@@ -132,7 +126,7 @@ def bn_parity(plan_name: str, track_running_stats: bool = True, mixed: bool = Fa
 
     # Back to training: the cached training program again, the buffers carry on.
     model.train(), reference.train()
-    train_step(STEPS)
+    stepper.step(STEPS)
     return {"worst": worst, "summary": summary, "eval_summary": eval_summary, "memory": memory,
             "programs": len(model._hp.cache)}
 
@@ -201,16 +195,13 @@ def ema_parity() -> dict:
     torch.manual_seed(0)
     reference = FeatureStats()
     model = hp.parallelize(copy.deepcopy(reference), {}, mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     worst = {"loss": 0.0, "grad": 0.0, "buffer": 0.0}
-    for step in range(STEPS):
+
+    def batch(step):
         g = torch.Generator().manual_seed(step)
-        full = {"x": torch.randn(BATCH, 6, generator=g) + 1, "target": torch.randn(BATCH, 4, generator=g)}
-        loss = model(**local_batch(full, mesh))
-        ref_loss = reference(**full)
-        loss.backward(), ref_loss.backward()
-        _check_step(model, reference, {"loss": loss}, {"loss": ref_loss}, step, EXACT, worst)
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        return {"x": torch.randn(BATCH, 6, generator=g) + 1, "target": torch.randn(BATCH, 4, generator=g)}
+
+    _stepper(model, reference, mesh, batch, EXACT, worst).run(STEPS)
     return {"worst": worst, "steps": int(_full(model.steps))}
 
 

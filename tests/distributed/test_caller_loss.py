@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel.models.plans import llama_tp_plan
-from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
+from hyper_parallel.testing.parity import build_model, build_plan
+from hyper_parallel.testing.stepper import ParityStepper, batches, sgd
 
 STEPS, LR = 3, 0.1
 
@@ -31,33 +32,24 @@ def _caller_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def _check_gradients_and_step(model, reference, optimizers, step: int) -> None:
-    """Every gradient of ``model`` (gathered whole) equals the reference's; then both step."""
-    grads = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"step {step} grad of {n}: {m}")
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+def _ids_only(model, batch):
+    """The caller's forward: the input ids alone, the loss computed from what comes back."""
+    return model(input_ids=batch["input_ids"])
+
+
+# Every gradient (gathered whole) against the reference's, each step; the per-rank losses are not
+# one device's loss, so they are not compared.
+CHECK = {"rtol": 1e-4, "atol": 1e-6, "check_loss": False}
 
 
 def _train_with_caller_loss(model_name: str, plan, shape: tuple, names: tuple) -> list:
     mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
     reference = build_model(model_name)
     model = hp.parallelize(copy.deepcopy(reference), build_plan(plan) if isinstance(plan, str) else plan, mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
-    losses = []
-    for step in range(STEPS):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        mine = local_batch(full, mesh)
-        ref_loss = _caller_loss(_logits(reference(input_ids=full["input_ids"])), full["labels"])
-        loss = _caller_loss(_logits(model(input_ids=mine["input_ids"])), mine["labels"])
-        ref_loss.backward()
-        loss.backward()
-        _check_gradients_and_step(model, reference, optimizers, step)
-        losses.append(loss.item())
-    return losses
+    stepper = ParityStepper(reference, model, mesh=mesh, optimizer=sgd(LR), forward=_ids_only,
+                            loss=lambda out, b: _caller_loss(_logits(out), b["labels"]), **CHECK)
+    stepper.run(STEPS)
+    return stepper.losses
 
 
 @pytest.mark.parametrize("model,plan,axis", [("hf_llama", "dp", "dp"), ("llama", "fsdp", "dp_shard")])
@@ -78,20 +70,20 @@ def _padded_labels_trainer_style() -> list:
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     reference = build_model("hf_llama")
     model = hp.parallelize(copy.deepcopy(reference), build_plan("fsdp"), mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
-    counts = []
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        mine = local_batch(full, mesh)
-        total = int((full["labels"][:, 1:] != -100).sum())
-        ref_loss = _caller_loss(reference(input_ids=full["input_ids"]).logits, full["labels"])
-        logits = model(input_ids=mine["input_ids"]).logits
+
+    def trainer_loss(out, mine):
+        total = int((stepper.current.batch["labels"][:, 1:] != -100).sum())
+        logits = out.logits
         summed = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), mine["labels"][:, 1:].flatten(), reduction="sum")
-        loss = summed / total * dist.get_world_size()
-        ref_loss.backward()
-        loss.backward()
-        _check_gradients_and_step(model, reference, optimizers, step)
-        counts.append(int((mine["labels"][:, 1:] != -100).sum()))
+        return summed / total * dist.get_world_size()
+
+    counts = []
+    stepper = ParityStepper(reference, model, mesh=mesh, batch=batches(ignore_fraction=0.3), optimizer=sgd(LR),
+                            forward=_ids_only, loss=trainer_loss,
+                            ref_loss=lambda out, full: _caller_loss(out.logits, full["labels"]),
+                            after_step=lambda r: counts.append(int((r.local[0]["labels"][:, 1:] != -100).sum())),
+                            **CHECK)
+    stepper.run(2)
     return counts
 
 
@@ -115,26 +107,26 @@ def _caller_loss_mixed_precision() -> list:
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""],
                                                                        "mixed_precision": policy}}, mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=LR) for m in (reference, model)]
     worst = []
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        mine = local_batch(full, mesh)
-        _caller_loss(_logits(reference(input_ids=full["input_ids"])), full["labels"]).backward()
-        logits = _logits(model(input_ids=mine["input_ids"]))
+
+    def bf16_logits_loss(out, mine):
+        logits = _logits(out)
         assert logits.dtype == torch.bfloat16
-        _caller_loss(logits, mine["labels"]).backward()
+        return _caller_loss(logits, mine["labels"])
+
+    def relative_errors(record):
         grads = dict(reference.named_parameters())
         errors = {}
         for name, p in model.named_parameters():
             g, ref = p.grad.full_tensor().float(), grads[name].grad
             errors[name] = ((g - ref).norm() / ref.norm().clamp_min(1e-12)).item()
         name = max(errors, key=errors.get)
-        assert errors[name] < 0.05, f"step {step}: grad of {name} off by {errors[name]:.1%} relative"
+        assert errors[name] < 0.05, f"step {record.step}: grad of {name} off by {errors[name]:.1%} relative"
         worst.append(errors[name])
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+
+    ParityStepper(reference, model, mesh=mesh, optimizer=sgd(LR), forward=_ids_only, loss=bf16_logits_loss,
+                  ref_loss=lambda out, full: _caller_loss(_logits(out), full["labels"]), check_loss=False,
+                  grads=relative_errors).run(2)
     return worst
 
 

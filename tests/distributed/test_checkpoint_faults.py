@@ -1,4 +1,4 @@
-"""Faults of hp.save_checkpoint / hp.load_checkpoint (hyper_parallel/checkpoint_io.py).
+"""Faults of hp.save_checkpoint / hp.load_checkpoint (hyper_parallel/checkpoints/io.py).
 
 A checkpoint must survive a save killed at any step (the previous one stays loadable at ``path``,
 the half-written one is rejected), and a load must refuse, on every rank and with the file or key
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel import checkpoint_io
+from hyper_parallel.checkpoints import io as checkpoint_io
 from hyper_parallel.models import llama_tp_plan, mlp_tp_plan
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
@@ -99,7 +99,7 @@ def test_overwrite_killed_at_any_step_leaves_a_loadable_checkpoint(tmp_path, mon
 KILLED_SAVE = """
 import os, signal, sys
 import hyper_parallel as hp
-from hyper_parallel import checkpoint_io
+from hyper_parallel.checkpoints import io as checkpoint_io
 from hyper_parallel.testing.parity import build_model
 
 path = sys.argv[1]

@@ -18,10 +18,8 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.codegen.inductor import InductorRegion
-from hyper_parallel.testing.parity import (
-    assert_bf16_gradients_near_exact, assert_same_step, bf16_reference_step, build_model,
-    global_batch, local_batch, run_parity, run_pipeline_parity,
-)
+from hyper_parallel.testing.parity import build_model, global_batch, local_batch, run_parity, run_pipeline_parity
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 INDUCTOR = {"codegen": "inductor"}
 
@@ -54,26 +52,12 @@ def fsdp_inductor(dump_dir: str, mixed_precision: bool, model_name: str = "llama
     model = hp.parallelize(copy.deepcopy(master), {"fully_shard": hp.FullyShard(units=("model.layers.*", ""),
                                                                                  mixed_precision=policy)},
                            mesh, dump_dir=dump_dir, **INDUCTOR)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
-    for step in range(3):
-        full = global_batch(model_name, 4, 16, seed=step + 1, ignore_fraction=0.3)
-        loss = model(**local_batch(full, mesh))["loss"]
-        loss.backward()
-        if mixed_precision:
-            # The loss along one bf16 device's trajectory; each gradient at the model's own
-            # weights against the exact one (Inductor rounds a fused chain once, where eager bf16
-            # rounds each op: a fixed tolerance against the bf16 device measured that device's
-            # error as much as ours).
-            compute, ref_loss = bf16_reference_step(master, full)
-            torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-2, atol=1e-2)
-            assert_bf16_gradients_near_exact(model, master, full, f"step {step}: ")
-            for p, cp in zip(master.parameters(), compute.parameters()):
-                p.grad = cp.grad.float()
-        else:
-            ref_loss = master(**full)["loss"]
-            ref_loss.backward()
-            assert_same_step(model, loss, master, ref_loss, f"step {step}")
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    # fp32: the loss and every gradient, assert_close defaults. Mixed precision: the loss along one
+    # bf16 device's trajectory (rtol = atol = 1e-2); each gradient at the model's own weights against
+    # the exact one (Inductor rounds a fused chain once, where eager bf16 rounds each op: a fixed
+    # tolerance against the bf16 device measured that device's error as much as ours).
+    mixed = {"bf16_reference": True, "grads": "bf16_near_exact"} if mixed_precision else {}
+    ParityStepper(master, model, mesh=mesh, batch=batches(model_name, ignore_fraction=0.3), **mixed).run(3)
     ours, generated = model.compiled_programs(), model.generated_programs()
     return {
         "schedules": [(_schedule(o), _schedule(g.gm)) for o, g in zip(ours, generated)],

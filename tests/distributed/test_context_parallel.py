@@ -130,7 +130,7 @@ def _attention_schedule(style: str) -> dict[str, list[str]]:
     """Rank 0's compiled programs reduced to their attention kernels, all-to-alls and ring
     transfers (issue and wait), in program order; and under "why", what ``why.reason`` says of
     each K/V exchange (the dumps' ``why`` column)."""
-    from hyper_parallel.why import reason
+    from hyper_parallel.analysis.why import reason
 
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     model = hp.parallelize(build_model("llama", num_hidden_layers=LAYERS), _plan(style), mesh)

@@ -1,4 +1,4 @@
-"""Eager DTensor calls (hyper_parallel.dtensor) on a 2x2 ("dp", "tp") mesh of 4 gloo ranks: every
+"""Eager DTensor calls (hyper_parallel.distributed.dtensor) on a 2x2 ("dp", "tp") mesh of 4 gloo ranks: every
 local shard is checked against a manual chunking of the same seeded tensor."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import hyper_parallel as hp
-from hyper_parallel import dtensor as hpd
+from hyper_parallel.distributed import dtensor as hpd
 
 
 def _error(fn, *args) -> str:

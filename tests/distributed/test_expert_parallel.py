@@ -7,8 +7,8 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.ir import meta
-from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model, build_plan, error_message, global_batch,
-                                           local_batch, run_parity)
+from hyper_parallel.testing.parity import build_model, build_plan, error_message, global_batch, local_batch, run_parity
+from hyper_parallel.testing.stepper import ParityStepper, batches, strided
 
 A2A = torch.ops._c10d_functional.all_to_all_single.default
 MM = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default}
@@ -181,15 +181,14 @@ def _ep_fsdp_gradient_accumulation(micro_steps: int = 2) -> None:
     # Without the load-balancing loss: its batch statistics do not add up over micro-steps.
     reference = build_model("moe", num_hidden_layers=2, router_aux_loss_coef=0.0)
     model = hp.parallelize(copy.deepcopy(reference), EP_FSDP, mesh)
-    full = global_batch("moe", 4 * micro_steps, 16)
-    reference(**full)["loss"].backward()
-    for i in range(micro_steps):
+
+    def sync_last(record, i):
         model.set_requires_gradient_sync(i == micro_steps - 1)
-        batch = {k: v[i::micro_steps] for k, v in full.items()}
-        (model(**local_batch(batch, mesh))["loss"] / micro_steps).backward()
-    ref_params = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+
+    # One step: every gradient after the micro-steps (each loss / micro_steps) against the whole batch.
+    ParityStepper(reference, model, mesh=mesh, batch=batches("moe", batch=4 * micro_steps), optimizer=None,
+                  micro_batches=micro_steps, split=strided, reference_micro_batches=1, check_loss=False,
+                  micro_context=sync_last).run(1)
 
 
 def test_ep_times_fsdp_gradient_accumulation(dist4):
@@ -219,16 +218,8 @@ def _ep_fsdp_bf16(mesh_kind: str, steps: int = 2) -> dict:
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plan = {**EP_FSDP, "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
-    for step in range(steps):
-        full = global_batch("moe", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        compute, ref_loss = bf16_reference_step(master, full)
-        loss = model(**local_batch(full, mesh))["loss"]
-        loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, full, f"step {step} ")
-        for p, cp in zip(master.parameters(), compute.parameters()):
-            p.grad = cp.grad.float()
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    # Against one device computing in bf16 from the fp32 master (which steps with its gradients).
+    ParityStepper(master, model, mesh=mesh, batch=batches("moe", ignore_fraction=0.3), bf16_reference=True).run(steps)
     forward, backward = model.compiled_programs()
     nodes = list(backward.graph.nodes)
     scatters = [i for i, n in enumerate(nodes) if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]

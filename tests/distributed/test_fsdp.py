@@ -1,6 +1,7 @@
 """FSDP / HSDP as compiler passes: single-device parity (3 SGD steps, every gradient) and the exact
 collective structure and volume of FSDP, read from the compile summary."""
 
+import contextlib
 import copy
 import math
 
@@ -10,6 +11,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import build_model, global_batch, run_parity
+from hyper_parallel.testing.stepper import ParityStepper, batches, strided
 
 LAYERS = 2  # build_model("llama")'s default depth
 UNITS = LAYERS + 1  # model.layers.* and the root (embedding, final norm, lm_head)
@@ -117,8 +119,6 @@ def test_fully_shard_calls_compile_like_the_plan(dist2):
 def mixed_precision_parity(steps=3, ignore_fraction=0.0):
     """bf16 compute / fp32 reduce vs one device doing the same casts: fp32 master weights, a bf16
     compute copy each step, gradients cast to fp32 before the SGD step."""
-    from hyper_parallel.testing.parity import assert_matches_bf16_reference, bf16_reference_step, local_batch
-
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     master = build_model("llama")
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -126,23 +126,19 @@ def mixed_precision_parity(steps=3, ignore_fraction=0.0):
         copy.deepcopy(master),
         {"fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}, mesh,
     )
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
     worst = {"loss": 0.0, "grad": 0.0}
-    for step in range(steps):
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=ignore_fraction)
-        compute, ref_loss = bf16_reference_step(master, full)
-        loss = model(**local_batch(full, mesh))["loss"]
-        loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, full, f"step {step}: ")
-        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()))
-        device = dict(compute.named_parameters())
+
+    def track_worst(record):
+        worst["loss"] = max(worst["loss"], abs(record.loss.item() - record.ref_loss.item()))
+        device = dict(record.compute.named_parameters())
         for name, p in model.named_parameters():
             assert p.dtype == torch.float32, name
             g, ref = p.grad.full_tensor(), device[name].grad.float()
             worst["grad"] = max(worst["grad"], (g - ref).abs().max().item())
-        for p, cp in zip(master.parameters(), compute.parameters()):
-            p.grad = cp.grad.float()
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+    # assert_matches_bf16_reference each step (the loss, every gradient within the bf16 bound).
+    ParityStepper(master, model, mesh=mesh, batch=batches(ignore_fraction=ignore_fraction), bf16_reference=True,
+                  before_optimizer=track_worst).run(steps)
     return worst, model.compile_summary()
 
 
@@ -242,33 +238,24 @@ def test_fsdp_passes_off_keep_numerics(dist2):
 def gradient_accumulation_parity(mesh_shape, mesh_names, method, micro_steps=4, steps=2):
     """4 micro-batches that skip communication (``method``: "gradient_sync" skips all of it,
     "all_reduce" only HSDP's replicate all-reduce) until the last == one step on the whole batch."""
-    from hyper_parallel.testing.parity import local_batch
-
     mesh = hp.init_device_mesh("cpu", mesh_shape, mesh_dim_names=mesh_names)
     reference = build_model("llama")
     model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     setter = {"gradient_sync": model.set_requires_gradient_sync, "all_reduce": model.set_requires_all_reduce}[method]
     collectives = []
-    for step in range(steps):
-        full = global_batch("llama", 4 * micro_steps, 16, seed=step + 1)
-        ref_loss = reference(**full)["loss"]
-        ref_loss.backward()
-        micro = [{k: v[i::micro_steps] for k, v in full.items()} for i in range(micro_steps)]
-        total = 0.0
-        for i, batch in enumerate(micro):
-            setter(i == micro_steps - 1)
-            loss = model(**local_batch(batch, mesh))["loss"] / micro_steps
-            loss.backward()
-            total += loss.item()
-            collectives.append(model.compile_summary()["collectives"]["backward"])
-            if i < micro_steps - 1:
-                assert all(p.grad is None for p in model.parameters()), "no gradient before the sync step"
-        torch.testing.assert_close(torch.tensor(total), ref_loss.detach(), rtol=1e-5, atol=1e-6)
-        ref_params = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+    @contextlib.contextmanager
+    def micro_step(record, i):
+        setter(i == micro_steps - 1)
+        yield
+        collectives.append(model.compile_summary()["collectives"]["backward"])
+        if i < micro_steps - 1:
+            assert all(p.grad is None for p in model.parameters()), "no gradient before the sync step"
+
+    # The micro-steps' losses (each / micro_steps) add up to one large batch's, and every gradient.
+    ParityStepper(reference, model, mesh=mesh, batch=batches(batch=4 * micro_steps), micro_batches=micro_steps,
+                  split=strided, reference_micro_batches=1, micro_context=micro_step,
+                  loss_rtol=1e-5, loss_atol=1e-6).run(steps)
     return collectives, len(model._hp.cache)
 
 

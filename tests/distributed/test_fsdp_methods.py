@@ -1,6 +1,7 @@
 """The FSDP2 / HSDPModule methods that change what a step runs: unshard / reshard (gathering ahead
 of forward), zero_grads, set_is_last_backward. Each keeps single-device numerics."""
 
+import contextlib
 import copy
 
 import torch
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches, strided
 
 LAYERS = 2  # build_model("llama")'s default depth
 UNITS = LAYERS + 1
@@ -32,10 +34,11 @@ def unshard_ahead_of_forward():
         hp.fully_shard(layer, mesh=mesh)
     hp.fully_shard(model, mesh=mesh, reshard_after_forward=False)  # the root keeps its parameters
     model = hp.parallelize(model, None, mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     gathers = []
-    for step, before in enumerate(("none", "all", "one_layer", "unshard_then_reshard")):
-        full = global_batch("llama", 4, 16, seed=step + 1)
+    befores = ("none", "all", "one_layer", "unshard_then_reshard")
+
+    def gather_ahead(record):
+        before = befores[record.step]
         if before == "all":
             handle = model.unshard(async_op=True, recurse=True)
             handle.wait()
@@ -44,14 +47,10 @@ def unshard_ahead_of_forward():
         elif before == "unshard_then_reshard":
             model.unshard(recurse=True)
             model.reshard(recurse=True)
-        loss = model(**local_batch(full, mesh))["loss"]
-        loss.backward()
-        ref_loss = reference(**full)["loss"]
-        ref_loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach())
-        _check_grads(model, reference)
-        gathers.append((_gathers(model, "forward"), _gathers(model, "backward")))
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+    ParityStepper(reference, model, mesh=mesh, before_step=gather_ahead,
+                  before_optimizer=lambda r: gathers.append((_gathers(model, "forward"), _gathers(model, "backward"))),
+                  ).run(len(befores))
     return gathers
 
 
@@ -121,20 +120,22 @@ def keep_gathered_through_accumulation(micro_steps=3, steps=2):
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     reference = build_model("llama")
     model = hp.parallelize(copy.deepcopy(reference), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     gathers = []
-    for step in range(steps):
-        full = global_batch("llama", 4 * micro_steps, 16, seed=step + 1)
-        reference(**full)["loss"].backward()
-        for i in range(micro_steps):
-            last = i == micro_steps - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
-            batch = {k: v[i::micro_steps] for k, v in full.items()}
-            (model(**local_batch(batch, mesh))["loss"] / micro_steps).backward()
-            gathers.append((_gathers(model, "forward"), _gathers(model, "backward")))
-        _check_grads(model, reference)
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+
+    @contextlib.contextmanager
+    def micro_step(record, i):
+        last = i == micro_steps - 1
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        yield
+        gathers.append((_gathers(model, "forward"), _gathers(model, "backward")))
+
+    # Every gradient after the micro-steps (each loss / micro_steps) against one large batch.
+    stepper = ParityStepper(reference, model, mesh=mesh, batch=batches(batch=4 * micro_steps),
+                            micro_batches=micro_steps, split=strided, reference_micro_batches=1,
+                            micro_context=micro_step, check_loss=False)
+    stepper.run(steps)
+    full, opt = stepper.records[-1].batch, stepper.optimizer
     # An optimizer step between a kept gather and the next forward: the kept values are dropped.
     model.set_reshard_after_backward(False)
     model(**local_batch(full, mesh))["loss"].backward()
@@ -162,8 +163,6 @@ def _no_sync_accumulation(plan_name: str) -> list[int]:
     AttributeError. In the second step an evaluation under ``torch.no_grad()`` runs between two
     micro-steps: its forward took (and lost) the kept gradients. Returns each backward's
     reductions."""
-    import contextlib
-
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     # "fsdp_layers": units for the layers only, so the embedding, final norm and head stay
     # replicated over dp: one program keeps both kinds of gradients (FSDP's and DDP-style).
@@ -171,25 +170,22 @@ def _no_sync_accumulation(plan_name: str) -> list[int]:
             "fsdp_layers": {"fully_shard": {"units": ["model.layers.*"]}}, "dp": {}}[plan_name]
     reference = build_model("llama")
     model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     reductions = []
-    for step in range(2):
-        full = global_batch("llama", 12, 16, seed=step + 1, ignore_fraction=0.3)
-        for i in range(3):
-            micro = {k: v[i::3] for k, v in full.items()}
-            (reference(**micro)["loss"] / 3).backward()
-            with model.no_sync() if i < 2 else contextlib.nullcontext():
-                (model(**local_batch(micro, mesh))["loss"] / 3).backward()
-            backward = model.compile_summary()["collectives"]["backward"]
-            reductions.append(sum(v["count"] for kind in ("reduce_scatter", "all_reduce")
-                                  for v in backward.get(kind, {}).values()))
-            if step == 1 and i == 0:  # an evaluation while gradients are kept: they stay kept
-                with torch.no_grad():
-                    model(**local_batch(micro, mesh))
-        _check_grads(model, reference)
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+
+    @contextlib.contextmanager
+    def micro_step(record, i):
+        with model.no_sync() if i < 2 else contextlib.nullcontext():
+            yield
+        backward = model.compile_summary()["collectives"]["backward"]
+        reductions.append(sum(v["count"] for kind in ("reduce_scatter", "all_reduce")
+                              for v in backward.get(kind, {}).values()))
+        if record.step == 1 and i == 0:  # an evaluation while gradients are kept: they stay kept
+            with torch.no_grad():
+                model(**record.local[i])
+
+    # Both sides accumulate the same 3 micro-batches (each loss / 3); every gradient after them.
+    ParityStepper(reference, model, mesh=mesh, batch=batches(batch=12, ignore_fraction=0.3), micro_batches=3,
+                  split=strided, micro_context=micro_step, check_loss=False).run(2)
     return reductions
 
 

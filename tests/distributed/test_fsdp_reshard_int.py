@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper
 
 LAYERS = 2  # build_model("llama")'s default depth
 UNITS = LAYERS + 1  # model.layers.* and the root (embedding, final norm, lm_head)
@@ -45,26 +46,23 @@ def reshard_int_vs_true(k, steps=3):
     reference = build_model("llama")
     smaller = hp.parallelize(copy.deepcopy(reference), _plan(k), mesh)
     full_reshard = hp.parallelize(copy.deepcopy(reference), _plan(True), mesh)
-    models = (reference, smaller, full_reshard)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
-    for step in range(steps):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        ref_loss = reference(**full)["loss"]
-        loss = smaller(**local_batch(full, mesh))["loss"]
-        true_loss = full_reshard(**local_batch(full, mesh))["loss"]
-        for x in (ref_loss, loss, true_loss):
-            x.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-        assert torch.equal(loss, true_loss), f"step {step}: loss {loss.item()} vs {true_loss.item()} with True"
-        ref_params, true_params = dict(reference.named_parameters()), dict(full_reshard.named_parameters())
+    true_opt = torch.optim.SGD(full_reshard.parameters(), lr=0.1)
+
+    def bitwise_equal_to_true(record):  # reshard_after_forward=True takes the same step
+        true_loss = full_reshard(**record.local[0])["loss"]
+        true_loss.backward()
+        loss, step = record.loss, record.step
+        assert torch.equal(loss, true_loss.detach()), f"step {step}: loss {loss.item()} vs {true_loss.item()} with True"
+        true_params = dict(full_reshard.named_parameters())
         for name, p in smaller.named_parameters():
-            torch.testing.assert_close(
-                p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"step {step} grad of {name}: {m}"
-            )
             assert torch.equal(p.grad.to_local(), true_params[name].grad.to_local()), f"step {step} grad of {name}"
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+
+    def step_true(record):
+        true_opt.step()
+        true_opt.zero_grad()
+
+    ParityStepper(reference, smaller, mesh=mesh, after_backward=bitwise_equal_to_true,
+                  before_optimizer=step_true).run(steps)
     return smaller.compile_summary(), full_reshard.compile_summary()
 
 
@@ -98,19 +96,9 @@ def per_unit_calls_uneven():
     mesh = _mesh()
     reference = build_model("llama", **overrides)
     model = _with_calls(copy.deepcopy(reference), mesh, layer_reshard=2, root_reshard=False)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(3):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        full = {k: v % 250 for k, v in full.items()}
-        loss, ref_loss = model(**local_batch(full, mesh))["loss"], reference(**full)["loss"]
-        loss.backward(), ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(
-                p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"step {step} grad of {name}: {m}"
-            )
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    ParityStepper(reference, model, mesh=mesh,
+                  batch=lambda step: {k: v % 250 for k, v in global_batch("llama", 4, 16, seed=step + 1).items()},
+                  ).run(3)
     return model.compile_summary(), {u.module_fqn: u.reshard_after_forward for u in model._hp.resolved.fsdp.units}
 
 

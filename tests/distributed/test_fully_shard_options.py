@@ -15,6 +15,7 @@ import hyper_parallel as hp
 from hyper_parallel.testing.parity import (
     assert_gradients_near_exact, build_model, float64_gradients, global_batch, local_batch,
 )
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 LAYERS = 2
 ROOT_PARAMS = 2 * 256 * 64 + 64  # embedding, lm_head, final norm of the example Llama
@@ -25,16 +26,8 @@ def _dim1(param):
     return Shard(1) if param.dim() == 2 else None
 
 
-def _step(model, reference, mesh, seed, ignore_fraction=0.3):
-    """One step of both on the same global batch (padded labels: ranks count different tokens);
-    returns the reference's gradients. The loss must match."""
-    full = global_batch("llama", 4, 16, seed=seed, ignore_fraction=ignore_fraction)
-    loss = model(**local_batch(full, mesh))["loss"]
-    loss.backward()
-    ref_loss = reference(**full)["loss"]
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss)
-    return {n: p.grad for n, p in reference.named_parameters()}
+# Padded labels: ranks count different tokens. Each step the loss and every gradient must match.
+PADDED = batches(ignore_fraction=0.3)
 
 
 def _check_grads(model, ref_grads, scale=None):
@@ -79,10 +72,7 @@ def sharding_options_and_unit_switches():
     hp.fully_shard(model, mesh=mesh, ignored_params={model.model.norm.weight})  # the root keeps no parameter
     model = hp.parallelize(model, None, mesh)
     placements = {n: p.placements for n, p in model.named_parameters()}
-    optimizers = _sgd(model, reference)
-    for step in range(3):
-        _check_grads(model, _step(model, reference, mesh, seed=step + 1))
-        _step_optimizers(optimizers)
+    ParityStepper(reference, model, mesh=mesh, batch=PADDED).run(3)
     default = (_counts(model, "forward"), _counts(model, "backward"))
     switched = []
 
@@ -92,11 +82,14 @@ def sharding_options_and_unit_switches():
     layers[0].set_reshard_after_backward(False)  # its backward returns its gathered parameters
     layers[1].set_reshard_after_forward(False, recurse=False)  # its backward gathers nothing
     summed = {n: float(world) for n, _ in reference.named_parameters() if n.startswith("model.layers.0.")}
+    # No optimizer step (it would drop what is kept): the gradients are dropped after each step.
+    switches = ParityStepper(
+        reference, model, mesh=mesh, batch=PADDED, optimizer=None,
+        grads=lambda r: _check_grads(model, {n: p.grad for n, p in reference.named_parameters()}, summed),
+        before_optimizer=lambda r: switched.append((_counts(model, "forward"), _counts(model, "backward"))),
+        after_step=lambda r: layers[0].set_reshard_after_backward(True))
     for seed in (4, 5):  # the second forward uses layers.0's kept parameters
-        _check_grads(model, _step(model, reference, mesh, seed=seed), summed)
-        switched.append((_counts(model, "forward"), _counts(model, "backward")))
-        model.zero_grad(), reference.zero_grad()  # no optimizer step: it would drop what is kept
-        layers[0].set_reshard_after_backward(True)
+        switches.step(seed - 1)  # global_batch seed = step + 1
 
     # What is refused, with the reason.
     for call in (
@@ -231,10 +224,7 @@ def mesh_options():
         hp.fully_shard(model.model.layers[0], mesh=unit_mesh)
         hp.fully_shard(model, mesh=unit_mesh)
         model = hp.parallelize(model, None, mesh)
-        optimizers = _sgd(model, reference)
-        for step in range(2):
-            _check_grads(model, _step(model, reference, mesh, seed=step + 1))
-            _step_optimizers(optimizers)
+        ParityStepper(reference, model, mesh=mesh, batch=PADDED).run(2)
         backward = model.compile_summary()["collectives"]["backward"]
         out[kind] = model.lm_head.weight.placements, {
             kind: {axis: v["count"] for axis, v in by_axis.items()} for kind, by_axis in backward.items()}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.ir import meta
-from hyper_parallel.testing.parity import global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 pytest.importorskip("transformers")
 
@@ -119,25 +119,13 @@ def hf_parity(arch: str, plan: str, steps: int = 2, batch: int = 4, seq_len: int
                                mesh_dim_names=("tp",) if plan.startswith("tp") else ("dp",))
     reference = tiny_hf_model(arch)
     parallel = hp.parallelize(copy.deepcopy(reference), _plan(arch, plan), mesh)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
-    ref_params = dict(reference.named_parameters())
-    losses, counts = [], []
-    for step in range(steps):
-        full = global_batch(arch, batch, seq_len, seed=step + 1, ignore_fraction=PADDED)
-        local = local_batch(full, mesh)
-        counts.append(int((local["labels"] != -100).sum()))
-        out, ref_out = parallel(**local, **call), reference(**full, **call)
-        loss, ref_loss = (out[0], ref_out[0]) if isinstance(out, tuple) else (out.loss, ref_out.loss)
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{arch} {plan} step {step} loss: {m}")
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                       msg=lambda m, n=name: f"{arch} {plan} step {step} grad of {n}: {m}")
-        losses.append(loss.item())
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    counts = []
+    # The loss: the output's (the tuple's first value with return_dict=False); every gradient.
+    stepper = ParityStepper(reference, parallel, mesh=mesh, batch=batches(arch, batch, seq_len, ignore_fraction=PADDED),
+                            forward=lambda m, b: m(**b, **call), what=f"{arch} {plan}",
+                            before_step=lambda r: counts.append(int((r.local[0]["labels"] != -100).sum())))
+    stepper.run(steps)
+    losses = stepper.losses
     fallbacks = parallel.compile_summary()["fallbacks"]
     ops = {m.group(1) for f in fallbacks if (m := re.search(r"\(([\w.]+)\) ", f))}
     return {"losses": losses, "counts": counts, "fallback_ops": ops, "fallbacks": fallbacks,

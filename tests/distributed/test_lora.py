@@ -19,8 +19,8 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.models.plans import llama_tp_plan
-from hyper_parallel.testing.parity import (assert_matches_bf16_reference, assert_same_step, bf16_reference_step,
-                                           build_model, global_batch, local_batch)
+from hyper_parallel.testing.parity import build_model, global_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -44,17 +44,13 @@ def _peft_tp_plan() -> dict:
 
 def _two_steps_at_parity(reference, model) -> None:
     """2 SGD steps of the trainable parameters on padded labels (every rank the whole batch: TP
-    only); loss and every trainable gradient equal to one device's at each."""
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (reference, model)]
-    for step in range(2):
-        batch = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        ref_loss, loss = reference(**batch).loss, model(**batch).loss
-        ref_loss.backward()
-        loss.backward()
-        assert_same_step(model, loss, reference, ref_loss, what=f"step {step}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    only); loss and every trainable gradient equal to one device's at each (the frozen base has
+    none on either side)."""
+    ParityStepper(reference, model, batch=batches(ignore_fraction=0.3), optimizer=_sgd_trainable).run(2)
+
+
+def _sgd_trainable(params):
+    return torch.optim.SGD([p for p in params if p.requires_grad], lr=0.5)
 
 
 def _tp_against_one_device() -> dict:
@@ -101,26 +97,12 @@ def _fsdp_tp_bf16() -> dict:
     plan = {**_peft_tp_plan(), "fully_shard": {"units": [PREFIX + "model.layers.*", ""], "mixed_precision": policy}}
     reference = _lora(build_model("hf_llama"))
     model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    ref_params = dict(reference.named_parameters())
-    losses = []
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        loss = model(**local_batch(full, mesh)).loss
-        loss.backward()
-        compute, ref_loss = bf16_reference_step(reference, full)
-        if step == 0:
-            assert_matches_bf16_reference(model, loss.detach(), compute, ref_loss.detach(), full, what="step 0 ")
-        else:
-            torch.testing.assert_close(loss.detach(), ref_loss.detach().float(), rtol=1e-2, atol=1e-2)
-        with torch.no_grad():  # the reference's fp32 weights take the step its bf16 copy's gradients give
-            for name, p in compute.named_parameters():
-                if p.requires_grad:
-                    ref_params[name].add_(p.grad.float(), alpha=-0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"rank": dist.get_rank(), "losses": losses}
+    # The reference's fp32 weights take the SGD step its bf16 copy's gradients give.
+    stepper = ParityStepper(reference, model, mesh=mesh, batch=batches(ignore_fraction=0.3), optimizer=_sgd_trainable,
+                            bf16_reference=True)
+    stepper.step()  # step 0: the loss and every adapter gradient (assert_matches_bf16_reference)
+    stepper.step(grads=None)  # step 1: the loss (rtol = atol = 1e-2)
+    return {"rank": dist.get_rank(), "losses": stepper.losses}
 
 
 def test_lora_under_fsdp_tp_bf16(dist4):

@@ -20,9 +20,8 @@ from torch.distributed.tensor import Replicate
 import hyper_parallel as hp
 from hyper_parallel.ir.graph import module_fqn_of
 from hyper_parallel.models import llama_tp_plan
-from hyper_parallel.testing.parity import (
-    assert_matches_bf16_reference, build_model, error_message, global_batch, local_batch, run_parity,
-)
+from hyper_parallel.testing.parity import build_model, error_message, global_batch, local_batch, run_parity
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 PADDED = 0.3  # labels set to -100 at this rate, plus a whole row (global_batch)
 NUM_LAYERS = 2  # the example Llama, 2 layers: the loss does not depend on the depth
@@ -218,26 +217,17 @@ def tiny_lm_parity(cases, steps: int = 2) -> list[dict]:
         torch.manual_seed(0)
         reference = TinyLM(reduction, weighted, ignore_index)
         model = hp.parallelize(copy.deepcopy(reference), {"tensor_parallel": {"head": "colwise"}}, mesh)
-        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(reference.parameters(), lr=0.5)
-        for step in range(steps):
+
+        def batch(step, ignore_index=ignore_index):
             g = torch.Generator().manual_seed(step)
             ids = torch.randint(0, 32, (4, 8), generator=g)
             labels = torch.randint(0, 32, (4, 8), generator=g)
             labels[torch.rand(labels.shape, generator=g) < 0.3] = ignore_index
             labels[0, :4] = 3  # a class that is the ignore_index in some cases
-            batch = {"ids": ids, "labels": labels}
-            loss, ref_loss = model(**local_batch(batch, mesh)), reference(**batch)
-            loss.backward()
-            ref_loss.backward()
-            what = f"reduction={reduction} weighted={weighted} ignore_index={ignore_index} step {step}"
-            torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{what} loss: {m}")
-            ref_params = dict(reference.named_parameters())
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                           msg=lambda m, name=name: f"{what} grad of {name}: {m}")
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
+            return {"ids": ids, "labels": labels}
+
+        ParityStepper(reference, model, mesh=mesh, batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5),
+                      what=f"reduction={reduction} weighted={weighted} ignore_index={ignore_index}").run(steps)
         summaries.append(model.compile_summary()["collectives"]["forward"])
     return summaries
 
@@ -264,24 +254,13 @@ def mixed_precision_fsdp_tp(steps: int = 2) -> dict:
     plan = {**llama_tp_plan(loss_parallel=True),
             "fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
     model = hp.parallelize(copy.deepcopy(master), plan, mesh)
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
-    for step in range(steps):
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=PADDED)
-        compute = copy.deepcopy(master)
-        for p in compute.parameters():
-            p.data = p.data.to(torch.bfloat16)
-        ref_out = compute(**full)
-        ref_out["loss"].backward()
-        out = model(**local_batch(full, mesh))
-        out["loss"].backward()
-        assert_matches_bf16_reference(model, out["loss"], compute, ref_out["loss"], full, f"step {step} ")
-        for p, cp in zip(master.parameters(), compute.parameters()):
-            p.grad = cp.grad.float()
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    # Against one device computing in bf16 from the fp32 master (which steps with its gradients).
+    last = ParityStepper(master, model, mesh=mesh, batch=batches(ignore_fraction=PADDED), bf16_reference=True,
+                         ).run(steps)[-1]
     forward, _ = model.compiled_programs()
-    logits = out["logits"]
+    logits = last.output["logits"]
     # Over the tp sub-mesh only: on dp the caller holds its own part of the batch, as for inputs.
-    torch.testing.assert_close(logits.full_tensor(), ref_out["logits"].chunk(2)[mesh.get_local_rank("dp")],
+    torch.testing.assert_close(logits.full_tensor(), last.ref_output["logits"].chunk(2)[mesh.get_local_rank("dp")],
                                rtol=1e-2, atol=1e-2)
     return {"summary": model.compile_summary(), "loss_path": _loss_path_collectives(forward, "lm_head"),
             "logits_dtype": str(logits.dtype), "logits_shape": tuple(logits.shape),

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import build_model, global_batch, local_batch, run_parity
+from hyper_parallel.testing.parity import build_model, run_parity
+from hyper_parallel.testing.stepper import ParityStepper, batches, call
 
 PADDED = 0.3  # fraction of labels set to -100, plus a whole row (one rank may count none)
 
@@ -46,18 +47,6 @@ def test_padded_labels_pipeline(dist2):
     dist2.run(run_pipeline_parity, plan, (2,), ("pp",), ignore_fraction=PADDED)
 
 
-def _check_and_step(step, loss, ref_loss, parallel, reference, opt, ref_opt) -> None:
-    """Loss and every gradient against one device's (``assert_close`` defaults), then an SGD step
-    of both models."""
-    torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-    ref = dict(reference.named_parameters())
-    for name, p in parallel.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref[name].grad, msg=lambda m, n=name: f"step {step} {n}: {m}")
-    for o in (opt, ref_opt):
-        o.step()
-        o.zero_grad()
-
-
 # --- a masked language model (transformers' BERT): ~15% of positions carry a label ------------------
 
 def _tiny_bert(seed: int = 0):
@@ -86,16 +75,9 @@ def masked_lm_parity(plan, steps=3):
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     reference = _tiny_bert()
     parallel = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
     counts = []
-    for step in range(steps):
-        full = _masked_batch(step)
-        local = local_batch(full, mesh)
-        counts.append(int((local["labels"] != -100).sum()))
-        loss, ref_loss = parallel(**local).loss, reference(**full).loss
-        loss.backward()
-        ref_loss.backward()
-        _check_and_step(step, loss, ref_loss, parallel, reference, opt, ref_opt)
+    ParityStepper(reference, parallel, mesh=mesh, batch=_masked_batch,
+                  before_step=lambda r: counts.append(int((r.local[0]["labels"] != -100).sum()))).run(steps)
     return counts
 
 
@@ -129,18 +111,16 @@ def classifier_parity(weighted: bool, smoothing: float, steps=3):
     torch.manual_seed(0)
     reference = _Classifier(weighted, smoothing)
     parallel = hp.parallelize(copy.deepcopy(reference), {}, mesh)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (parallel, reference))
-    for step in range(steps):
+
+    def batch(step):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 64, (4, 8), generator=g)
         labels = torch.randint(0, 8, (4, 8), generator=g)
         labels[:2, : 2 + step] = -100
         labels[3] = -100
-        full = {"input_ids": ids, "labels": labels}
-        loss, ref_loss = parallel(**local_batch(full, mesh)), reference(**full)
-        loss.backward()
-        ref_loss.backward()
-        _check_and_step(step, loss, ref_loss, parallel, reference, opt, ref_opt)
+        return {"input_ids": ids, "labels": labels}
+
+    ParityStepper(reference, parallel, mesh=mesh, batch=batch, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5)).run(steps)
 
 
 @pytest.mark.parametrize("weighted,smoothing", [(True, 0.0), (False, 0.1), (True, 0.1)],
@@ -158,21 +138,22 @@ def accumulation_parity(plan, micro_steps=2, steps=2, model="llama"):
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     reference = build_model(model)
     parallel = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (parallel, reference))
-    for step in range(steps):
-        full = global_batch(model, 4 * micro_steps, 16, seed=step + 1, ignore_fraction=PADDED)
-        ref_loss = reference(**full).loss  # one large batch
-        ref_loss.backward()
-        count = (full["labels"][:, 1:] != -100).sum()  # tokens of the whole step (shifted labels)
-        total = 0.0
-        micro = [{k: v.chunk(micro_steps)[i] for k, v in full.items()} for i in range(micro_steps)]
-        for i, batch in enumerate(micro):
-            if "fully_shard" in plan:  # FSDP: reduce once, at the last micro-step
-                parallel.set_requires_gradient_sync(i == micro_steps - 1)
-            loss = parallel(**local_batch(batch, mesh), num_items_in_batch=count).loss
-            loss.backward()
-            total = total + loss.detach()
-        _check_and_step(step, total, ref_loss.detach(), parallel, reference, opt, ref_opt)
+
+    def count():  # tokens of the whole step (shifted labels)
+        return (stepper.current.batch["labels"][:, 1:] != -100).sum()
+
+    def sync_last(record, i):  # FSDP: reduce once, at the last micro-step
+        if "fully_shard" in plan:
+            parallel.set_requires_gradient_sync(i == micro_steps - 1)
+
+    # Consecutive micro-batches, each loss already over the step's tokens (not divided again), their
+    # sum against one large batch; the loss and every gradient.
+    stepper = ParityStepper(reference, parallel, mesh=mesh,
+                            batch=batches(model, batch=4 * micro_steps, ignore_fraction=PADDED),
+                            micro_batches=micro_steps, reference_micro_batches=1, scale_micro_losses=False,
+                            forward=lambda m, b: m(**b, num_items_in_batch=count()), ref_forward=call,
+                            micro_context=sync_last)
+    stepper.run(steps)
 
 
 @pytest.mark.parametrize("plan", [{}, {"fully_shard": {"units": ["model.layers.*", ""]}}], ids=["dp", "fsdp"])

@@ -11,18 +11,15 @@ micro-step, and where the collectives sit in the compiled backward."""
 
 import contextlib
 import copy
-import functools
 
 import pytest
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.debug import group_axis_names
+from hyper_parallel.analysis.debug import group_axis_names
 from hyper_parallel.models import llama_tp_plan
-from hyper_parallel.testing.parity import (
-    assert_gradients_near_exact, assert_same_step, build_model, build_plan, float64_gradients, global_batch,
-    local_batch,
-)
+from hyper_parallel.testing.parity import assert_same_step, build_model, build_plan, global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches, strided
 
 MICRO = 3
 c10d = torch.ops._c10d_functional
@@ -52,22 +49,14 @@ def _tolerance(mixed_precision: bool) -> dict:
     return {"rtol": 5e-2, "atol": 2e-3} if mixed_precision else {}
 
 
-def _assert_grads(model, reference, step: int, mixed_precision: bool, micro_batches: list) -> None:
-    """Every gradient of ``model`` (gathered whole) equals one device's after the step's micro-steps
-    (``micro_batches``, each loss divided by their number); under bf16 autocast, no further from the
-    exact gradient than a few times that device's own error."""
-    if mixed_precision:
-        def run(m):
-            for micro in micro_batches:
-                (m(**micro).loss / len(micro_batches)).backward()
-
-        device = {n: p.grad for n, p in reference.named_parameters()}
-        assert_gradients_near_exact(model, float64_gradients(reference, run), device, f"step {step} ")
-        return
-    ref_grads = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad,
-                                   msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
+def _grads(mixed_precision: bool) -> dict:
+    """Every gradient of the model (gathered whole) against one device's after the step's micro-steps
+    (each loss divided by their number, both sides): equal (``assert_close`` defaults), or under bf16
+    autocast (both sides' forwards) no further from the exact gradient than a few times that
+    device's own error."""
+    if not mixed_precision:
+        return {}
+    return {"forward_context": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "grads": "near_exact"}
 
 
 def _accumulate_then_sync(mixed_precision: bool, use_no_sync: bool) -> dict:
@@ -77,27 +66,19 @@ def _accumulate_then_sync(mixed_precision: bool, use_no_sync: bool) -> dict:
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     reference = build_model("hf_llama")
     model = hp.parallelize(copy.deepcopy(reference), llama_tp_plan(sequence_parallel=True), mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
     reductions, grads = [], []
-    for step in range(2):
-        full = global_batch("llama", 8 * MICRO, 16, seed=step + 1, ignore_fraction=0.3)
-        for i in range(MICRO):
-            micro = {k: v[i::MICRO] for k, v in full.items()}
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
-                ref_loss = reference(**micro).loss
-            (ref_loss / MICRO).backward()
-            skip = model.no_sync() if use_no_sync and i < MICRO - 1 else contextlib.nullcontext()
-            with skip:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed_precision):
-                    loss = model(**local_batch(micro, mesh)).loss
-                (loss / MICRO).backward()
-            reductions.append(_backward_reductions(model))
-        _assert_grads(model, reference, step, mixed_precision, [{k: v[i::MICRO] for k, v in full.items()}
-                                                                for i in range(MICRO)])
-        grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+
+    @contextlib.contextmanager
+    def micro_step(record, i):
+        with model.no_sync() if use_no_sync and i < MICRO - 1 else contextlib.nullcontext():
+            yield
+        reductions.append(_backward_reductions(model))
+
+    ParityStepper(reference, model, mesh=mesh, batch=batches(batch=8 * MICRO, ignore_fraction=0.3),
+                  micro_batches=MICRO, split=strided, micro_context=micro_step, check_loss=False,
+                  before_optimizer=lambda r: grads.append({n: p.grad.full_tensor().clone()
+                                                           for n, p in model.named_parameters()}),
+                  **_grads(mixed_precision)).run(2)
     return {"reductions": reductions, "grads": grads, "programs": len(model._hp.cache)}
 
 
@@ -136,27 +117,19 @@ def _plan_accumulation(model_name: str, plan: str, names: tuple, mixed_precision
     overrides = HF_MOE if "Mixtral" in model_name else {}
     reference = build_model(model_name, num_hidden_layers=2, **overrides)
     model = hp.parallelize(copy.deepcopy(reference), build_plan(plan), mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16, enabled=mixed_precision)
     reductions = []
-    for step in range(2):
-        full = global_batch(model_name, 8, 16, seed=step + 1, ignore_fraction=0.3)
-        for i in range(2):
-            micro = {k: v[i::2] for k, v in full.items()}
-            with autocast():
-                ref_loss = reference(**micro).loss / 2
-            ref_loss.backward()
-            with model.no_sync() if i == 0 else contextlib.nullcontext():
-                with autocast():
-                    loss = model(**local_batch(micro, mesh)).loss / 2
-                loss.backward()
-            torch.testing.assert_close(loss.detach(), ref_loss.detach(), **_tolerance(mixed_precision))
-            reductions.append(_backward_reductions(model))
-        _assert_grads(model, reference, step, mixed_precision, [{k: v[i::2] for k, v in full.items()}
-                                                                for i in range(2)])
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+
+    @contextlib.contextmanager
+    def micro_step(record, i):
+        with model.no_sync() if i == 0 else contextlib.nullcontext():
+            yield
+        reductions.append(_backward_reductions(model))
+
+    # Each micro-batch's loss (/ 2) against one device's, then every gradient after the two.
+    ParityStepper(reference, model, mesh=mesh, batch=batches(model_name, batch=8, ignore_fraction=0.3),
+                  micro_batches=2, split=strided, micro_context=micro_step, micro_losses=True,
+                  **{f"loss_{k}": v for k, v in _tolerance(mixed_precision).items()},
+                  **_grads(mixed_precision)).run(2)
     return reductions
 
 

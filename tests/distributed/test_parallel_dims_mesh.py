@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
+from hyper_parallel.testing.parity import build_model, build_plan
+from hyper_parallel.testing.stepper import ParityStepper
 
 
 def _parity_on_parallel_dims_mesh(steps: int = 2) -> dict:
@@ -19,22 +20,7 @@ def _parity_on_parallel_dims_mesh(steps: int = 2) -> dict:
     pd.validate_model(reference, seq_len=16)
     mesh = pd.build_mesh("cpu")
     parallel = hp.parallelize(copy.deepcopy(reference), build_plan("fsdp_tp"), mesh)
-    opt = torch.optim.SGD(parallel.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(steps):
-        full = global_batch("llama", 4, 16, seed=step + 1)
-        loss = parallel(**local_batch(full, mesh)).loss
-        ref_loss = reference(**full).loss
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        for name, p in parallel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    ParityStepper(reference, parallel, mesh=mesh).run(steps)
     # The aliases are usable groups: the sum of ranks over "dp" (= dp_shard here) pairs each rank
     # with the one two apart.
     rank = torch.tensor([float(dist.get_rank())])

@@ -15,6 +15,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.testing.parity import build_model, build_plan, error_message, global_batch, local_batch
+from hyper_parallel.testing.stepper import ParityStepper
 
 
 def _set_frozen(models, frozen_prefixes) -> None:
@@ -29,22 +30,10 @@ def _freeze_unfreeze(model_name: str, plan_name: str, axis: str) -> int:
     model = hp.parallelize(copy.deepcopy(reference), build_plan(plan_name), mesh)
     full = global_batch("llama", 4, 16, ignore_fraction=0.3)
     # Frozen embedding and first layer; everything trainable; the head frozen.
-    for frozen in (("model.embed_tokens", "model.layers.0."), (), ("lm_head",)):
-        _set_frozen((reference, model), frozen)
-        for m in (reference, model):
-            m.zero_grad(set_to_none=True)
-        ref_loss = reference(**full)["loss"]
-        ref_loss.backward()
-        loss = model(**local_batch(full, mesh))["loss"]
-        loss.backward()
-        torch.testing.assert_close(loss, ref_loss)
-        expected = {n: p.grad for n, p in reference.named_parameters()}
-        for name, p in model.named_parameters():
-            if expected[name] is None:
-                assert p.grad is None, f"frozen {name} got a gradient (frozen: {frozen})"
-            else:
-                assert p.grad is not None, f"{name} got no gradient (frozen: {frozen})"
-                torch.testing.assert_close(p.grad.full_tensor(), expected[name], msg=lambda m, n=name: f"{n}: {m}")
+    frozen = (("model.embed_tokens", "model.layers.0."), (), ("lm_head",))
+    # Each step: the loss, every trainable gradient, none for a frozen parameter on either side.
+    ParityStepper(reference, model, mesh=mesh, batch=lambda step: full, optimizer=None,
+                  before_step=lambda r: _set_frozen((reference, model), frozen[r.step])).run(len(frozen))
     return len(model._hp.cache)
 
 

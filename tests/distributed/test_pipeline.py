@@ -219,7 +219,7 @@ def _hand_built_stages(schedule_name):
     import torch.distributed as dist
     import torch.nn as nn
 
-    from hyper_parallel.pipeline.api import stage_mesh
+    from hyper_parallel.pipeline.plan import stage_mesh
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -279,7 +279,8 @@ def _clip_across_stages(shape: tuple, names: tuple) -> list:
 
     import torch
 
-    from hyper_parallel.testing.parity import build_model, global_batch, local_batch
+    from hyper_parallel.testing.parity import build_model
+    from hyper_parallel.testing.stepper import ParityStepper, batches
 
     mesh = hp.init_device_mesh("cpu", shape, mesh_dim_names=names)
     plan = {}
@@ -289,28 +290,22 @@ def _clip_across_stages(shape: tuple, names: tuple) -> list:
         plan["fully_shard"] = {"units": ["model.layers.*", ""]}
     reference = build_model("hf_llama")
     model = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, model)]
     norms = []
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        model.step(local_batch(full, mesh))
-        reference(**full).loss.backward()
+
+    def clip(record):  # both clip before the (clipped) gradients are compared
         stage_only = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
         norm = model.clip_grad_norm_(0.1)
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
-        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"step {step} total norm: {m}")
+        torch.testing.assert_close(norm, ref_norm, msg=lambda m: f"step {record.step} total norm: {m}")
         if "pp" in names:
             assert stage_only.full_tensor() < norm  # torch's function: this rank's stages only
         else:
             torch.testing.assert_close(stage_only.full_tensor(), norm)  # the same as torch's
-        grads = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad,
-                                       msg=lambda m, n=name: f"step {step} clipped grad of {n}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
         norms.append(norm.item())
+
+    ParityStepper(reference, model, mesh=mesh, batch=batches(ignore_fraction=0.3),
+                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), forward=lambda m, b: m.step(b),
+                  backward_in_forward=True, check_loss=False, after_backward=clip, what="clipped:").run(2)
     return norms
 
 

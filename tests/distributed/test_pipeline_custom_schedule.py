@@ -16,9 +16,8 @@ import torch.nn as nn
 import hyper_parallel as hp
 from hyper_parallel.pipeline import BatchDimSpec, CustomSchedule
 from hyper_parallel.pipeline.schedules import MetaStepType, build_schedule
-from hyper_parallel.testing.parity import (
-    assert_same_step, build_model, error_message, global_batch, run_pipeline_parity,
-)
+from hyper_parallel.testing.parity import build_model, error_message, global_batch, run_pipeline_parity
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 LAYERS = 2
 SPLIT = ["model.layers.1"]
@@ -58,27 +57,25 @@ def _custom_next_to_builtin(steps: int = 2) -> dict:
                                   num_microbatches=NUM_MICROBATCHES),
     }
     models = {k: hp.parallelize(copy.deepcopy(reference), {"pipeline": plan}, mesh) for k, plan in plans.items()}
-    opts = {k: torch.optim.SGD(m.parameters(), lr=0.1) for k, m in models.items()}
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        batch = global_batch("llama", 8, 16, seed=step + 1)
-        loss = {k: m.step(batch) for k, m in models.items()}
-        ref_loss = reference(**batch)["loss"]
-        ref_loss.backward()
-        assert torch.equal(loss["custom"], loss["builtin"]), (step, loss)
-        torch.testing.assert_close(loss["custom"], ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        builtin = dict(models["builtin"].named_parameters())
+    builtin, builtin_opt, builtin_losses = models["builtin"], torch.optim.SGD(models["builtin"].parameters(), lr=0.1), []
+
+    def bitwise_equal_to_builtin(record):  # the built-in 1F1B stepped first, on the same batch
+        assert torch.equal(record.loss, builtin_losses[-1]), (record.step, record.loss, builtin_losses[-1])
+        others = dict(builtin.named_parameters())
         for name, p in models["custom"].named_parameters():
-            assert torch.equal(p.grad.full_tensor(), builtin[name].grad.full_tensor()), (step, name)
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        for opt in (*opts.values(), ref_opt):
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss["custom"].item())
-    return {"losses": losses, "params": sorted(n for n, _ in models["custom"].named_parameters()),
+            assert torch.equal(p.grad.full_tensor(), others[name].grad.full_tensor()), (record.step, name)
+
+    def step_builtin(record):
+        builtin_opt.step()
+        builtin_opt.zero_grad()
+
+    # The hand-written 1F1B against one device on the whole batch (every pp rank gets it).
+    stepper = ParityStepper(reference, models["custom"], batch=batches(batch=8), forward=lambda m, b: m.step(b),
+                            backward_in_forward=True,
+                            before_step=lambda r: builtin_losses.append(builtin.step(r.batch)),
+                            after_backward=bitwise_equal_to_builtin, before_optimizer=step_builtin)
+    stepper.run(steps)
+    return {"losses": stepper.losses, "params": sorted(n for n, _ in models["custom"].named_parameters()),
             "report": models["custom"].pipeline_report(), "summary": models["custom"].compile_summary(),
             "builtin_schedule": models["builtin"]._hp.pipeline.last.schedule,
             "custom_schedule": models["custom"]._hp.pipeline.last.schedule}
@@ -132,19 +129,14 @@ def _batch_on_dim_1(batch_dims, steps: int = 2) -> dict:
     plan = hp.PipelinePlan(split_points=["inner.model.layers.1"], schedule="1F1B", num_microbatches=2,
                            batch_dims=batch_dims)
     parallel = hp.parallelize(copy.deepcopy(reference), {"pipeline": plan}, mesh)
-    opt, ref_opt = torch.optim.SGD(parallel.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
-    losses = []
-    for step in range(steps):
-        # [seq=16, batch=4]: micro-batches of 2 sequences each (dim 0 would cut the sequence).
-        batch = {k: v.t().contiguous() for k, v in global_batch("llama", 4, 16, seed=step + 1).items()}
-        loss = parallel.step(batch)
-        ref_loss = reference(**batch)["loss"]
-        ref_loss.backward()
-        assert_same_step(parallel, loss, reference, ref_loss, f"step {step}")
-        for opt in (opt, ref_opt):
-            opt.step()
-            opt.zero_grad()
-        losses.append(loss.item())
+
+    def seq_first(step):  # [seq=16, batch=4]: micro-batches of 2 sequences each (dim 0 would cut the sequence)
+        return {k: v.t().contiguous() for k, v in global_batch("llama", 4, 16, seed=step + 1).items()}
+
+    stepper = ParityStepper(reference, parallel, batch=seq_first, forward=lambda m, b: m.step(b),
+                            backward_in_forward=True)
+    stepper.run(steps)
+    losses = stepper.losses
     # 3 sequences: dim 1 does not divide into 2 micro-batches (raised before anything runs).
     odd = {k: v.t().contiguous() for k, v in global_batch("llama", 3, 16).items()}
     return {"losses": losses, "odd_batch": error_message(parallel.step, odd)}

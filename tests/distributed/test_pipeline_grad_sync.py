@@ -6,6 +6,7 @@ micro-batches count different numbers of tokens): 3 SGD steps against one device
 and measured while the step runs, equal those of the same plan without a pipeline (not 4x).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -19,6 +20,7 @@ from hyper_parallel.runtime.agreement_gate import await_agreement
 from hyper_parallel.ir.kinds import InputKind
 from hyper_parallel.pipeline.runtime import variants_of
 from hyper_parallel.testing.parity import build_model, global_batch, gradient_sum_adds, gradients_waiting, local_batch
+from hyper_parallel.testing.stepper import ParityStepper, batches
 
 NUM_MICROBATCHES = 4
 LAYERS = 2  # tiny: compile time is most of the file's time
@@ -75,41 +77,27 @@ def pipeline_parity(plan: dict, split_points, schedule: str, stages_per_rank: in
     pipeline = hp.PipelinePlan(split_points=list(split_points), schedule=schedule, num_microbatches=NUM_MICROBATCHES,
                                stages_per_rank=stages_per_rank)
     pmodel = hp.parallelize(copy.deepcopy(master), {**plan, "pipeline": pipeline}, mesh)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(master.parameters(), lr=0.1)
-    measured, losses = [], []
-    for step in range(steps):
-        full = global_batch("llama", 8, 16, seed=step + 1, ignore_fraction=0.3)
-        reference = copy.deepcopy(master) if mixed else master
-        if mixed:
-            for p in reference.parameters():
-                p.data = p.data.to(torch.bfloat16)
+    measured = []
+
+    @contextlib.contextmanager
+    def counted(record, i):
+        if not record.step:  # the first step compiles (on fake tensors): measure the later ones
+            yield
+            return
         counter = CountGradientReductions()
-        if step:  # the first step compiles (on fake tensors): measure the later ones
-            with counter:
-                loss = pmodel.step(local_batch(full, mesh))
-            measured.append(counter.bytes)
-        else:
-            loss = pmodel.step(local_batch(full, mesh))
-        ref_loss = reference(**full)["loss"]
-        ref_loss.backward()
-        # bf16 keeps 8 mantissa bits; the two runs round partial sums at different points.
-        loss_tolerance = {"rtol": 1e-2, "atol": 1e-2} if mixed else {}
-        tolerance = {"rtol": 5e-2, "atol": 2e-3} if mixed else {}
-        torch.testing.assert_close(loss, ref_loss.detach().to(loss.dtype), **loss_tolerance,
-                                   msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        for name, p in pmodel.named_parameters():
-            assert p.grad.dtype == torch.float32, name
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad.float(), **tolerance,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        if mixed:
-            for p, cp in zip(master.parameters(), reference.parameters()):
-                p.grad = cp.grad.float()
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-        losses.append(loss.item())
+        with counter:
+            yield
+        measured.append(counter.bytes)
+
+    # mixed: against a bf16 copy of the fp32 master (which steps with its gradients); bf16 keeps 8
+    # mantissa bits, the two runs round partial sums at different points.
+    tolerance = {"loss_rtol": 1e-2, "loss_atol": 1e-2, "rtol": 5e-2, "atol": 2e-3, "grads": "close"} if mixed else {}
+    stepper = ParityStepper(master, pmodel, mesh=mesh, batch=batches(batch=8, ignore_fraction=0.3),
+                            forward=lambda m, b: m.step(b), backward_in_forward=True, micro_context=counted,
+                            bf16_reference=mixed, **tolerance)
+    stepper.run(steps)
     return {"rank": dist.get_rank(), "summary": pmodel.compile_summary(), "report": pmodel.pipeline_report(),
-            "measured": measured, "losses": losses, "params": sorted(n for n, _ in pmodel.named_parameters()),
+            "measured": measured, "losses": stepper.losses, "params": sorted(n for n, _ in pmodel.named_parameters()),
             "gates": _gate_positions(pmodel._hp.pipeline.last), "sums": _gradient_sums(pmodel._hp.pipeline.last)}
 
 

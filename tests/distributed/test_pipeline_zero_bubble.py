@@ -20,6 +20,7 @@ import torch.nn as nn
 import hyper_parallel as hp
 from hyper_parallel.pipeline.schedules import MetaStepType, analytic_bubble, build_schedule
 from hyper_parallel.testing.parity import build_model, run_pipeline_parity
+from hyper_parallel.testing.stepper import ParityStepper
 # The PP x DP / PP x FSDP parity job of the 1F1B / GPipe / interleaved cases (4 ranks, padded labels,
 # measured gradient-reduction bytes), run here with schedule="ZBH1".
 from test_pipeline_grad_sync import LAYERS, NUM_MICROBATCHES, FSDP, _summary_reduction_bytes, pipeline_parity
@@ -133,20 +134,10 @@ def free_stage_parity(split_point: str, steps: int = 3) -> dict:
     reference = FreeEnds()
     plan = {"pipeline": hp.PipelinePlan(split_points=[split_point], schedule="ZBH1", num_microbatches=NUM_MICROBATCHES)}
     pmodel = hp.parallelize(copy.deepcopy(reference), plan, mesh)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x, target = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
-        loss = pmodel.step({"x": x, "target": target})
-        ref_loss = reference(x, target)
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss.detach(), msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        for name, p in pmodel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad,
-                                       msg=lambda m, name=name: f"step {step} grad of {name}: {m}")
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    ParityStepper(reference, pmodel, batch=lambda step: {"x": torch.randn(8, 16, generator=g),
+                                                         "target": torch.randn(8, 16, generator=g)},
+                  forward=lambda m, b: m.step(b), backward_in_forward=True).run(steps)
     entry = pmodel._hp.pipeline.last
     (program,) = entry.programs.values()
     ops = {name: sum(1 for n in gm.graph.nodes if n.op == "call_function")

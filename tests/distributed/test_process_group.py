@@ -1,4 +1,4 @@
-"""Process-group helpers (``hyper_parallel.process_group``) on 4 gloo ranks, checked against
+"""Process-group helpers (``hyper_parallel.distributed.process_group``) on 4 gloo ranks, checked against
 torch.distributed and against sums the test computes itself; ``init_process_group``'s checks run
 in this process with torch's own init replaced (the pool's workers already have their group)."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyper_parallel import process_group as pg
-from hyper_parallel.platform import get_platform
+from hyper_parallel.distributed import process_group as pg
+from hyper_parallel.distributed.platform import get_platform
 
 
 def _sum_over(group, rank: int) -> float:

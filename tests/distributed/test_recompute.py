@@ -205,9 +205,8 @@ def _hf_gradient_checkpointing(reentrant: bool, plan_name: str) -> dict:
     no_grad), and the non-reentrant one was traced through, keeping every activation."""
     import copy
 
-    import torch
-
     from hyper_parallel.testing.parity import build_model, build_plan, global_batch, local_batch
+    from hyper_parallel.testing.stepper import ParityStepper, batches
 
     axis = "dp_shard" if plan_name == "fsdp" else "dp"
     mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
@@ -215,19 +214,7 @@ def _hf_gradient_checkpointing(reentrant: bool, plan_name: str) -> dict:
     plain = copy.deepcopy(reference)
     reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model = hp.parallelize(copy.deepcopy(reference), build_plan(plan_name), mesh)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
-    for step in range(2):
-        full = global_batch("llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        ref_loss, loss = reference(**full).loss, model(**local_batch(full, mesh)).loss
-        ref_loss.backward()
-        loss.backward()
-        torch.testing.assert_close(loss, ref_loss)
-        grads = dict(reference.named_parameters())
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), grads[name].grad, msg=lambda m, n=name: f"{n}: {m}")
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad()
+    ParityStepper(reference, model, mesh=mesh, batch=batches(ignore_fraction=0.3)).run(2)
     saved = {"checkpointed": _layer_activations(model.compile_summary())}
     batch = local_batch(global_batch("llama", 4, 16), mesh)
     for name, plan in (("none", {}), ("plan_full", {"recompute": {"model.layers.*": "full"}})):

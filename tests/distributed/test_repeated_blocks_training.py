@@ -3,14 +3,15 @@ three blocks and copied the third trains like one device, under FSDP with bf16 p
 reduction and labels padded so the two ranks count different numbers of tokens.
 tests/unit/test_repeated_blocks.py checks the copied graph against the trace of every block."""
 
+import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel.testing.parity import (assert_matches_bf16_reference, bf16_reference_step, build_model,
-                                           global_batch, local_batch)
+from hyper_parallel.testing.parity import build_model
+from hyper_parallel.testing.stepper import ParityStepper, batches, strided
 
 
 def copied_blocks_parity(steps: int = 2) -> dict:
@@ -19,19 +20,10 @@ def copied_blocks_parity(steps: int = 2) -> dict:
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     plan = {"fully_shard": hp.FullyShard(units=("model.layers.*", ""), mixed_precision=policy)}
     model = hp.parallelize(copy.deepcopy(master), plan, mesh, repeated_blocks="auto")
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
     counts = []
-    for step in range(steps):
-        full = global_batch("hf_llama", 4, 16, seed=step + 1, ignore_fraction=0.3)
-        local = local_batch(full, mesh)
-        counts.append(int((local["labels"] != -100).sum()))
-        compute, ref_loss = bf16_reference_step(master, full)
-        loss = model(**local).loss
-        loss.backward()
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, full, f"step {step}: ")
-        for p, cp in zip(master.parameters(), compute.parameters()):
-            p.grad = cp.grad.float()
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    # Against one device computing in bf16 from the fp32 master (which steps with its gradients).
+    ParityStepper(master, model, mesh=mesh, batch=batches("hf_llama", ignore_fraction=0.3), bf16_reference=True,
+                  before_step=lambda r: counts.append(int((r.local[0]["labels"] != -100).sum()))).run(steps)
     return {"traced": model.compile_summary()["repeated_blocks"], "counts": counts}
 
 
@@ -50,18 +42,18 @@ def accumulated_copied_blocks(micro_steps: int = 2) -> list[str]:
     master = build_model("hf_llama", num_hidden_layers=3)
     model = hp.parallelize(copy.deepcopy(master), {"fully_shard": {"units": ["model.layers.*", ""]}}, mesh,
                            repeated_blocks="auto")
-    full = global_batch("hf_llama", 4 * micro_steps, 16)
-    ref_loss = master(**full)["loss"]
-    ref_loss.backward()
     traced = []
-    for i in range(micro_steps):
+
+    @contextlib.contextmanager
+    def micro_step(record, i):
         model.set_requires_gradient_sync(i == micro_steps - 1)
-        batch = {k: v[i::micro_steps] for k, v in full.items()}
-        (model(**local_batch(batch, mesh))["loss"] / micro_steps).backward()
+        yield
         traced.append(model.compile_summary()["repeated_blocks"])
-    ref_params = dict(master.named_parameters())
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, msg=lambda m, name=name: f"{name}: {m}")
+
+    # One step: every gradient after the micro-steps (each loss / micro_steps) against the whole batch.
+    ParityStepper(master, model, mesh=mesh, batch=batches("hf_llama", batch=4 * micro_steps), optimizer=None,
+                  micro_batches=micro_steps, split=strided, reference_micro_batches=1, micro_context=micro_step,
+                  check_loss=False).run(1)
     return traced
 
 

@@ -1,4 +1,4 @@
-"""State dicts and checkpoints of parallelized models (hyper_parallel.state_dict).
+"""State dicts and checkpoints of parallelized models (hyper_parallel.checkpoints.state_dict).
 
 The oracle is the single-device model built from the same seed: state-dict keys and full tensors
 must equal its own, every load path must round-trip exactly, and a checkpoint saved on 2 ranks and
@@ -12,14 +12,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 import hyper_parallel as hp
-from hyper_parallel.state_dict import (
+from hyper_parallel.checkpoints.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from hyper_parallel.checkpoint_io import load_checkpoint, save_checkpoint
+from hyper_parallel.checkpoints.io import load_checkpoint, save_checkpoint
 from hyper_parallel.models import llama_tp_plan
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
@@ -34,7 +34,7 @@ CASES = {  # name -> (model, overrides, plan, mesh names, a parameter to freeze)
     "llama_fsdp": ("llama", LLAMA, lambda: dict(FSDP), ("dp",), "model.norm.weight"),
     "llama_fsdp_tp": ("llama", LLAMA, lambda: {**llama_tp_plan(), **FSDP}, ("dp", "tp"), "model.norm.weight"),
     # Fused projections split per part (ColwiseParallel(parts=n), GPT-2's c_attn): _StridedShard with
-    # no other axis nested, a shard DCP cannot record as one box (checkpoint_layouts.py).
+    # no other axis nested, a shard DCP cannot record as one box (checkpoints/layouts.py).
     "phi3_tp": ("hf:Phi3ForCausalLM", {}, lambda: _hf_plan("Phi3ForCausalLM", "tp"), ("tp",), "model.norm.weight"),
     "phi3_fsdp_tp": ("hf:Phi3ForCausalLM", {}, lambda: _hf_plan("Phi3ForCausalLM", "fsdp_tp"), ("dp", "tp"),
                      "model.norm.weight"),

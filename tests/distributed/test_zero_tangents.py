@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
-from hyper_parallel.debug import collectives
+from hyper_parallel.analysis.debug import collectives
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 from hyper_parallel.testing.memory_tracker import MemoryTracker
 

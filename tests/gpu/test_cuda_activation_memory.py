@@ -17,6 +17,7 @@ import torch
 import hyper_parallel as hp
 from hyper_parallel.runtime.host_copies import pending_copies
 from hyper_parallel.testing.parity import build_model, global_batch
+from hyper_parallel.testing.stepper import ParityStepper
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest)
 
@@ -41,23 +42,12 @@ def test_parity_with_eager_on_cuda(mesh, name):
     """3 SGD steps: loss and every gradient equal the eager model's on the same GPU."""
     reference = build_model("llama", **MODEL).to(DEVICE)
     pmodel = hp.parallelize(copy.deepcopy(reference), PLANS[name], mesh)
-    opt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for step in range(3):
-        batch = _batch(step, batch=4, seq_len=32)
-        loss = pmodel(**batch)["loss"]
-        ref_loss = reference(**batch)["loss"]
-        loss.backward()
-        ref_loss.backward()
+
+    def copies_waited(record):
         assert pending_copies() == 0, "every copy back was waited on"
-        torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{name} step {step} loss: {m}")
-        ref_params = dict(reference.named_parameters())
-        for fqn, p in pmodel.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[fqn].grad,
-                                       msg=lambda m, fqn=fqn: f"{name} step {step} grad of {fqn}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+
+    ParityStepper(reference, pmodel, batch=lambda step: _batch(step, batch=4, seq_len=32), after_backward=copies_waited,
+                  what=name).run(3)
 
 
 def _measure(mesh, plan: dict) -> dict:

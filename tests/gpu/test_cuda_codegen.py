@@ -22,9 +22,8 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.codegen.inductor import InductorRegion
-from hyper_parallel.testing.parity import (
-    assert_matches_bf16_reference, bf16_reference_step, build_model, global_batch,
-)
+from hyper_parallel.testing.parity import build_model, global_batch
+from hyper_parallel.testing.stepper import ParityStepper
 
 pytestmark = pytest.mark.gpu  # skipped without CUDA (conftest)
 
@@ -52,21 +51,9 @@ def test_fsdp_fp32_parity_and_triton_kernels(mesh, tmp_path, model_name):
             pytest.skip("torch < 2.13: DTensor cannot shard the efficient-attention backward with a mask")
     master = build_model(model_name, **MODEL).to(DEVICE)
     model = _fsdp(master, mesh, False, str(tmp_path))
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
-    for step in range(3):
-        batch = _batch(model_name, step)
-        loss = model(**batch)["loss"]
-        ref_loss = master(**batch)["loss"]
-        loss.backward()
-        ref_loss.backward()
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=lambda m: f"step {step} loss: {m}")
-        ref_params = dict(master.named_parameters())
-        for fqn, p in model.named_parameters():
-            torch.testing.assert_close(p.grad.full_tensor(), ref_params[fqn].grad, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, fqn=fqn: f"step {step} grad of {fqn}: {m}")
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    # One rank: both models get the whole batch. Tolerances: the module docstring.
+    ParityStepper(master, model, batch=lambda step: _batch(model_name, step), loss_rtol=1e-5, loss_atol=0.0,
+                  rtol=1e-4, atol=1e-5).run(3)
     for generated in model.generated_programs():
         assert any(isinstance(m, InductorRegion) for m in generated.gm.children())
     # Inductor generated Triton kernels (not C++, not a replay of aten ops).
@@ -78,18 +65,8 @@ def test_fsdp_bf16_mixed_precision_tracks_eager(mesh, tmp_path):
     """bf16 params / fp32 reduce on padded labels, against one device doing the same casts."""
     master = build_model("llama", **MODEL).to(DEVICE)
     model = _fsdp(master, mesh, True, str(tmp_path))
-    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(master.parameters(), lr=0.1)
-    for step in range(3):
-        batch = _batch("llama", step)
-        loss = model(**batch)["loss"]
-        loss.backward()
-        compute, ref_loss = bf16_reference_step(master, batch)
-        assert_matches_bf16_reference(model, loss, compute, ref_loss, batch, f"step {step}: ")
-        for p, cp in zip(master.parameters(), compute.parameters()):
-            p.grad = cp.grad.float()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    # assert_matches_bf16_reference each step; the fp32 master steps with its bf16 copy's gradients.
+    ParityStepper(master, model, batch=lambda step: _batch("llama", step), bf16_reference=True).run(3)
 
 
 def test_generated_kernels_run_in_the_step(mesh, tmp_path, profiled_step_events):

@@ -14,7 +14,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.api import compile_for_inputs
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
 
 c10d = torch.ops._c10d_functional
@@ -205,7 +205,7 @@ def _backward_gradient_bytes(layers):
     """(most temporaries + communication-buffer bytes live at once in backward, as the memory
     estimator replays it; one layer's fp32 gradient bytes): example Llama with layers far larger
     than their activations (hidden 256, 4 tokens), bf16 parameters and fp32 reduction."""
-    from hyper_parallel import memory
+    from hyper_parallel.analysis import memory
 
     config = LlamaConfig(num_hidden_layers=layers, hidden_size=256, intermediate_size=1024,
                          num_attention_heads=4, num_key_value_heads=4, vocab_size=256)

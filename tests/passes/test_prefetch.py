@@ -218,8 +218,8 @@ def test_the_next_buffer_is_allocated_after_the_current_one_is_unpacked():
 
     import hyper_parallel as hp
     import hyper_parallel.passes.prefetch as prefetch
-    from hyper_parallel.explain import compile_for_explain, fake_world
-    from hyper_parallel.memory import CATEGORIES, estimate_program
+    from hyper_parallel.tools.explain import compile_for_explain, fake_world
+    from hyper_parallel.analysis.memory import CATEGORIES, estimate_program
 
     class Wide(nn.Module):  # parameters far larger than activations, so their buffers decide the peak
         def __init__(self):

@@ -19,7 +19,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.ir.phase import is_tagged_backward
-from hyper_parallel.explain import fake_world
+from hyper_parallel.tools.explain import fake_world
 from hyper_parallel.passes.reshard_after_forward import (
     POST_FORWARD, gathered_param_region, reshard_after_forward_pass,
 )

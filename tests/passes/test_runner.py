@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import hyper_parallel as hp
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.passes import pass_names, rewrite_names
 from hyper_parallel.testing.parity import error_message
 

@@ -61,7 +61,7 @@ def test_fake_backend_simulations_keep_their_overlap():
     """explain and the pass tests compile on torch's fake backend: nothing is serialized there,
     so the simulated timelines keep every collective the schedule overlaps."""
     from hyper_parallel.passes.serialize_collectives import serialized_groups
-    from hyper_parallel.explain import fake_world
+    from hyper_parallel.tools.explain import fake_world
     import hyper_parallel as hp
 
     with fake_world(4, 0):

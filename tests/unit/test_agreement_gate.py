@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.ir.collectives import collective_kind
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
 from hyper_parallel.runtime.agreement_gate import await_agreement, insert_gate

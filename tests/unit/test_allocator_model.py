@@ -1,4 +1,4 @@
-"""The caching-allocator model (hyper_parallel/allocator_model.py): its placement rules on small
+"""The caching-allocator model (hyper_parallel/analysis/allocator_model.py): its placement rules on small
 hand-checked traces, and its prediction of the reserved peak against what one H200 measured for
 the same program (bench/bench_memory_cuda.py, docs/benchmarks.md)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.allocator_model import CachingAllocatorModel, round_size
+from hyper_parallel.analysis.allocator_model import CachingAllocatorModel, round_size
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -125,8 +125,8 @@ def test_predicted_reserved_peak_matches_the_h200_measurement(recompute, monkeyp
     peaks the H200 measured to 1% (it measured 40.51 / 47.66 / 43.42 GiB; the prediction was 40.51
     / 47.60 / 43.48). The allocated peak is 64 MiB under the measured one: memory outside the
     program (cuBLAS's workspaces)."""
-    import hyper_parallel.memory as memory
-    from hyper_parallel.explain import explain, format_report
+    import hyper_parallel.analysis.memory as memory
+    from hyper_parallel.tools.explain import explain, format_report
 
     estimate = memory.estimate
     # The bench's step drops the returned logits: the estimate without them, as it compared.

@@ -1,4 +1,4 @@
-"""Lowering takes DTensor's sharding decisions from its cache (``compat.cached_sharding_decisions``).
+"""Lowering takes DTensor's sharding decisions from its cache (``decision_cache.cached_sharding_decisions``).
 
 Under ``make_fx`` DTensor bypasses its per-schema cache, so lowering re-ran every op's strategy
 search; on a 2-D mesh with a sequence-sharded plan that was most of the compile. The cached
@@ -13,7 +13,8 @@ from torch.distributed.tensor import Shard
 
 import hyper_parallel as hp
 from hyper_parallel import compat
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.propagation import decision_cache
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.models.plans import llama_tp_plan
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
@@ -47,7 +48,7 @@ def _compile(model_name, plan, names):
 @pytest.mark.parametrize("case", list(PLANS))
 def test_programs_are_the_same_with_the_cache_and_without(case, monkeypatch):
     cached, hits_cached = _compile(*PLANS[case])
-    monkeypatch.setattr(compat, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(decision_cache, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
     fresh, hits_fresh = _compile(*PLANS[case])
     assert cached == fresh
     assert hits_cached > hits_fresh, (hits_cached, hits_fresh)  # lowering did reuse decisions
@@ -65,7 +66,7 @@ def test_symbolic_sizes_are_decided_afresh_and_concrete_ones_cached():
         mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
         shape_env = compat.ShapeEnv()
         symbolic = _relu_schema(mesh, shape_env.create_unbacked_symint())
-        with compat.cached_sharding_decisions(), compat.FakeTensorMode(shape_env=shape_env):  # tracing
+        with decision_cache.cached_sharding_decisions(), compat.FakeTensorMode(shape_env=shape_env):  # tracing
             decided = propagator.propagate_op_sharding_non_cached(symbolic)
             assert propagator.propagate_op_sharding.cache_info().currsize == 0  # never looked up
             assert decided.output_spec.placements == (Shard(0),)
@@ -78,10 +79,10 @@ def test_symbolic_sizes_are_decided_afresh_and_concrete_ones_cached():
 
 def test_the_method_comes_back_after_nesting_and_errors():
     propagator = compat.sharding_propagator()
-    with compat.cached_sharding_decisions():
+    with decision_cache.cached_sharding_decisions():
         outer = propagator.propagate_op_sharding_non_cached
         with pytest.raises(RuntimeError, match="inside"):
-            with compat.cached_sharding_decisions():
+            with decision_cache.cached_sharding_decisions():
                 raise RuntimeError("inside")
         assert propagator.propagate_op_sharding_non_cached is outer
     assert "propagate_op_sharding_non_cached" not in vars(propagator)  # the class's method again

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
 from hyper_parallel.runtime.collective_inputs import hold_collective_inputs, release_after_wait
 

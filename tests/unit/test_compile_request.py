@@ -8,7 +8,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.compile.driver import compile_program
-from hyper_parallel.explain import fake_world
+from hyper_parallel.tools.explain import fake_world
 from hyper_parallel.testing.pass_inputs import LayerStack
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import hyper_parallel as hp
 from hyper_parallel import compat
-from hyper_parallel.explain import fake_world
+from hyper_parallel.tools.explain import fake_world
 from hyper_parallel.propagation import elementwise_rules
 from hyper_parallel.propagation.engine import make_spec
 from hyper_parallel.propagation.rules import has_rule, propagate_op, register_own_rules

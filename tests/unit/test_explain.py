@@ -22,9 +22,9 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from hyper_parallel import presets
-from hyper_parallel.cli import main
-from hyper_parallel.explain import explain, format_report
+from hyper_parallel.tools import presets
+from hyper_parallel.tools.cli import main
+from hyper_parallel.tools.explain import explain, format_report
 
 L = 2  # decoder layers (the 8B preset has 32)
 BF16, FP32 = 2, 4
@@ -182,12 +182,12 @@ def test_cost_model_step_time_and_mfu_when_available():
 
 
 def test_when_the_cost_model_fails_memory_and_collectives_still_work(monkeypatch):
-    import hyper_parallel.debug
+    import hyper_parallel.analysis.debug
 
     def fail(*args, **kwargs):
         raise RuntimeError("no time for this graph")
 
-    monkeypatch.setattr(hyper_parallel.debug, "simulate_step", fail)
+    monkeypatch.setattr(hyper_parallel.analysis.debug, "simulate_step", fail)
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
               "num_attention_heads": 8, "num_hidden_layers": 1, "vocab_size": 1024}
     report = explain(config=config, parallel="dp_shard=-1", world_size=4, plan="fsdp", seq_len=64, hardware="h200")
@@ -249,7 +249,7 @@ def test_compile_for_explain_with_init_device_mesh():
     import torch
 
     import hyper_parallel as hp
-    from hyper_parallel.explain import compile_for_explain, fake_world
+    from hyper_parallel.tools.explain import compile_for_explain, fake_world
     from hyper_parallel.models import LlamaConfig, LlamaForCausalLM
 
     with fake_world(4, rank=2):
@@ -342,7 +342,7 @@ def test_trace_and_dump_dir_price_the_step_on_the_requested_hardware(tmp_path, c
     assert json.loads((dump / "report.trace.json").read_text()) == json.loads(trace.read_text())
     assert (dump / "report.html").stat().st_size > 0
     # What the page prints is what explain printed: hardware, totals, memory with AdamW's state.
-    from hyper_parallel.report.data import find_rank, load_page_data
+    from hyper_parallel.tools.report.data import find_rank, load_page_data
 
     page = load_page_data(find_rank(str(dump)))
     totals, memory = page["timeline"]["totals"], page["summary"]["memory"]

@@ -286,7 +286,7 @@ def test_parallelize_module_src_data_rank():
 
 def test_plan_entry_and_fully_shard_calls_together_are_refused():
     """Two sources of FSDP units: taking either would silently drop the other's."""
-    from hyper_parallel.explain import fake_world
+    from hyper_parallel.tools.explain import fake_world
 
     model = _llama()
     for layer in model.model.layers:

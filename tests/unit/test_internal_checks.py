@@ -28,7 +28,7 @@ import hyper_parallel as hp
 from hyper_parallel import compat
 from hyper_parallel.compile.capture import capture
 from hyper_parallel.errors import InternalError, internal_error
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.testing.graph_builder import GraphBuilder
 
 aten = torch.ops.aten
@@ -325,7 +325,7 @@ def test_internal_error_message_format():
 COMPILER = [
     "hyper_parallel/passes/*.py", "hyper_parallel/propagation/*.py",
     "hyper_parallel/runtime/*.py",
-    "hyper_parallel/recompute.py", "hyper_parallel/pipeline/*.py", "hyper_parallel/memory.py",
+    "hyper_parallel/recompute.py", "hyper_parallel/pipeline/*.py", "hyper_parallel/analysis/memory.py",
     "hyper_parallel/plan/*.py", "hyper_parallel/init/*.py", "hyper_parallel/errors.py",
     "hyper_parallel/ir/*.py", "hyper_parallel/fsdp/*.py", "hyper_parallel/compile/*.py",
 ]

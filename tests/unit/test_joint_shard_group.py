@@ -6,7 +6,7 @@ import pytest
 
 import hyper_parallel as hp
 from hyper_parallel import compat
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.testing.parity import build_model, global_batch, local_batch
 
 PLAN = {"context_parallel": {"model.layers.*.self_attn": hp.ContextParallel(mode="ring")},

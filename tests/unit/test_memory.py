@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hyper_parallel import compat
-from hyper_parallel.memory import OptimizerModel, estimate, optimizer_model
+from hyper_parallel.analysis.memory import OptimizerModel, estimate, optimizer_model
 from hyper_parallel.testing.graph_builder import GraphBuilder
 from hyper_parallel.testing.memory_tracker import AllocatorPeak, MemoryTracker, unique_storage_bytes
 

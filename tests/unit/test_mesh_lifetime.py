@@ -13,7 +13,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel import compat
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.models.plans import llama_tp_plan
 from hyper_parallel.testing.parity import build_model
 

@@ -228,8 +228,8 @@ def test_plans_are_plain_dicts_matching_module_names():
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("hyper_parallel.styles") is None,
-    reason="hyper_parallel.styles not available yet (sequence/loss-parallel plans build style objects)",
+    importlib.util.find_spec("hyper_parallel.tp.styles") is None,
+    reason="hyper_parallel.tp.styles not available yet (sequence/loss-parallel plans build style objects)",
 )
 def test_sequence_parallel_plan_builds_styles():
     plan = llama_tp_plan(sequence_parallel=True, loss_parallel=True)["tensor_parallel"]

@@ -13,7 +13,7 @@ import pytest
 
 import hyper_parallel as hp
 from hyper_parallel.models import LlamaConfig
-from hyper_parallel.parallel_dims import MESH_AXIS_ORDER, FlattenedAxis, ParallelDims
+from hyper_parallel.distributed.parallel_dims import MESH_AXIS_ORDER, FlattenedAxis, ParallelDims
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -195,7 +195,7 @@ def test_flattened_aliases(kwargs, world, expected):
 
 
 def test_axis_names_are_what_parallelize_expects():
-    from hyper_parallel.mesh import data_parallel_axes
+    from hyper_parallel.distributed.mesh import data_parallel_axes
     from hyper_parallel.layout import Layout
 
     pd = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2, pp=2, world_size=32)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hyper_parallel.pipeline import BatchDimSpec, CustomSchedule, MetaStep, MetaStepType, PipelinePlan
-from hyper_parallel.pipeline.api import input_names, leaf_specs, micro_batches
+from hyper_parallel.pipeline.micro_batches import input_names, leaf_specs, micro_batches
 from hyper_parallel.pipeline.plan import resolve_pipeline
 from hyper_parallel.pipeline.schedules import (
     SCHEDULES, analytic_bubble, build_schedule, equal_stage_bubble, peak_in_flight, split_backward_stages,

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hyper_parallel.layout import Layout, Partial, Replicate, Shard
-from hyper_parallel.mesh import (
+from hyper_parallel.distributed.mesh import (
     axis_size,
     data_parallel_axes,
     init_device_mesh,
@@ -38,7 +38,7 @@ from hyper_parallel.plan import (
     resolve_plan,
     shard_module,
 )
-from hyper_parallel.styles import (
+from hyper_parallel.tp.styles import (
     ColwiseParallel,
     PrepareModuleInput,
     PrepareModuleOutput,
@@ -207,7 +207,7 @@ def test_init_device_mesh_npu_imports_torch_npu_lazily(monkeypatch):
 def test_import_creates_no_process_group():
     code = (
         "import sys, torch.distributed as d\n"
-        "import hyper_parallel.mesh, hyper_parallel.layout, hyper_parallel.styles, hyper_parallel.plan\n"
+        "import hyper_parallel.distributed.mesh, hyper_parallel.layout, hyper_parallel.tp.styles, hyper_parallel.plan\n"
         "assert not d.is_initialized()\n"
         "assert 'torch_npu' not in sys.modules\n"
     )

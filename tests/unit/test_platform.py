@@ -1,4 +1,4 @@
-"""``hyper_parallel.platform.get_platform``: what it reports on this machine (checked against torch
+"""``hyper_parallel.distributed.platform.get_platform``: what it reports on this machine (checked against torch
 and /proc/meminfo read here), its errors, and that ``torch_npu`` is imported only when NPU is asked
 for or found installed (a stand-in ``torch_npu`` package on ``sys.path`` shows when it would be)."""
 
@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from hyper_parallel import platform as hp_platform
-from hyper_parallel.platform import Platform, get_platform
+from hyper_parallel.distributed import platform as hp_platform
+from hyper_parallel.distributed.platform import Platform, get_platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _ACCELERATOR = torch.accelerator.current_accelerator(check_available=True)
@@ -123,7 +123,7 @@ def test_importing_the_package_does_not_import_torch_npu(tmp_path):
     fake = _fake_torch_npu(tmp_path, "LOADED = True\n")
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]);"
-        "import hyper_parallel, hyper_parallel.platform, hyper_parallel.process_group;"
+        "import hyper_parallel, hyper_parallel.distributed.platform, hyper_parallel.distributed.process_group;"
         "print('torch_npu' in sys.modules)"
     )
     out = subprocess.run(

@@ -1,5 +1,5 @@
 """``parallelize(repeated_blocks=...)`` (issue 20): capture traces two blocks of a ModuleList of
-identical blocks and writes the others as copies (compile/repeated_blocks.py).
+identical blocks and writes the others as copies (compile/repeated/).
 
 The oracle is the trace of every block: the copied joint graph must equal it node for node (ops,
 arguments, module stacks, source lines, autograd sequence order, parameter and gradient slots),
@@ -19,8 +19,8 @@ import torch.nn as nn
 
 import hyper_parallel as hp
 from hyper_parallel.compile.capture import capture
-from hyper_parallel.compile.repeated_blocks import capture_blocks_once, check_option
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.compile.repeated import capture_blocks_once, check_option
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.testing.parity import build_model, global_batch
 
 
@@ -87,7 +87,7 @@ def test_transformers_models_copy_exactly_or_trace_every_block(arch, caplog):
     model = build_model(f"hf:{arch}", **_four_layers(arch))
     batch = global_batch(arch, 2, 16, seed=1)
     full = capture(model, (), batch)
-    with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated_blocks"):
+    with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated.capture"):
         copied, traced = _captured(capture_blocks_once(model, (), batch, {}, {}, "auto", lambda: None))
     if ZOO[arch].endswith("traced"):
         assert traced == ZOO[arch]
@@ -185,7 +185,7 @@ def test_blocks_that_differ_are_all_traced(mode, why, caplog):
     model = _Stack(mode)
     x, target = torch.randn(4, 8), torch.randn(4, 8)
     full = capture(model, (x, target), {})
-    with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated_blocks"):
+    with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated.capture"):
         copied, traced = _captured(capture_blocks_once(model, (x, target), {}, {}, {}, "auto", lambda: None))
     assert traced == "" and why in caplog.text, caplog.text
     _assert_same_capture(full, copied)
@@ -202,7 +202,7 @@ def test_checkpointed_blocks_are_all_traced(caplog):
     with capturing():
         full = capture(model, (x, target), {})
         full_regions = len(annotated_regions())
-    with capturing(), caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated_blocks"):
+    with capturing(), caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated.capture"):
         copied, traced = _captured(
             capture_blocks_once(model, (x, target), {}, {}, {}, "layers", forget_annotated_regions))
         regions = len(annotated_regions())

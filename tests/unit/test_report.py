@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel.cli import main
+from hyper_parallel.tools.cli import main
 from hyper_parallel.passes import pass_names
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,7 +33,7 @@ DUMP_FILES = ("passes.json", "memory.json", "trace.json", "summary.json", "layou
 
 def _compile(dump_dir: str):
     from hyper_parallel.api import compile_for_inputs
-    from hyper_parallel.explain import fake_world
+    from hyper_parallel.tools.explain import fake_world
     from hyper_parallel.models.llama import LlamaConfig, LlamaForCausalLM
     from hyper_parallel.models.plans import llama_tp_plan
 
@@ -123,6 +123,11 @@ def test_passes_json_accounts_for_every_node(dump):
     assert any("all_gather" in e["op"] for e in by["lowered"]["added"])
     assert by["bucketing"]["added"] and by["bucketing"]["removed"]
     assert by["prefetch"]["moved"]
+    # Ops are named alike in every run: a Python function target (the agreement gate, the
+    # collective-input releases) by its module and name, never by its repr's address.
+    ops = {e["op"] for s in stages for e in s["added"] + s["removed"] + s["moved"]}
+    assert "hyper_parallel.runtime.agreement_gate.await_agreement" in ops, sorted(ops)
+    assert not [op for op in ops if " at 0x" in op], sorted(ops)
     assert by["partition"]["programs"] == dump["counts"]
 
 
@@ -355,7 +360,7 @@ def test_chromium_check_catches_script_errors(tmp_path):
     """The harness itself: an uncaught error is seen both in the console log and in data-errors.
     (The page it breaks has no data at all: it still renders, each section saying what is missing.)"""
     _chromium()
-    from hyper_parallel.report.page import render_page
+    from hyper_parallel.tools.report.page import render_page
 
     page = render_page({"rank": 0, "ranks": [0], "dump_dir": "x", "summary": {}, "passes": [], "missing": {},
                         "layouts": {"columns": ["node"], "rows": []}, "timeline": None, "memory": None})

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import hyper_parallel as hp
-from hyper_parallel.explain import compile_for_explain, fake_world
+from hyper_parallel.tools.explain import compile_for_explain, fake_world
 from hyper_parallel.models import LlamaConfig, LlamaForCausalLM, llama_tp_plan
 
 BATCH, SEQ = 4, 16

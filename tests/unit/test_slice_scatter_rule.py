@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 import hyper_parallel as hp
-from hyper_parallel.explain import fake_world
+from hyper_parallel.tools.explain import fake_world
 from hyper_parallel.propagation.engine import make_spec
 from hyper_parallel.propagation.rules import propagate_op
 

@@ -1,4 +1,4 @@
-"""The compile-time SPMD check's comparison (spmd.py), on collective sequences built by hand for
+"""The compile-time SPMD check's comparison (distributed/spmd.py), on collective sequences built by hand for
 four ranks on a ("dp", "tp") mesh of (2, 2): ranks (0, 1) and (2, 3) are the tp groups, (0, 2) and
 (1, 3) the dp groups. What must agree is compared, and only that: each group's sequence, sizes
 included, among its members; the whole sequence without sizes among all ranks. Every mismatch
@@ -9,7 +9,7 @@ tests/distributed/test_moe_fsdp_tp.py (sizes that differ between data-parallel g
 import pytest
 
 from hyper_parallel.ir.collectives import Collective
-from hyper_parallel.spmd import _differs, _Sequences, first_difference
+from hyper_parallel.distributed.spmd import _differs, _Sequences, first_difference
 
 GROUPS = {"tp0": (0, 1), "tp1": (2, 3), "dp0": (0, 2), "dp1": (1, 3)}
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "send_recv")

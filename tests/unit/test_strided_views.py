@@ -12,7 +12,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import hyper_parallel as hp
 from hyper_parallel import compat
-from hyper_parallel.explain import fake_world
+from hyper_parallel.tools.explain import fake_world
 from hyper_parallel.propagation.strided_views import _dtensor_refuses, unflatten_placements
 
 

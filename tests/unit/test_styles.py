@@ -1,4 +1,4 @@
-"""Unit tests for hyper_parallel.styles: fields, defaults, reprs, resolve() and parse_style()."""
+"""Unit tests for hyper_parallel.tp.styles: fields, defaults, reprs, resolve() and parse_style()."""
 
 import dataclasses
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.layout import Partial, Replicate, Shard
-from hyper_parallel.styles import (
+from hyper_parallel.tp.styles import (
     STYLE_NAMES,
     ColwiseParallel,
     ParallelStyle,

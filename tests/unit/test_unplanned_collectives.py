@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.api import compile_for_inputs
-from hyper_parallel.explain import fake_world
+from hyper_parallel.tools.explain import fake_world
 from hyper_parallel.models.plans import llama_tp_plan
 from hyper_parallel.testing.parity import build_model, global_batch
 

@@ -1,0 +1,156 @@
+"""``hyper-parallel`` command line (also ``python -m hyper_parallel``).
+
+Subcommands:
+
+- ``explain``: compile a plan for a simulated mesh on the fake process-group backend and print
+  one rank's memory, collectives, estimated step time and MFU (``hyper_parallel/tools/explain.py``)::
+
+      hyper-parallel explain --model example --config llama3-70b --parallel dp_shard=-1,tp=8 \\
+          --world-size 1024 --plan fsdp+tp --hardware h100
+
+  With a context-parallel axis the sequence is sharded over ``cp`` (ring attention, K/V gathered
+  with ``--cp-mode all_gather``, or Ulysses with ``--cp-mode all_to_all``); e.g. Llama 3 8B at 128k tokens, which fits an H100 only with
+  cp (the same 64 ranks as ``dp_shard=64`` do not fit)::
+
+      hyper-parallel explain --config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 \\
+          --world-size 64 --recompute full
+
+- ``report``: one self-contained HTML page about a compile from its dump directory (passes, layouts,
+  the estimated timeline, memory over the step) plus the step's Chrome trace
+  (``hyper_parallel/tools/report/``)::
+
+      hyper-parallel report /tmp/dump --rank 0 --out report.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    from .explain import HARDWARE, OPTIMIZERS
+    from .presets import CP_MODES, MODEL_PRESETS, PLAN_PRESETS
+
+    from .. import __version__
+
+    parser = argparse.ArgumentParser(prog="hyper-parallel", description="hyper_parallel command line tools")
+    parser.add_argument("--version", action="version", version=f"hyper-parallel {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    ex = sub.add_parser(
+        "explain", help="compile a plan on a simulated mesh and explain memory, communication and step time",
+        description="Compile MODEL with PLAN for a simulated mesh of --world-size ranks (torch's fake "
+        "process-group backend, meta tensors: no memory, no hardware) and print one rank's memory, "
+        "collectives per step, whether it fits the device, and the cost model's step time and MFU.",
+        epilog="Context parallelism: --parallel dp_shard=8,cp=8 shards each sequence over 8 ranks (the presets add "
+        "ring attention, all-gather attention with --cp-mode all_gather, or Ulysses with --cp-mode all_to_all). Example: Llama 3 8B at 128k tokens fits an "
+        "H100 with cp (--config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 --world-size 64 "
+        "--recompute full: peak about 41 GiB) and not without it (--parallel dp_shard=64: about 288 GiB).",
+    )
+    ex.add_argument("--model", default="example",
+                    help="'example' (hyper_parallel.models.LlamaForCausalLM, or models.moe.MoEForCausalLM for a "
+                    "config with num_experts) or hf:<Architecture> "
+                    "(transformers, e.g. hf:LlamaForCausalLM); default: example")
+    ex.add_argument("--config", default="llama3-8b",
+                    help=f"model shape: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file of LlamaConfig "
+                    "fields (may name a preset under \"base\"); default: llama3-8b")
+    ex.add_argument("--parallel", default="dp_shard=-1",
+                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 or dp_shard=8,cp=8 (dp_replicate, dp_shard, "
+                    "cp, tp, ep, etp; -1 infers dp_shard); default: dp_shard=-1")
+    ex.add_argument("--world-size", type=int, default=8, help="number of simulated ranks; default: 8")
+    ex.add_argument("--rank", type=int, default=0, help="the rank to simulate and report; default: 0")
+    ex.add_argument("--plan", default="fsdp",
+                    help=f"a preset ({', '.join(PLAN_PRESETS)}) or a Python file defining `plan` (a "
+                    "ParallelPlan/dict or plan(mesh_axes, config)); default: fsdp")
+    ex.add_argument("--hardware", default="h100", type=str.lower, choices=HARDWARE,
+                    help="hardware profile for memory capacity and the cost model; default: h100")
+    ex.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer state to count; default: adamw")
+    ex.add_argument("--local-batch", type=int, default=1,
+                    help="sequences per data-parallel rank (per-rank batch); default: 1")
+    ex.add_argument("--seq-len", type=int, default=8192,
+                    help="tokens per sequence (the whole sequence: with cp=N each rank holds 1/N of it); "
+                    "default: 8192")
+    ex.add_argument("--cp-mode", default="ring", choices=CP_MODES,
+                    help="attention of the plan presets when --parallel has cp > 1: ring (K/V blocks around the "
+                    "cp ring, load-balanced causal chunks), all_gather (the same, K/V gathered once per "
+                    "attention) or all_to_all (Ulysses: cp must divide the heads); default: ring")
+    ex.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                    help="compute dtype (bf16 with FSDP: fp32 master weights, fp32 reduction); default: bf16")
+    ex.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                    help="activation recompute of every decoder layer (selective keeps every matmul, "
+                         "attention and collective output; another policy: a --plan file that sets recompute, as the "
+                         "repository's bench/plans/torchtitan_op_sac.py); default: none")
+    ex.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of the config")
+    ex.add_argument("--json", action="store_true", help="print the report as JSON")
+    ex.add_argument("--trace", default=None, metavar="FILE",
+                    help="also write the simulated step as a Chrome trace JSON (open it in Perfetto)")
+    ex.add_argument("--dump-dir", default=None, metavar="DIR",
+                    help="also write the compile's dumps (graphs per pass, layouts, summary, the step trace "
+                    "on --hardware) for `hyper-parallel report DIR`")
+    ex.add_argument("--repeated-blocks", default=None, choices=("auto",),
+                    help="trace, propagate and lower two layers and copy the others "
+                    "(parallelize(repeated_blocks='auto')): the same report, Llama 3 70B in about a sixth "
+                    "of the time")
+    rep = sub.add_parser(
+        "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
+        description="Read DUMP_DIR (written by parallelize(..., dump_dir=DUMP_DIR) or HYPER_PARALLEL_DUMP_DIR) "
+        "and write one self-contained HTML page for one rank: summary, nodes each pass added and removed, "
+        "the layout table with search, collectives on the cost model's estimated timeline, memory over the "
+        "step; plus the simulated step as a Chrome trace JSON (open it in Perfetto).",
+    )
+    rep.add_argument("dump_dir", metavar="DUMP_DIR", help="the dump directory (holds rank<N>/ folders)")
+    rep.add_argument("--rank", type=int, default=None, help="the rank to report on; default: the lowest in the dump")
+    rep.add_argument("--out", default=None,
+                     help="the HTML file to write; default: DUMP_DIR/report.html (the trace goes next to it, "
+                     "as <name>.trace.json)")
+    return parser
+
+
+def _explain(args) -> int:
+    from .explain import explain, format_report
+
+    report = explain(
+        model=args.model, config=args.config, parallel=args.parallel, world_size=args.world_size,
+        plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
+        local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
+        num_layers=args.layers, cp_mode=args.cp_mode, trace_path=args.trace, dump_dir=args.dump_dir,
+        repeated_blocks=args.repeated_blocks,
+    )
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(format_report(report))
+    return 0
+
+
+def _report(args) -> int:
+    from .report import write_report
+
+    page, trace = write_report(args.dump_dir, rank=args.rank, out=args.out)
+    print(f"report: {page}")
+    print(f"trace:  {trace}" if trace else "trace:  none (the dump has no trace.json: the cost model was skipped)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``hyper-parallel`` console script. User errors (bad degrees, unknown
+    presets, plans that do not fit the model) print one ``error:`` line and exit with status 2."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "explain":
+            return _explain(args)
+        if args.command == "report":
+            return _report(args)
+    except (ValueError, TypeError, ImportError) as e:
+        parser.exit(2, f"hyper-parallel {args.command}: error: {e}\n")
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
