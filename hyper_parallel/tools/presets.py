@@ -298,8 +298,14 @@ def _drop_uneven_vocab_tp(plan: dict, axes: dict[str, int], config: dict[str, An
     if "model.norm" in tp_plan:  # sequence parallel: the final norm's output is sequence-sharded
         from torch.distributed.tensor import Replicate, Shard
 
-        from ..tp.styles import PrepareModuleInput
+        from ..tp.styles import PrepareModuleInput, PrepareModuleOutput
 
+        # The blocks pass sequence shards between them; the replicated embedding's output is cut
+        # into them once, before the first block (else block 0 cuts its input twice, at its norm
+        # and at its residual add, and gathers both gradients, and its program is not block 1's,
+        # so the block copy falls back to lowering every block).
+        tp_plan["model.embed_tokens"] = PrepareModuleOutput(output_layouts=(Replicate(),),
+                                                            desired_output_layouts=(Shard(1),))
         # lm_head is replicated over tp: gather the whole sequence before it, once, explicitly.
         tp_plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     plan["tensor_parallel"] = tp_plan

@@ -156,6 +156,30 @@ def test_sequence_parallel_preset_with_vocab_left_out_of_tensor_parallelism():
 
 
 @pytest.mark.slow
+def test_block_copy_with_the_embedding_left_out_of_tensor_parallelism(caplog):
+    """The same preset at 3 layers: the replicated embedding's output is cut into sequence shards
+    once, before the first block, so block 0's lowered program is block 1's and the block copy
+    holds (it fell back to lowering every block: at Llama 3 8B on 1,024 ranks, dp_shard=128, the
+    16,032 vocabulary rows of a tp=8 shard do not divide, and the compile took 59 s instead of 10).
+    The copied program has the collectives of the one lowered block by block."""
+    import logging
+
+    config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 256, "intermediate_size": 512,
+              "num_attention_heads": 8, "num_hidden_layers": 3, "vocab_size": 1000}
+    reports = {}
+    for blocks in ("auto", None):
+        with caplog.at_level(logging.INFO, logger="hyper_parallel"):
+            caplog.clear()
+            reports[blocks] = explain(config=config, parallel="dp_shard=-1,tp=2", world_size=16, plan="fsdp+tp+sp",
+                                      seq_len=64, repeated_blocks=blocks)
+        if blocks == "auto":
+            assert "copy blocks" in caplog.text, caplog.text
+            assert "every block" not in caplog.text, caplog.text
+    assert reports["auto"]["collectives"] == reports[None]["collectives"]
+    assert "500 vocabulary rows" in reports["auto"]["plan"]["notes"][0]
+
+
+@pytest.mark.slow
 def test_mfu_counts_model_flops_and_hfu_adds_recompute():
     config = {**presets.MODEL_PRESETS["llama3-8b"], "hidden_size": 512, "intermediate_size": 1024,
               "num_attention_heads": 8, "num_hidden_layers": 2, "vocab_size": 1024}
