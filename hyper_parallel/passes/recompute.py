@@ -75,6 +75,7 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
         elif region.kind == "recompute" and not decision.saves:
             recomputed[node] = region.key
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    made: set[torch.fx.Node] = set()  # copies.values(), for the membership test below (a set: O(1))
     region_inputs: dict[torch.fx.Node, object] = {}  # values recompute chains read from outside
 
     def copy_before(node: torch.fx.Node, anchor: torch.fx.Node, key: str) -> torch.fx.Node:
@@ -91,10 +92,11 @@ def recompute_pass(gm: torch.fx.GraphModule, ctx) -> torch.fx.GraphModule:
             tag(new, BACKWARD)
             new.meta[meta.RECOMPUTE] = key
             copies[node] = new
+            made.add(new)
         return copies[node]
 
     for user in list(graph.nodes):
-        if not is_tagged_backward(user) or user in copies.values():
+        if not is_tagged_backward(user) or user in made:
             continue
         for arg in list(user.all_input_nodes):
             if arg in recomputed:
