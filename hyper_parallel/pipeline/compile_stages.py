@@ -54,7 +54,7 @@ from ..distributed.spmd import check_spmd_on_mesh
 from .loss import expose_loss_count, loss_combination, loss_source
 from .step_arguments import loss_of
 from .plan import AUTO
-from .runtime import PipelineExecutor, StageProgram, variants_of, weight_outputs, check_split
+from .runtime import PipelineExecutor, StageProgram, check_split, variants_of, weight_outputs
 from .schedules import (
     CustomSchedule, analytic_bubble, equal_stage_bubble, format_schedule, split_backward_stages,
 )

@@ -13,7 +13,6 @@ from ..compat import pytree
 from .plan import DEFAULT_INPUT, TARGETS, BatchDimSpec
 
 
-
 def input_names(forward: Callable, num_args: int, kwargs: Mapping, with_targets: bool) -> list[str]:
     """The batch_dims name of each top-level input of a step: ``forward``'s parameter names for the
     positional ones (``[i]`` past them), the keys for the keyword ones, ``"targets"`` last when

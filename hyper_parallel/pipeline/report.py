@@ -15,7 +15,6 @@ from .schedules import MetaStepType, simulate
 from .state import PipelineState
 
 
-
 _PROGRAM_OF_STEP = {MetaStepType.FORWARD: "forward", MetaStepType.BACKWARD: "backward",
                     MetaStepType.BACKWARD_INPUT: "backward input", MetaStepType.BACKWARD_WEIGHT: "backward weight"}
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-
 from ..passes.pipeline_split import StageGraph
 from .plan import ResolvedPipeline
 from .runtime import PipelineExecutor, StageProgram
-
 
 
 # Name suffixes of a stage's variants (summary keys), and their dump folders / Inductor labels.
