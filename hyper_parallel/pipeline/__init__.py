@@ -1,7 +1,10 @@
 """Pipeline parallelism: stage split, schedules and the executor.
 
 ``ParallelPlan.pipeline = hp.PipelinePlan(...)`` (pipeline/plan.py) cuts the captured program into stages
-(passes/pipeline_split.py), api.py compiles this rank's stages, runtime.py runs them on a schedule
+(passes/pipeline_split.py), compile_stages.py compiles this rank's stages (through the back half
+every compile shares, compile/programs.py), step.py runs a step (state.py: what the module keeps
+between steps; micro_batches.py: the inputs cut; report.py: collectives and bubbles), runtime.py
+runs the stages on a schedule
 (schedules/: the built-in ones, or a hand-written ``CustomSchedule`` of ``MetaStep`` lists) over
 micro-batches cut along each input's batch dim (``BatchDimSpec`` in plan.py), and auto.py
 places the cuts with the cost model when ``split_points="auto"``.
