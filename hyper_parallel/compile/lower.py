@@ -106,9 +106,44 @@ def _in_memory_order_of(local: torch.Tensor, tensor_meta) -> torch.Tensor:
 
 def _move(local: torch.Tensor, src, dst) -> torch.Tensor:
     for step in _reduction_steps(src, dst):
-        local = compat.redistribute_local_tensor(local, src, step)
+        split = _local_splits(src, step)
+        if split is not None:
+            local = _take_own_parts(local, src.mesh, split)
+        else:
+            local = compat.redistribute_local_tensor(local, src, step)
         src = step
     return local
+
+
+def _local_splits(src, dst) -> list[tuple[int, int]] | None:
+    """(mesh axis, tensor dim) of each Replicate -> Shard of ``src`` -> ``dst`` when that is all
+    it does, on distinct tensor dims; else None (DTensor lowers it).
+
+    Such a step is local: each rank keeps its part. DTensor traces it as ``torch.chunk`` into one
+    output per rank of the axis and keeps one: over an FSDP axis of thousands of ranks that is
+    thousands of graph nodes per redistribution, which every later step of a large compile walks.
+    :func:`_take_own_parts` traces one ``narrow`` instead, with the same values."""
+    splits = []
+    for axis, (a, b) in enumerate(zip(src.placements, dst.placements)):
+        if a == b:
+            continue
+        if not (a.is_replicate() and type(b) is Shard):
+            return None
+        splits.append((axis, b.dim))
+    if not splits or len({dim for _, dim in splits}) < len(splits):
+        return None
+    return splits
+
+
+def _take_own_parts(local: torch.Tensor, mesh, splits) -> torch.Tensor:
+    """This rank's part of ``local`` along each (mesh axis, tensor dim) of ``splits``: DTensor's
+    chunking (sizes rounded up, the last parts shorter or empty), as a narrow, then a clone (a
+    shard owns its storage, as DTensor's does)."""
+    coordinate = mesh.get_coordinate()
+    for axis, dim in splits:
+        size, offset = Shard.local_shard_size_and_offset(local.size(dim), mesh.size(axis), coordinate[axis])
+        local = local.narrow(dim, offset, size)
+    return local.clone()
 
 
 def _reduction_steps(src, dst) -> list:

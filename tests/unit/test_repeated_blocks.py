@@ -172,6 +172,16 @@ class _Stack(nn.Module):
                 x = hp.checkpoint(block, x)  # a region per call: the regions differ
             else:
                 x = block(x)
+        if self.mode == "len":
+            x = x / len(self.layers)  # a formula with the number of blocks
+        if self.mode == "last":
+            x = self.layers[-1](x)  # the last block again: block 1 in a two-block trace
+        if self.mode == "slice":
+            for block in self.layers[1:3]:  # blocks 1 and 2: one block in a two-block trace
+                x = block(x)
+        if self.mode == "range":
+            for i in range(4):  # an index past the traced blocks: an IndexError in a two-block trace
+                x = self.layers[i](x)
         return {"loss": torch.nn.functional.mse_loss(x, target)}
 
 
@@ -179,6 +189,10 @@ class _Stack(nn.Module):
     ("attribute", "attribute 'scale' differs between blocks"),
     ("hook", "block 2's hooks on 'down' differ from block 1's"),
     ("outside input", "the blocks read different values from outside"),
+    ("len", "the forward computes with the number of blocks (len() at "),
+    ("last", "the forward computes with the number of blocks (index [-1] at "),
+    ("slice", "the forward computes with the number of blocks (slice [1:3:None] at "),
+    ("range", "the forward computes with the number of blocks (index [2] at "),
 ])
 def test_blocks_that_differ_are_all_traced(mode, why, caplog):
     torch.manual_seed(0)

@@ -62,9 +62,17 @@ def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries,
     if blocks is not None:
         traced_boundaries = {fqn: cons for fqn, cons in (boundaries or {}).items()
                              if (block_index(fqn, blocks.prefix) or 0) < TRACED}
-        with first_blocks_only(model, blocks):
-            two = capture(model, args, kwargs, traced_boundaries, experts)
         try:
+            failed = None
+            with first_blocks_only(model, blocks) as cut:
+                try:
+                    two = capture(model, args, kwargs, traced_boundaries, experts)
+                except Exception as exc:
+                    failed = exc
+            if failed is not None and not cut.seen:  # not the cut's doing: the full trace fails alike
+                raise failed
+            if cut.seen:  # what it read (or failed on: an index past the cut) differs with every block
+                raise BlocksDiffer(f"the forward computes with the number of blocks ({cut.seen[0]})")
             check_copyable(two, blocks)
             return BlockCapture(None, f"{TRACED} of {blocks.count} blocks of {blocks.prefix} traced", two, blocks,
                                 _copy_captured(two))

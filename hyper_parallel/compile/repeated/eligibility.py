@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 from typing import Callable
 
 import torch
@@ -78,15 +80,59 @@ def find_repeated_blocks(model: nn.Module, option, boundaries) -> tuple[Repeated
 
 @contextlib.contextmanager
 def first_blocks_only(model: nn.Module, blocks: RepeatedBlocks):
-    """The model with its list cut to the first :data:`TRACED` blocks while the block runs."""
+    """The model with its list cut to the first :data:`TRACED` blocks while the block runs; yields
+    the cut list (a :class:`FirstBlocks`, whose ``seen`` tells, once the block is left, what the
+    model's code read of it)."""
     parent_fqn, _, name = blocks.prefix.rpartition(".")
     parent = model.get_submodule(parent_fqn)
     full = getattr(parent, name)
-    parent._modules[name] = nn.ModuleList(list(full)[:TRACED])
+    cut = FirstBlocks(list(full)[:TRACED], len(full))
+    parent._modules[name] = cut
+    _SEEN[id(cut)] = []
     try:
-        yield
+        yield cut
     finally:
         parent._modules[name] = full
+        cut.seen = _SEEN.pop(id(cut))
+
+
+# What the model's code read of each cut list, while it is cut: kept outside the module, whose
+# attributes export restores after tracing.
+_SEEN: dict[int, list[str]] = {}
+
+
+_LIBRARIES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.split(".")[0]]))
+
+
+class FirstBlocks(nn.ModuleList):
+    """A list of blocks cut to the traced ones, noting what of the model's own code would see the
+    cut: its length (``len(self.layers)`` in a formula, a loop over ``range(len(...))``), an index
+    past the traced blocks or from the end, a slice that does not take the whole list. A trace that
+    read any of these is not the trace of every block with copies written in, so the compile traces
+    every block (:func:`~.capture.capture_blocks_once`). Reads by torch and this package (module
+    traversal, hooks) are not the model's and are not noted."""
+
+    def __init__(self, traced: list[nn.Module], full_count: int):
+        super().__init__(traced)
+        self.full_count = full_count
+        self.seen: list[str] = []  # set when the list is put back (first_blocks_only)
+
+    def _note(self, what: str) -> None:
+        caller = sys._getframe(2)
+        if id(self) in _SEEN and not caller.f_code.co_filename.startswith(_LIBRARIES):
+            _SEEN[id(self)].append(f"{what} at {caller.f_code.co_filename}:{caller.f_lineno}")
+
+    def __len__(self) -> int:
+        self._note("len()")
+        return super().__len__()
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            if index.indices(self.full_count) != (0, self.full_count, 1):
+                self._note(f"slice [{index.start}:{index.stop}:{index.step}]")
+        elif isinstance(index, int) and not 0 <= index < TRACED:
+            self._note(f"index [{index}]")
+        return super().__getitem__(index)
 
 
 def _why_not_repeated(prefix: str, blocks: list[nn.Module], boundaries) -> str:
