@@ -14,7 +14,7 @@ communication, MFU), ``trace`` (Chrome trace JSON of the simulated step)::
 from .comm import AxisInfo, axis_infos, axis_table, collective_time
 from .compute import NodeWork, node_work, roofline_time
 from .hardware import PROFILES, HardwareProfile, get_profile
-from .simulate import Event, StepEstimate, Timeline, mfu, optimizer_traffic, simulate
+from .simulate import Event, StepEstimate, Timeline, mfu, optimizer_time, optimizer_traffic, simulate, simulate_program
 from .trace import to_chrome_trace
 
 __all__ = [
@@ -31,8 +31,10 @@ __all__ = [
     "get_profile",
     "mfu",
     "node_work",
+    "optimizer_time",
     "optimizer_traffic",
     "roofline_time",
     "simulate",
+    "simulate_program",
     "to_chrome_trace",
 ]

@@ -36,7 +36,8 @@ from .compute import node_work, roofline_time, tensor_bytes
 from .hardware import HardwareProfile, get_profile
 from ..ir import meta
 
-__all__ = ["Event", "Timeline", "StepEstimate", "simulate", "optimizer_traffic", "mfu"]
+__all__ = ["Event", "Timeline", "StepEstimate", "simulate", "simulate_program", "optimizer_time",
+           "optimizer_traffic", "mfu"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,25 +239,50 @@ def simulate(
     collective states its size, else it is an error. ``optimizer_bytes`` / ``optimizer_tensors``:
     the optimizer step's memory traffic and tensor count (``optimizer_traffic``); 0 = no step."""
     profile = get_profile(profile)
-    sim = _Simulator(axes, profile)
     gms = _programs(programs)
+    return _simulate(gms, ["forward"] + ["backward"] * (len(gms) - 1), axes, profile, optimizer_bytes,
+                     optimizer_tensors)
+
+
+def simulate_program(gm: torch.fx.GraphModule, phase: str, axes: Mapping[str, AxisInfo],
+                     profile: HardwareProfile | str) -> StepEstimate:
+    """One program alone, as ``phase`` ("forward" or "backward": which boundary tensors the
+    runtime's host work converts): a pipeline stage's forward, backward, or split backward step."""
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"simulate_program: phase is 'forward' or 'backward', got {phase!r}")
+    return _simulate([gm], [phase], axes, get_profile(profile), 0, 0)
+
+
+def optimizer_time(optimizer_bytes: int, optimizer_tensors: int, profile: HardwareProfile | str) -> float:
+    """Seconds of an optimizer step moving ``optimizer_bytes`` over ``optimizer_tensors`` parameter
+    tensors (``optimizer_traffic``): memory-bound, plus a launch per tensor."""
+    profile = get_profile(profile)
+    if not (optimizer_bytes or optimizer_tensors):
+        return 0.0
+    per_tensor = profile.optimizer_tensor_overhead_s
+    per_tensor = profile.op_overhead_s if per_tensor is None else per_tensor
+    return optimizer_bytes / (profile.hbm_bandwidth * profile.memory_efficiency) + optimizer_tensors * per_tensor
+
+
+def _simulate(gms, phases, axes, profile: HardwareProfile, optimizer_bytes: int, optimizer_tensors: int) -> StepEstimate:
+    sim = _Simulator(axes, profile)
     phase_ends = []
-    for i, gm in enumerate(gms):
-        sim.run(gm, "forward" if i == 0 else "backward")
+    for gm, phase in zip(gms, phases):
+        sim.run(gm, phase)
         phase_ends.append(sim.compute_t)
     optimizer_s = 0.0
     if optimizer_bytes or optimizer_tensors:
-        per_tensor = profile.optimizer_tensor_overhead_s
-        per_tensor = profile.op_overhead_s if per_tensor is None else per_tensor
-        memory_s = optimizer_bytes / (profile.hbm_bandwidth * profile.memory_efficiency)
-        optimizer_s = memory_s + optimizer_tensors * per_tensor
+        optimizer_s = optimizer_time(optimizer_bytes, optimizer_tensors, profile)
         sim.events.append(Event("optimizer.step", "compute", "compute", sim.compute_t, sim.compute_t + optimizer_s,
                                 op="optimizer.step", bytes=optimizer_bytes, phase="optimizer"))
         sim.compute_t += optimizer_s
     events = sim.events
     compute_s = sum(e.duration_s for e in events if e.category == "compute")
-    forward_s = phase_ends[0] if phase_ends else 0.0
-    backward_s = (phase_ends[-1] - forward_s) if len(phase_ends) > 1 else 0.0
+    if phases[:1] == ["forward"]:
+        forward_s = phase_ends[0] if phase_ends else 0.0
+        backward_s = (phase_ends[-1] - forward_s) if len(phase_ends) > 1 else 0.0
+    else:  # a backward program alone
+        forward_s, backward_s = 0.0, phase_ends[-1] if phase_ends else 0.0
     return StepEstimate(
         timeline=Timeline(events), profile=profile.name, compute_s=compute_s,
         comm_s=sum(e.duration_s for e in events if e.category == "comm"), exposed_comm_s=sim.exposed,

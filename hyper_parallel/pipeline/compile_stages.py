@@ -84,8 +84,10 @@ def loss_forward(module: nn.Module, loss_fn: Callable | None, original_forward: 
 
 
 @older_objects_frozen()
-def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineEntry:
-    """Compile one micro-batch signature into this rank's stage programs (module docstring)."""
+def compile_pipeline(module, args: tuple, kwargs: dict, flat: list, every_stage: bool = False) -> PipelineEntry:
+    """Compile one micro-batch signature into this rank's stage programs (module docstring).
+    ``every_stage``: the programs of every stage, not only this rank's (planning on a fake mesh:
+    ``step_cost.pipeline_cost`` prices them all; such an entry is not run)."""
     state = module._hp
     pipe: PipelineState = state.pipeline
     resolved = pipe.resolved
@@ -130,7 +132,7 @@ def compile_pipeline(module, args: tuple, kwargs: dict, flat: list) -> PipelineE
     colls = {}
     pass_seconds: dict = {"rewrites": lowered.rewrite_seconds}
     reductions = {}
-    for s in resolved.local_stages:
+    for s in range(resolved.num_stages) if every_stage else resolved.local_stages:
         graph = stages[s]
         # Gradients summed by the programs and reduced once per step (passes/pipeline_split.py): the
         # variant of the stage's last micro-batch keeps the plain names and dump folders, the others

@@ -39,7 +39,6 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     """``ParallelModule.step`` for a pipelined module (see :meth:`ParallelModule.step`)."""
     state = module._hp
     pipe: PipelineState = state.pipeline
-    plan = pipe.resolved.plan
     _check_no_fsdp_flags(state)
     args, kwargs = call_arguments(inputs, targets, pipe.loss_fn)
     flat, in_spec = pytree.tree_flatten((args, kwargs))
@@ -60,12 +59,7 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
     begin_agreement(state, "step", pipe.mesh, digest_of(text), lambda: text + (f" ({changed})" if changed else ""),
                     problem, reusing=seen in pipe.reused)
     try:
-        # Each tensor input is cut along its batch dim (PipelinePlan.batch_dims, else dim 0).
-        forward = state.original_cls.forward.__get__(module)
-        names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
-        labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
-        mbs = micro_batches(flat, plan.num_microbatches, labels, specs)
-
+        mbs = _cut(module, args, kwargs, flat)
         key = (in_spec, tuple(signature(x) for x in mbs[0]), autocast, variant)
 
         def compile() -> PipelineEntry:
@@ -103,6 +97,35 @@ def pipeline_step(module, inputs: Any, targets: Any = None) -> torch.Tensor:
         return loss
     finally:
         agreement_gate.await_agreement()
+
+
+def compile_step(module, inputs: Any, targets: Any = None, *, every_stage: bool = False) -> PipelineEntry:
+    """Compile the stage programs ``step(inputs, targets)`` would run, without running them and
+    without the ranks' agreement (planning on a fake mesh, ``api.compile_for_inputs``): the entry
+    becomes the module's last. ``every_stage``: every stage's programs, not only this rank's (for
+    ``step_cost.pipeline_cost``; the module can then not run that entry)."""
+    state = module._hp
+    pipe: PipelineState = state.pipeline
+    args, kwargs = call_arguments(inputs, targets, pipe.loss_fn)
+    flat, in_spec = pytree.tree_flatten((args, kwargs))
+    mbs = _cut(module, args, kwargs, flat)
+    mb_args, mb_kwargs = pytree.tree_unflatten(mbs[0], in_spec)
+    with training_grad_mode():
+        entry = compile_pipeline(module, mb_args, mb_kwargs, mbs[0], every_stage=every_stage)
+    pipe.last = entry
+    return entry
+
+
+def _cut(module, args: tuple, kwargs: dict, flat: list) -> list:
+    """The step's micro-batches (flat inputs each): every tensor input cut along its batch dim
+    (PipelinePlan.batch_dims, else dim 0)."""
+    state = module._hp
+    pipe: PipelineState = state.pipeline
+    plan = pipe.resolved.plan
+    forward = state.original_cls.forward.__get__(module)
+    names = input_names(forward, len(args), kwargs, pipe.loss_fn is not None)
+    labels, specs = leaf_specs(args, kwargs, names, plan.batch_dims, forward)
+    return micro_batches(flat, plan.num_microbatches, labels, specs)
 
 
 def _parameter_change_problem(module, pipe: PipelineState) -> str | None:

@@ -33,7 +33,7 @@ __all__ = ["main"]
 
 def _build_parser() -> argparse.ArgumentParser:
     from .explain import HARDWARE, OPTIMIZERS
-    from .presets import CP_MODES, MODEL_PRESETS, PLAN_PRESETS
+    from .presets import CP_MODES, MODEL_PRESETS, PIPELINE_SCHEDULES, PLAN_PRESETS
 
     from .. import __version__
 
@@ -59,8 +59,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help=f"model shape: a preset ({', '.join(MODEL_PRESETS)}) or a JSON file of LlamaConfig "
                     "fields (may name a preset under \"base\"); default: llama3-8b")
     ex.add_argument("--parallel", default="dp_shard=-1",
-                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8 or dp_shard=8,cp=8 (dp_replicate, dp_shard, "
-                    "cp, tp, ep, etp; -1 infers dp_shard); default: dp_shard=-1")
+                    help="ParallelDims degrees, e.g. dp_shard=-1,tp=8, dp_shard=8,cp=8 or dp_shard=-1,tp=8,pp=8 "
+                    "(dp_replicate, dp_shard, cp, tp, pp, ep, etp; -1 infers dp_shard); default: dp_shard=-1")
     ex.add_argument("--world-size", type=int, default=8, help="number of simulated ranks; default: 8")
     ex.add_argument("--rank", type=int, default=0, help="the rank to simulate and report; default: 0")
     ex.add_argument("--plan", default="fsdp",
@@ -84,6 +84,15 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="activation recompute of every decoder layer (selective keeps every matmul, "
                          "attention and collective output; another policy: a --plan file that sets recompute, as the "
                          "repository's bench/plans/torchtitan_op_sac.py); default: none")
+    ex.add_argument("--pp-schedule", default="1F1B", choices=PIPELINE_SCHEDULES,
+                    help="pipeline schedule with pp > 1 (Interleaved1F1B: --stages-per-rank stages per rank, "
+                    "default 2; ZBH1: zero bubble, split backward); default: 1F1B")
+    ex.add_argument("--microbatches", type=int, default=None,
+                    help="micro-batches each step's local batch is cut into with pp > 1 (they must divide "
+                    "--local-batch); default: pp")
+    ex.add_argument("--stages-per-rank", type=int, default=None,
+                    help="pipeline stages per pp rank (virtual stages; 2+ for Interleaved1F1B); default: 2 "
+                    "for Interleaved1F1B, else 1")
     ex.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of the config")
     ex.add_argument("--json", action="store_true", help="print the report as JSON")
     ex.add_argument("--trace", default=None, metavar="FILE",
@@ -118,7 +127,8 @@ def _explain(args) -> int:
         plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
         local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
         num_layers=args.layers, cp_mode=args.cp_mode, trace_path=args.trace, dump_dir=args.dump_dir,
-        repeated_blocks=args.repeated_blocks,
+        repeated_blocks=args.repeated_blocks, pp_schedule=args.pp_schedule, num_microbatches=args.microbatches,
+        stages_per_rank=args.stages_per_rank,
     )
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True, default=str))

@@ -188,6 +188,9 @@ def explain(
     trace_path: str | None = None,
     dump_dir: str | None = None,
     repeated_blocks: str | None = None,
+    pp_schedule: str = "1F1B",
+    num_microbatches: int | None = None,
+    stages_per_rank: int | None = None,
 ) -> dict:
     """Compile ``plan`` for ``model`` on a simulated ``world_size``-rank mesh and return the
     report of rank ``rank`` (a JSON-friendly dict; :func:`format_report` prints it).
@@ -206,6 +209,11 @@ def explain(
     compile's dumps there as ``parallelize(dump_dir=)`` does, with the step trace of ``hardware``
     (``hyper-parallel report DUMP_DIR`` turns them into a page); ``repeated_blocks``: as
     ``parallelize``'s (``"auto"``: trace two layers and copy the others, the same report sooner).
+    With ``pp`` in ``parallel`` a preset plan gets a pipeline (``presets.pipeline_entry``: equal
+    stages, ``pp_schedule`` "GPipe", "1F1B", "Interleaved1F1B" or "ZBH1", ``num_microbatches``
+    (default pp) micro-batches of the ``local_batch`` sequences, ``stages_per_rank``) and the report
+    is the whole pipelined step (``tools/explain_pipeline.py``): its ``pipeline`` entry has the
+    bubble, each stage's times and memory and each pp rank's peak.
     """
     started = time.perf_counter()
     if hardware.lower() not in HARDWARE:
@@ -241,8 +249,16 @@ def explain(
     dims = ParallelDims(**degrees, world_size=world_size, seq_len=seq_len, model_config=fields)
     axes = dims.mesh_axes()
     cp = axes.get("cp", 1)
+    pp = axes.get("pp", 1)
+    pipeline = {"schedule": pp_schedule, "num_microbatches": num_microbatches, "stages_per_rank": stages_per_rank}
     choice = presets.build_plan(plan, axes, fields, mixed_precision=dtype == "bf16", recompute=recompute,
-                                cp_mode=cp_mode, ulysses_degree=degrees.get("ulysses_degree"))
+                                cp_mode=cp_mode, ulysses_degree=degrees.get("ulysses_degree"), pipeline=pipeline)
+    if pp > 1:
+        pipe_plan = choice.plan.get("pipeline") if isinstance(choice.plan, dict) else getattr(choice.plan, "pipeline")
+        microbatches = getattr(pipe_plan, "num_microbatches", None) or (pipe_plan or {}).get("num_microbatches", 1)
+        if local_batch % microbatches:
+            raise ValueError(f"--local-batch {local_batch} does not split into {microbatches} micro-batches: give a "
+                             f"multiple of {microbatches} sequences per data-parallel rank (or --microbatches)")
     compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     net, _ = build_model(model, fields)
     num_params = sum(p.numel() for p in {id(p): p for p in net.parameters()}.values())
@@ -261,16 +277,30 @@ def explain(
         with torch.device("meta"):  # this rank's inputs: its slice of each sequence under cp
             ids = torch.zeros(local_batch, seq_len // cp, dtype=torch.long)
         compile_start = time.perf_counter()
-        pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids},
-                                     dump_dir=dump_dir, repeated_blocks=repeated_blocks)
-        compile_s = time.perf_counter() - compile_start
-        summary = pmodel.compile_summary(memory=False)  # memory_report prices it with the optimizer
         labels = _flattened_axis_labels(mesh, dims.flattened_axes())
         # The optimizer as torch runs it on the accelerator priced (foreach: one temporary per
         # parameter during the step), not as on this CPU (one parameter at a time).
-        memory = pmodel.memory_report(dataclasses.replace(optimizer_model(optimizer), foreach=True))
-        with progress.phase("simulated step"):
-            step = _simulate(pmodel, mesh, profile, optimizer, dtype)
+        optimizer_priced = dataclasses.replace(optimizer_model(optimizer), foreach=True)
+        pipelined = None
+        if pp > 1:
+            from .explain_pipeline import explain_pipelined
+
+            pipelined = explain_pipelined(net, choice.plan, mesh, ids, profile, optimizer_priced, dtype,
+                                          dump_dir=dump_dir, repeated_blocks=repeated_blocks)
+            pmodel, memory, step = pipelined["pmodel"], pipelined["memory"], pipelined["step"]
+            collectives, fallbacks = pipelined["collectives"], ()
+            compile_s = time.perf_counter() - compile_start
+        else:
+            pmodel = compile_for_explain(net, choice.plan, mesh, (), {"input_ids": ids, "labels": ids},
+                                         dump_dir=dump_dir, repeated_blocks=repeated_blocks)
+            compile_s = time.perf_counter() - compile_start
+            summary = pmodel.compile_summary(memory=False)  # memory_report prices it with the optimizer
+            collectives = {"forward": summary["collectives"]["forward"], "backward": summary["collectives"]["backward"],
+                           "per_step": summary["collectives_per_step"]}
+            fallbacks = summary.get("fallbacks") or ()
+            memory = pmodel.memory_report(optimizer_priced)
+            with progress.phase("simulated step"):
+                step = _simulate(pmodel, mesh, profile, optimizer, dtype)
     progress.done()
     timeline = step.pop("timeline", None)
     if trace_path is not None and timeline is None:
@@ -298,9 +328,8 @@ def explain(
     if step.get("available"):
         step["tokens_per_s_per_device"] = tokens / step["step_s"] / world_size
     notes = list(choice.notes)
-    if summary.get("fallbacks"):
-        notes.append(f"{len(summary['fallbacks'])} op(s) without a sharding rule run replicated: "
-                     f"{sorted(summary['fallbacks'])[:5]}")
+    if fallbacks:
+        notes.append(f"{len(fallbacks)} op(s) without a sharding rule run replicated: {sorted(fallbacks)[:5]}")
     return {
         "model": {"source": model, "config": config_name, "num_params": num_params, "fields": fields},
         "plan": {"name": choice.name, "recompute": recompute, "notes": notes,
@@ -313,10 +342,9 @@ def explain(
         "memory": memory,
         "device": {"name": hardware, "memory_bytes": device_bytes, "fits": memory["peak"] <= device_bytes,
                    "peak_fraction": memory["peak"] / device_bytes},
-        "collectives": {"forward": _relabel(summary["collectives"]["forward"], labels),
-                        "backward": _relabel(summary["collectives"]["backward"], labels),
-                        "per_step": _relabel(summary["collectives_per_step"], labels)},
+        "collectives": {key: _relabel(table, labels) for key, table in collectives.items()},
         "step": step,
+        **({"pipeline": pipelined["pipeline"]} if pipelined else {}),
         "compile_s": compile_s,
         "wall_s": time.perf_counter() - started,
     }
@@ -339,7 +367,8 @@ def _dump_memory_as_explained(folder: str, memory: dict, hardware: str, optimize
 
 def _context_parallel(pmodel) -> dict | None:
     """The compiled plan's context parallelism (axis, degree, mode, load balance, overlap), or None."""
-    context = getattr(pmodel._hp.last.resolved, "context", None)
+    state = pmodel._hp
+    context = getattr(state.resolved if state.pipeline is not None else state.last.resolved, "context", None)
     if context is None:
         return None
     return {"axis": context.axis, "degree": context.degree, "mode": context.mode, "ulysses": context.ulysses,
@@ -464,7 +493,8 @@ def format_report(report: dict) -> str:
            f"every sequence)" if context else "")
         + f"; global {batch['global_batch']} x {batch['seq_len']} = {batch['tokens_per_step']:,} tokens per step",
         "",
-        "memory per rank (estimate)",
+        "memory per rank (estimate)" + (f", pp rank {mem['pp_rank']} (stages {', '.join(map(str, mem['stages']))}):"
+                                        " the highest peak" if "pp_rank" in mem else ""),
     ]
     rows = [
         ("parameters", mem["params"]), ("gradients", mem["grads"]),
@@ -508,6 +538,10 @@ def format_report(report: dict) -> str:
         ]
     else:
         lines.append(f"step time: cost model not available ({step.get('reason', '')})")
+    if "pipeline" in report:
+        from .explain_pipeline import format_pipeline
+
+        lines += format_pipeline(report["pipeline"])
     for note in report["plan"]["notes"]:
         lines.append(f"note: {note}")
     lines.append(f"compiled in {report['compile_s']:.1f} s (explain total {report['wall_s']:.1f} s)")

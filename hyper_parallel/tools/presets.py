@@ -80,7 +80,7 @@ PLAN_PRESETS = ("fsdp", "tp", "fsdp+tp", "tp+sp", "fsdp+tp+sp")
 # The degrees ``--parallel`` accepts (ParallelDims fields) and the ones explain can compile today.
 _DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
 _DEGREE_ALIASES = {"fsdp": "dp_shard", "dp": "dp_replicate"}
-SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "ep", "etp", "ulysses_degree")
+SUPPORTED_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp", "ulysses_degree")
 CP_MODES = ("ring", "all_gather", "all_to_all")  # --cp-mode: hp.ContextParallel(mode=...) of the presets' cp entry
 # The modules a preset's context_parallel entry names (the example Llama / MoE and HF Llama).
 ATTENTION_MODULES = "model.layers.*.self_attn"
@@ -172,7 +172,7 @@ class PlanChoice:
 
 def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
                mixed_precision: bool = True, recompute: str = "none", cp_mode: str = "ring",
-               ulysses_degree: int | None = None) -> PlanChoice:
+               ulysses_degree: int | None = None, pipeline: dict | None = None) -> PlanChoice:
     """The plan ``spec`` names (a preset in :data:`PLAN_PRESETS`, or the path of a Python file
     that defines ``plan``: a ParallelPlan / dict, or a function ``plan(mesh_axes, config)``
     returning one) for a mesh of ``mesh_axes`` (axis name -> size) and a model of ``config``.
@@ -180,7 +180,9 @@ def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
     ``recompute``: "none", "selective" or "full", applied to every decoder layer.
     ``cp_mode``: "ring", "all_gather" or "all_to_all", the attention of a preset's
     ``context_parallel`` entry when ``mesh_axes`` has a ``cp`` axis (a plan file chooses its own);
-    ``ulysses_degree`` (ParallelDims'), when given, the entry's Ulysses degree."""
+    ``ulysses_degree`` (ParallelDims'), when given, the entry's Ulysses degree. ``pipeline``:
+    ``{"schedule", "num_microbatches", "stages_per_rank"}`` of the ``pipeline`` entry a preset gets
+    when ``mesh_axes`` has a ``pp`` axis (:func:`pipeline_entry`; a plan file writes its own)."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"--recompute {recompute!r}: choose none, selective or full")
     if cp_mode not in CP_MODES:
@@ -188,6 +190,9 @@ def build_plan(spec: str, mesh_axes: dict[str, int], config: dict[str, Any], *,
     name = str(spec).strip()
     if name.lower() in PLAN_PRESETS:
         choice = _preset(name.lower(), mesh_axes, config, mixed_precision, cp_mode, ulysses_degree)
+        if mesh_axes.get("pp", 1) > 1:
+            choice.plan["pipeline"] = pipeline_entry(mesh_axes["pp"], config, **(pipeline or {}))
+            choice.notes.append(_pipeline_note(choice.plan["pipeline"], mesh_axes["pp"]))
     elif name.endswith(".py") or os.path.isfile(name):
         choice = _plan_file(name, mesh_axes, config)
     else:
@@ -242,6 +247,40 @@ def _preset(name: str, axes: dict[str, int], config: dict[str, Any], mixed_preci
         if "tp" in name:
             notes += _drop_uneven_vocab_tp(plan, axes, config)
     return PlanChoice(name, plan, notes)
+
+
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1")
+
+
+def pipeline_entry(pp: int, config: dict[str, Any], schedule: str = "1F1B", num_microbatches: int | None = None,
+                   stages_per_rank: int | None = None):
+    """A preset's ``pipeline`` entry over ``pp`` ranks: the decoder layers cut into ``pp *
+    stages_per_rank`` stages of equal numbers of layers (the first stages one more where they do
+    not divide), ``num_microbatches`` (default: ``pp``, the fewest that fill 1F1B's warm-up) and
+    ``stages_per_rank`` (default 2 for Interleaved1F1B, else 1)."""
+    from ..pipeline.plan import PipelinePlan
+
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"--pp-schedule {schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if stages_per_rank is None:
+        stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    if num_microbatches is None:
+        num_microbatches = pp
+    stages = pp * stages_per_rank
+    layers = int(config.get("num_hidden_layers", 0))
+    if layers < stages:
+        raise ValueError(f"pp={pp} x {stages_per_rank} stage(s) per rank = {stages} stages need at least {stages} "
+                         f"decoder layers; the model has {layers}. Use fewer stages")
+    sizes = [layers // stages + (1 if k < layers % stages else 0) for k in range(stages)]
+    starts = [sum(sizes[:k]) for k in range(1, stages)]
+    return PipelinePlan(split_points=tuple(f"model.layers.{i}" for i in starts), schedule=schedule,
+                        num_microbatches=num_microbatches, stages_per_rank=stages_per_rank)
+
+
+def _pipeline_note(plan, pp: int) -> str:
+    stages = pp * plan.stages_per_rank
+    return (f"pipeline: {stages} stages over pp={pp} ({plan.stages_per_rank} per rank), schedule {plan.schedule}, "
+            f"{plan.num_microbatches} micro-batches per step, stages begin at {', '.join(plan.split_points)}")
 
 
 def _expert_style(axes: dict[str, int], name: str):
