@@ -29,8 +29,8 @@ __all__ = ["explain_pipelined", "format_pipeline"]
 def explain_pipelined(net: torch.nn.Module, plan: Any, mesh, ids: torch.Tensor, profile, optimizer,
                       dtype: str, **parallelize_options) -> dict:
     """Compile ``net`` with ``plan`` (which has a ``pipeline`` entry) on the fake ``mesh`` for the
-    local batch ``ids`` and price it: ``{"pmodel", "memory", "step", "collectives", "pipeline",
-    "context"}`` (the last for :func:`~.explain._context_parallel`). ``optimizer``: an
+    local batch ``ids`` and price it: ``{"pmodel", "cost"`` (the ``PipelineCost``), ``"memory",
+    "step", "collectives", "pipeline"}``. ``optimizer``: an
     ``OptimizerModel`` (or its name, "none" for no optimizer step)."""
     from ..analysis.debug import group_axis_names
     from ..api import parallelize
@@ -66,7 +66,7 @@ def explain_pipelined(net: torch.nn.Module, plan: Any, mesh, ids: torch.Tensor, 
                "split_points": list(entry.split_points), "analytic_bubble": entry.summary["analytic_bubble"],
                "memory_rank": worst, "slowest_rank": slowest, **cost.as_dict()}
     summary = entry.summary
-    return {"pmodel": pmodel, "memory": memory, "step": step, "pipeline": section,
+    return {"pmodel": pmodel, "cost": cost, "memory": memory, "step": step, "pipeline": section,
             "collectives": {"forward": _phase(summary, "forward"), "backward": _phase(summary, "backward"),
                             "per_step": summary["collectives_per_step"]}}
 
