@@ -165,7 +165,9 @@ class _Stack(nn.Module):
     def forward(self, x, target):
         x = self.embed(x)  # block 0's input requires grad, as an embedding's output does
         rows = self.biases.unbind(0) if self.mode == "outside input" else None  # before the blocks run
-        for i, block in enumerate(self.layers):
+        # transformers' decoders loop over self.layers[: config.num_hidden_layers]: every block
+        blocks = self.layers[: len(self.biases)] if self.mode == "whole slice" else self.layers
+        for i, block in enumerate(blocks):
             if self.mode == "outside input":
                 x = block(x, rows[i])  # each block reads its own row: not copyable
             elif self.mode == "checkpoint":
@@ -223,6 +225,18 @@ def test_checkpointed_blocks_are_all_traced(caplog):
     assert traced == "" and "different annotations" in caplog.text, caplog.text
     assert regions == full_regions == 4
     assert len(copied.gm.graph.nodes) == len(full.gm.graph.nodes)
+
+
+def test_a_slice_of_every_block_is_copied():
+    """``self.layers[:num_hidden_layers]`` (transformers' decoder loop) takes the whole list: the
+    two-block trace stands for it, and its copies equal tracing every block."""
+    torch.manual_seed(0)
+    model = _Stack("whole slice")
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+    full = capture(model, (x, target), {})
+    copied, traced = _captured(capture_blocks_once(model, (x, target), {}, {}, {}, "auto", lambda: None))
+    assert traced == "2 of 4 blocks of layers traced"
+    _assert_same_capture(full, copied)
 
 
 def test_identical_blocks_copy_exactly():

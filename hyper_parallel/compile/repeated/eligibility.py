@@ -130,7 +130,10 @@ class FirstBlocks(nn.ModuleList):
         if isinstance(index, slice):
             if index.indices(self.full_count) != (0, self.full_count, 1):
                 self._note(f"slice [{index.start}:{index.stop}:{index.step}]")
-        elif isinstance(index, int) and not 0 <= index < TRACED:
+            # nn.ModuleList slices into ``type(self)(...)``, which has no full_count; the slice a
+            # model iterates over is a plain list of the traced blocks.
+            return nn.ModuleList(list(self._modules.values())[index])
+        if isinstance(index, int) and not 0 <= index < TRACED:
             self._note(f"index [{index}]")
         return super().__getitem__(index)
 
