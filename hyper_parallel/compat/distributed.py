@@ -26,6 +26,8 @@ __all__ = [
     "set_group_timeout",
     "print_native_stacks_on_fatal_signal",
     "unwaited_collectives",
+    "reduce_scatter_single",
+    "all_gather_single",
 ]
 
 
@@ -41,6 +43,22 @@ def wait_collective(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
+
+
+def reduce_scatter_single(tensor: torch.Tensor, reduce_op: str, group) -> torch.Tensor:
+    """The functional reduce-scatter on dim 0 that DTensor's lowering calls (``group`` is a
+    ``(mesh, axis)`` pair); traced, it is ``reduce_scatter_tensor`` then ``wait_tensor``."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.reduce_scatter_single(tensor, reduce_op, scatter_dim=0, group=group)
+
+
+def all_gather_single(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The functional all-gather on dim 0 that DTensor's lowering calls (``group`` is a
+    ``(mesh, axis)`` pair); traced, it is ``all_gather_into_tensor`` then ``wait_tensor``."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_gather_single(tensor, gather_dim=0, group=group)
 
 
 def flatten_mesh(mesh, axes: tuple[str, ...], name: str):

@@ -11,7 +11,8 @@ module stacks, so dumps and errors point at the user's code.
 
 How: the joint graph is interpreted once under ``make_fx`` with every value a DTensor wrapping a
 local fake tensor. Before each op its arguments are redistributed to the layouts propagation chose
-(DTensor's ``redistribute_local_tensor`` emits the collectives; it is traced, not executed), then the
+(compile/moves.py traces each change: DTensor's ``redistribute_local_tensor`` for most, a few ops of
+its own where DTensor's tracing makes a node per rank; traced, not executed), then the
 op runs through DTensor's dispatch, which computes it on the local shards (with shape arguments of
 view/expand/new_* ops rewritten to local sizes). DTensor's choice must agree with ours; a mismatch is
 an internal error, never a silent difference.
@@ -29,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
 from .. import compat
+from .moves import move
 from .annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD
 from ..ir.graph import CapturedGraph, module_fqn_of
 from ..errors import internal_error
@@ -76,9 +78,9 @@ def _redistribute(dt: DTensor, target, source_node_name: str, grad_of: str | Non
         src = compat.respec(current, placements)
         dst = compat.respec(target, tensor_meta=current.tensor_meta)
         if balancer is not None:
-            local = balancer.redistribute(local, src, dst, _move)
+            local = balancer.redistribute(local, src, dst, move)
         else:
-            local = _move(local, src, dst)
+            local = move(local, src, dst)
     return compat.dtensor_from_spec(local, dst)
 
 
@@ -102,70 +104,6 @@ def _in_memory_order_of(local: torch.Tensor, tensor_meta) -> torch.Tensor:
         return local
     inverse = sorted(range(local.dim()), key=order.__getitem__)
     return local.permute(order).contiguous().permute(inverse)
-
-
-def _move(local: torch.Tensor, src, dst) -> torch.Tensor:
-    for step in _reduction_steps(src, dst):
-        split = _local_splits(src, step)
-        if split is not None:
-            local = _take_own_parts(local, src.mesh, split)
-        else:
-            local = compat.redistribute_local_tensor(local, src, step)
-        src = step
-    return local
-
-
-def _local_splits(src, dst) -> list[tuple[int, int]] | None:
-    """(mesh axis, tensor dim) of each Replicate -> Shard of ``src`` -> ``dst`` when that is all
-    it does, on distinct tensor dims; else None (DTensor lowers it).
-
-    Such a step is local: each rank keeps its part. DTensor traces it as ``torch.chunk`` into one
-    output per rank of the axis and keeps one: over an FSDP axis of thousands of ranks that is
-    thousands of graph nodes per redistribution, which every later step of a large compile walks.
-    :func:`_take_own_parts` traces one ``narrow`` instead, with the same values."""
-    splits = []
-    for axis, (a, b) in enumerate(zip(src.placements, dst.placements)):
-        if a == b:
-            continue
-        if not (a.is_replicate() and type(b) is Shard):
-            return None
-        splits.append((axis, b.dim))
-    if not splits or len({dim for _, dim in splits}) < len(splits):
-        return None
-    return splits
-
-
-def _take_own_parts(local: torch.Tensor, mesh, splits) -> torch.Tensor:
-    """This rank's part of ``local`` along each (mesh axis, tensor dim) of ``splits``: DTensor's
-    chunking (sizes rounded up, the last parts shorter or empty), as a narrow, then a clone (a
-    shard owns its storage, as DTensor's does)."""
-    coordinate = mesh.get_coordinate()
-    for axis, dim in splits:
-        size, offset = Shard.local_shard_size_and_offset(local.size(dim), mesh.size(axis), coordinate[axis])
-        local = local.narrow(dim, offset, size)
-    return local.clone()
-
-
-def _reduction_steps(src, dst) -> list:
-    """The specs to pass through from ``src`` to ``dst``: partial axes that end sharded are
-    reduce-scattered first, so partial axes that end replicated all-reduce the smaller shard
-    (HSDP's reduce-scatter then all-reduce; DTensor alone may all-reduce the full tensor first)."""
-    to_shard = [
-        i for i, (a, b) in enumerate(zip(src.placements, dst.placements))
-        if a.is_partial() and b.is_shard()
-    ]
-    also_replicate = any(
-        a.is_partial() and not b.is_shard() for a, b in zip(src.placements, dst.placements)
-    )
-    steps = []
-    if to_shard and also_replicate:
-        middle = list(src.placements)
-        for i in to_shard:
-            middle[i] = dst.placements[i]
-        steps.append(compat.respec(src, middle))
-    if dst.placements != src.placements:
-        steps.append(dst)
-    return steps
 
 
 def _is_masked(placement) -> bool:
