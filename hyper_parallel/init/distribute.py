@@ -85,8 +85,9 @@ def distribute_parameters(
     for entry in entries:
         entry.placements = _resolve_placements(entry, param_placements)
     if not materialize:
+        local_shapes: dict = {}
         for entry in entries:
-            entry.result = _wrap(entry, _shard_without_data(entry.tensor, entry.placements, mesh))
+            entry.result = _wrap(entry, _shard_without_data(entry.tensor, entry.placements, mesh, local_shapes))
             _install(entry)
         return
     stats.total_bytes = sum(_nbytes(e.tensor) for e in entries)

@@ -207,11 +207,10 @@ def _fuse_all_gather(graph, members, label):
 
 def _relayout_early(graph, members) -> None:
     """Move the local re-layout lowering put before each member's reduction (a dim-1 shard's
-    split and cat: pure ops, role "redistribute", no collective) and the add of a gradient kept by
+    parts put first (compile/moves.py), a pad: pure ops, role "redistribute", no collective) and the add of a gradient kept by
     earlier accumulation micro-steps (role "accumulate", propagation/accumulation.py) from where
     lowering emitted them, the graph's output at the end of backward, to right after the values
     they read, so the reduction can follow the gradient instead of waiting for the end of backward."""
-    where: dict | None = None  # positions, built when a chain moves (most members have none)
     for member in members:
         chain: set = set()
         stack = [member.args[0]]
@@ -226,13 +225,11 @@ def _relayout_early(graph, members) -> None:
         outside = [i for n in chain for i in n.all_input_nodes if i not in chain]
         if not outside:
             continue
-        if where is None:
-            where = _position(graph)
-        cursor = max(outside, key=where.__getitem__)
-        # The chain keeps its own (topological) order and lands after its latest outside input.
-        for node in sorted(chain, key=where.__getitem__):
+        # The chain keeps its own (topological) order and lands after its latest outside input
+        # (fx nodes compare by graph position, kept current as nodes move).
+        cursor = max(outside)
+        for node in sorted(chain):
             cursor.append(node)
-            where[node] = where[cursor]
             cursor = node
 
 
