@@ -28,6 +28,7 @@ from ..analysis.memory import estimate, optimizer_model
 from ..cost import AxisInfo, HardwareProfile, collective_time, get_profile, optimizer_time, optimizer_traffic
 from ..cost.simulate import simulate_program
 from .runtime import StageProgram, first_microbatches, flat_steps, program_for, sync_microbatches, variants_of
+from .schedules.costs import in_flight_per_stage
 from .schedules.replay import _execute
 from .schedules.steps import T
 
@@ -135,7 +136,7 @@ def pipeline_cost(entry, num_ranks: int, axes: Mapping[str, AxisInfo], pp_axis: 
     state = None if optimizer.name == "none" else optimizer.state
     ends, peaks = {}, {}
     stage_costs = []
-    in_flight = _in_flight(schedule)
+    in_flight = in_flight_per_stage(schedule)
     for s in range(num_stages):
         stage_costs.append(_stage_cost(s, s % num_ranks, programs[s], axes, profile, optimizer,
                                        in_flight.get(s, 0), seconds))
@@ -193,20 +194,6 @@ class _AsEstimated:
 def _gradient_program(program: StageProgram):
     """The program returning the stage's parameter gradients (the weight-gradient step when split)."""
     return program.split.weight_gm if program.split is not None else program.backward_gm
-
-
-def _in_flight(schedule) -> dict[int, int]:
-    """Stage -> most of its micro-batches in flight at once (forward run, backward not yet)."""
-    peak: dict[int, int] = {}
-    for steps in schedule.values():
-        live: dict[int, int] = {}
-        for step in flat_steps(steps):
-            if step.step_type is T.FORWARD:
-                live[step.stage] = live.get(step.stage, 0) + 1
-                peak[step.stage] = max(peak.get(step.stage, 0), live[step.stage])
-            elif step.step_type in (T.BACKWARD, T.BACKWARD_WEIGHT):
-                live[step.stage] -= 1
-    return peak
 
 
 def _held_at_once(steps, saved: dict[int, int]) -> int:

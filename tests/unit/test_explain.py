@@ -20,7 +20,6 @@ import subprocess
 import sys
 
 import pytest
-import torch.distributed as dist
 
 from hyper_parallel.tools import presets
 from hyper_parallel.tools.cli import main
@@ -30,12 +29,7 @@ L = 2  # decoder layers (the 8B preset has 32)
 BF16, FP32 = 2, 4
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leak():
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process (leaked by another test)")
-    yield
-    assert not dist.is_initialized(), "explain left its fake process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leak")
 
 
 def shapes_8b(layers: int = L) -> dict[str, list[tuple[int, ...]]]:

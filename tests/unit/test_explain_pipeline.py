@@ -10,7 +10,6 @@ rank's peak must be the sum the module docstring states.
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
 from hyper_parallel.pipeline.runtime import flat_steps
 from hyper_parallel.pipeline.schedules import simulate
@@ -23,12 +22,7 @@ TINY = {"base": "llama3-8b", "hidden_size": 64, "intermediate_size": 128, "num_a
         "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 256}
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leak():
-    if dist.is_initialized():
-        pytest.skip("a default process group is already initialised in this process (leaked by another test)")
-    yield
-    assert not dist.is_initialized(), "explain left its fake process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leak")
 
 
 def test_equal_stages_and_their_errors():

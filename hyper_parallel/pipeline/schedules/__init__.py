@@ -18,10 +18,10 @@ The modules, in import order: ``steps`` (the vocabulary: MetaStepType, MetaStep,
 
 from .builders import SCHEDULES, SPLIT_BACKWARD_SCHEDULES, build_schedule
 from .checks import check_schedule
-from .costs import Timeline, analytic_bubble, equal_stage_bubble, peak_in_flight, simulate, split_backward_stages
+from .costs import Timeline, analytic_bubble, equal_stage_bubble, in_flight_per_stage, peak_in_flight, simulate, split_backward_stages
 from .custom import CustomSchedule
 from .steps import MetaStep, MetaStepType, format_schedule
 
 __all__ = ["SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "CustomSchedule", "MetaStep", "MetaStepType", "Timeline",
            "analytic_bubble", "build_schedule", "check_schedule", "equal_stage_bubble", "format_schedule",
-           "peak_in_flight", "simulate", "split_backward_stages"]
+           "in_flight_per_stage", "peak_in_flight", "simulate", "split_backward_stages"]

@@ -79,20 +79,26 @@ def split_backward_stages(schedule) -> set:
             if sub.step_type is T.BACKWARD_INPUT}
 
 
-def peak_in_flight(schedule) -> int:
-    """Most micro-batches whose activations one stage holds at once (forward run, backward (or
-    its weight-gradient step) not yet)."""
-    peak = 0
+def in_flight_per_stage(schedule) -> dict[int, int]:
+    """Stage -> most of its micro-batches whose activations it holds at once (forward run,
+    backward (or its weight-gradient step) not yet)."""
+    peak: dict[int, int] = {}
     for steps in schedule.values():
-        live = {}
+        live: dict[int, int] = {}
         for step in steps:
             for sub in _flat(step):
                 if sub.step_type is T.FORWARD:
                     live[sub.stage] = live.get(sub.stage, 0) + 1
-                    peak = max(peak, live[sub.stage])
+                    peak[sub.stage] = max(peak.get(sub.stage, 0), live[sub.stage])
                 elif sub.step_type in (T.BACKWARD, T.BACKWARD_WEIGHT):
                     live[sub.stage] -= 1
     return peak
+
+
+def peak_in_flight(schedule) -> int:
+    """Most micro-batches whose activations one stage holds at once (the first stage's, under the
+    built-in schedules)."""
+    return max(in_flight_per_stage(schedule).values(), default=0)
 
 
 def equal_stage_bubble(schedule) -> float:
