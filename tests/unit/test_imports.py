@@ -91,7 +91,7 @@ LAYERS = [
                      "pipeline.plan",
                      "pipeline.schedules", "pipeline.schedules.*"]),
     ("feature resolvers", ["plan", "plan.*", "fsdp", "fsdp.*", "cp", "moe", "recompute"]),
-    ("propagation and lowering", ["propagation", "propagation.*", "compile.annotations", "compile.lower",
+    ("propagation and lowering", ["propagation", "propagation.*", "compile.annotations", "compile.lower", "compile.moves",
                                   "compile.decompositions", "moe.*", "cp.*", "runtime.host_copies", "analysis.why",
                                   "cost", "cost.*"]),
     ("passes", ["passes", "passes.*"]),
