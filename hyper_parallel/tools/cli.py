@@ -67,7 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
                     help=f"a preset ({', '.join(PLAN_PRESETS)}) or a Python file defining `plan` (a "
                     "ParallelPlan/dict or plan(mesh_axes, config)); default: fsdp")
     ex.add_argument("--hardware", default="h100", type=str.lower, choices=HARDWARE,
-                    help="hardware profile for memory capacity and the cost model; default: h100")
+                    help="hardware profile for memory capacity and the cost model (cpu: gloo ranks on this "
+                         "machine's cores, as calibrated in cost/hardware.py); default: h100")
     ex.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer state to count; default: adamw")
     ex.add_argument("--local-batch", type=int, default=1,
                     help="sequences per data-parallel rank (per-rank batch); default: 1")

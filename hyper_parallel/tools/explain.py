@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from . import presets
-from ..cost.hardware import PROFILES, get_profile
+from ..cost.hardware import PROFILES, HardwareProfile, get_profile
 from ..analysis.memory import format_bytes, optimizer_model
 from ..progress import Progress, enable_default_logging
 
@@ -55,7 +55,9 @@ __all__ = ["compile_for_explain", "explain", "fake_world", "format_report"]
 
 log = logging.getLogger(__name__)
 
-HARDWARE = tuple(name for name in PROFILES if name != "cpu")  # the accelerators explain plans for
+# The profiles explain prices: the accelerators, and "cpu" (gloo on this machine's cores, calibrated:
+# what a run of the same plan on CPU ranks measures).
+HARDWARE = tuple(PROFILES)
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd_momentum", "none")
 
 
@@ -175,7 +177,7 @@ def explain(
     parallel: str | dict = "dp_shard=-1",
     world_size: int = 8,
     plan: str = "fsdp",
-    hardware: str = "h100",
+    hardware: str | HardwareProfile = "h100",
     *,
     rank: int = 0,
     optimizer: str = "adamw",
@@ -198,7 +200,9 @@ def explain(
     ``config``: a preset name, a JSON path (see :func:`presets.load_model_config`) or a dict of
     config fields (which may name a preset under ``"base"`` and override some of its fields);
     ``parallel``: ParallelDims degrees (``"dp_shard=-1,tp=8"``, ``"dp_shard=8,cp=8"`` or a dict);
-    ``plan``: a plan preset or a Python file defining ``plan``; ``local_batch`` sequences of
+    ``plan``: a plan preset or a Python file defining ``plan``; ``hardware``: a profile name
+    (:data:`HARDWARE`; "cpu" prices gloo ranks on this machine's cores) or a ``HardwareProfile``;
+    ``local_batch`` sequences of
     ``seq_len`` tokens per data-parallel rank; ``dtype``: "bf16" (FSDP presets: bf16 compute over
     fp32 master weights with fp32 gradient reduction; otherwise bf16 parameters) or "fp32";
     ``num_layers`` overrides the config's ``num_hidden_layers``; ``cp_mode``: "ring" (load-balanced
@@ -216,10 +220,11 @@ def explain(
     bubble, each stage's times and memory and each pp rank's peak.
     """
     started = time.perf_counter()
-    if hardware.lower() not in HARDWARE:
-        raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)}")
-    hardware = hardware.lower()
-    profile = get_profile(hardware)
+    if isinstance(hardware, str) and hardware.lower() not in HARDWARE:
+        raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)} or pass a "
+                         "hyper_parallel.cost.HardwareProfile")
+    profile = get_profile(hardware.lower() if isinstance(hardware, str) else hardware)
+    hardware = profile.name
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     if dtype not in ("bf16", "fp32"):
