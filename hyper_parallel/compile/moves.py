@@ -7,7 +7,7 @@ parameter, which every later stage of a large compile walks (issue 55: Llama 3 4
 ranks spent most of a 20-minute compile in them). Those three are traced here as a few ops, with
 exactly DTensor's values, sizes and collectives:
 
-* Replicate -> Shard (:func:`take_own_parts`): DTensor chunks and keeps one piece; here one
+* Replicate -> Shard over more than 8 ranks (:func:`take_own_parts`): DTensor chunks and keeps one piece; here one
   ``narrow`` of this rank's part, then a clone (a shard owns its storage).
 * Partial -> Shard(d) on one axis (:func:`reduce_scatter`): when the dim does not divide, DTensor
   pads each of the N chunks and concatenates them, and for d != 0 the functional collective
