@@ -77,21 +77,12 @@ def _train_pipelined(parallel: dict, schedule: str) -> dict:
     ({"dp_shard": 2, "pp": 2}, "Interleaved1F1B"),  # 4 stages, 2 per pp rank
 ])
 def test_explained_order_is_the_executed_order(dist4, parallel, schedule):
-    from hyper_parallel.tools import explain_pipeline
-    from hyper_parallel.tools.explain import explain
-
-    seen = {}
-    real = explain_pipeline.explain_pipelined
-
-    def keep(*args, **kwargs):
-        seen.update(real(*args, **kwargs))
-        return seen
+    from hyper_parallel.testing.explained import explain_pipelined_kept
 
     text = ",".join(f"{k}={v}" for k, v in parallel.items())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(explain_pipeline, "explain_pipelined", keep)
-        report = explain(config=dict(TINY), parallel=text, world_size=4, local_batch=LOCAL_BATCH, seq_len=SEQ,
-                         plan="fsdp", pp_schedule=schedule, num_microbatches=MICROBATCHES, hardware="cpu")
+    report, seen = explain_pipelined_kept(config=dict(TINY), parallel=text, world_size=4, local_batch=LOCAL_BATCH,
+                                          seq_len=SEQ, plan="fsdp", pp_schedule=schedule,
+                                          num_microbatches=MICROBATCHES, hardware="cpu")
     predicted: dict[int, list[str]] = {}
     for rank, step, _, _ in seen["cost"].events:
         for sub in step.sub_steps or (step,):

@@ -40,21 +40,13 @@ def test_equal_stages_and_their_errors():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,schedule", [(2, "1F1B"), (4, "GPipe"), (2, "ZBH1")])
-def test_step_is_the_schedule_replayed_with_each_stage_program(pp, schedule, monkeypatch):
-    from hyper_parallel.tools import explain_pipeline
+def test_step_is_the_schedule_replayed_with_each_stage_program(pp, schedule):
+    from hyper_parallel.testing.explained import explain_pipelined_kept
 
-    seen = {}
-    real = explain_pipeline.explain_pipelined
-
-    def keep(*args, **kwargs):
-        seen.update(real(*args, **kwargs))
-        return seen
-
-    monkeypatch.setattr(explain_pipeline, "explain_pipelined", keep)
     microbatches = 4
-    report = explain(config=dict(TINY), parallel=f"dp_shard=2,pp={pp}", world_size=2 * pp, local_batch=4,
-                     seq_len=16, plan="fsdp", pp_schedule=schedule, num_microbatches=microbatches,
-                     repeated_blocks="auto")
+    report, seen = explain_pipelined_kept(config=dict(TINY), parallel=f"dp_shard=2,pp={pp}", world_size=2 * pp,
+                                          local_batch=4, seq_len=16, plan="fsdp", pp_schedule=schedule,
+                                          num_microbatches=microbatches, repeated_blocks="auto")
     section = report["pipeline"]
     entry = seen["pmodel"]._hp.pipeline.last
     assert section["num_stages"] == pp and len(entry.programs) == pp  # every stage compiled
