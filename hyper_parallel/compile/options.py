@@ -28,5 +28,5 @@ class CompileOptions:
     recompile_limit: int = 8  # programs compiled for one module before warning (runtime/recompiles.py)
     fail_on_recompile_limit: bool = False  # past the limit: a ValueError instead of a warning
     codegen: str = "eager"  # "inductor": compute regions as Inductor kernels (hyper_parallel/codegen)
-    # None, "auto" or a ModuleList FQN: trace two of its blocks, copy the rest (compile/repeated/)
-    repeated_blocks: str | None = None
+    # "auto", a ModuleList FQN (trace two of its blocks, copy the rest: compile/repeated/) or None
+    repeated_blocks: str | None = "auto"

@@ -101,10 +101,10 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--dump-dir", default=None, metavar="DIR",
                     help="also write the compile's dumps (graphs per pass, layouts, summary, the step trace "
                     "on --hardware) for `hyper-parallel report DIR`")
-    ex.add_argument("--repeated-blocks", default=None, choices=("auto",),
-                    help="trace, propagate and lower two layers and copy the others "
-                    "(parallelize(repeated_blocks='auto')): the same report, Llama 3 70B in about a sixth "
-                    "of the time")
+    ex.add_argument("--repeated-blocks", default="auto", choices=("auto", "none"),
+                    help="auto (default): trace, propagate and lower two layers and copy the others "
+                    "(parallelize(repeated_blocks='auto')); none: every layer through every step, the "
+                    "same report, Llama 3 70B about six times slower")
     rep = sub.add_parser(
         "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
         description="Read DUMP_DIR (written by parallelize(..., dump_dir=DUMP_DIR) or HYPER_PARALLEL_DUMP_DIR) "
@@ -128,7 +128,7 @@ def _explain(args) -> int:
         plan=args.plan, hardware=args.hardware, rank=args.rank, optimizer=args.optimizer,
         local_batch=args.local_batch, seq_len=args.seq_len, dtype=args.dtype, recompute=args.recompute,
         num_layers=args.layers, cp_mode=args.cp_mode, trace_path=args.trace, dump_dir=args.dump_dir,
-        repeated_blocks=args.repeated_blocks, pp_schedule=args.pp_schedule, num_microbatches=args.microbatches,
+        repeated_blocks=None if args.repeated_blocks == "none" else args.repeated_blocks, pp_schedule=args.pp_schedule, num_microbatches=args.microbatches,
         stages_per_rank=args.stages_per_rank,
     )
     if args.json:

@@ -189,7 +189,7 @@ def explain(
     cp_mode: str = "ring",
     trace_path: str | None = None,
     dump_dir: str | None = None,
-    repeated_blocks: str | None = None,
+    repeated_blocks: str | None = "auto",
     pp_schedule: str = "1F1B",
     num_microbatches: int | None = None,
     stages_per_rank: int | None = None,
@@ -212,7 +212,8 @@ def explain(
     simulated step as a Chrome trace JSON there (open it in Perfetto); ``dump_dir``: write the
     compile's dumps there as ``parallelize(dump_dir=)`` does, with the step trace of ``hardware``
     (``hyper-parallel report DUMP_DIR`` turns them into a page); ``repeated_blocks``: as
-    ``parallelize``'s (``"auto"``: trace two layers and copy the others, the same report sooner).
+    ``parallelize``'s (``"auto"``, the default: trace two layers and copy the others; None: trace
+    every layer, the same report later).
     With ``pp`` in ``parallel`` a preset plan gets a pipeline (``presets.pipeline_entry``: equal
     stages, ``pp_schedule`` "GPipe", "1F1B", "Interleaved1F1B" or "ZBH1", ``num_microbatches``
     (default pp) micro-batches of the ``local_batch`` sequences, ``stages_per_rank``) and the report

@@ -260,3 +260,29 @@ def test_option_is_checked_at_parallelize():
         check_option("blocks", model)
     with pytest.raises(TypeError, match="repeated_blocks is None, 'auto' or the FQN of a ModuleList"):
         check_option(True, model)
+
+
+def test_blocks_are_copied_by_default(caplog):
+    """``repeated_blocks="auto"`` is parallelize's default: the example Llama's four layers compile
+    as two traced and two copied; ``None`` traces every block. A model whose lists are too short to
+    copy says so only at DEBUG (it is the default's normal case), a longer one that cannot be copied
+    at INFO."""
+    summaries = {}
+    with fake_world(2, 0):
+        mesh = hp.init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        for options in ({}, {"repeated_blocks": None}):
+            with hp.init_empty_weights():
+                model = build_model("llama", num_hidden_layers=4)
+            ids = torch.empty(4, 16, dtype=torch.long, device="meta")
+            pmodel = compile_for_explain(model, {}, mesh, (), {"input_ids": ids, "labels": ids}, **options)
+            summaries[str(options)] = pmodel.compile_summary()["repeated_blocks"]
+    assert summaries == {"{}": "2 of 4 blocks of model.layers traced, propagated and lowered",
+                         "{'repeated_blocks': None}": ""}
+    torch.manual_seed(0)
+    x, target = torch.randn(4, 8), torch.randn(4, 8)
+    with caplog.at_level(logging.INFO, logger="hyper_parallel.compile.repeated.capture"):
+        capture_blocks_once(_Stack(n=2), (x, target), {}, {}, {}, "auto", lambda: None)
+    assert "tracing every block" not in caplog.text, caplog.text
+    with caplog.at_level(logging.DEBUG, logger="hyper_parallel.compile.repeated.capture"):
+        capture_blocks_once(_Stack(n=2), (x, target), {}, {}, {}, "auto", lambda: None)
+    assert "layers: 2 blocks: copying pays from 3" in caplog.text, caplog.text

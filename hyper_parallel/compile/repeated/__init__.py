@@ -22,9 +22,12 @@ One module per job:
 * :mod:`.capture`: capture tracing two blocks, or every block when the copies would not be exact;
 * :mod:`.lowering`: the rewrites, propagation and lowering run on two blocks, their results copied.
 
-When a check fails the compile traces every block, as without the option, and the INFO log says
-why. Not checked, and the reason the option is not on by default: code outside the blocks that
-computes with their number (``len(self.layers)`` in a formula).
+``"auto"`` is ``parallelize``'s default. When a check fails the compile traces every block, as
+with ``repeated_blocks=None``, and the log says why (INFO when the list was named or has more than two
+blocks, DEBUG when ``"auto"`` found no list that long). Code outside the
+blocks that computes with their number (``len(self.layers)`` in a formula, an index from the end,
+a partial slice) is noticed while the two blocks are traced (:class:`.eligibility.FirstBlocks`)
+and makes the compile trace every block too.
 
 Reads: the model, the two-block :class:`~...ir.graph.CapturedGraph` (traced, propagated or
 lowered). Writes: a new CapturedGraph of all blocks (the two-block one is not changed by the

@@ -79,7 +79,12 @@ def capture_blocks_once(model: nn.Module, args: tuple, kwargs: dict, boundaries,
         except BlocksDiffer as exc:
             why = f"{blocks.prefix}: {exc}"
             forget_annotations()
-    log.info("repeated_blocks=%r: tracing every block: %s", option, why)
+    # "auto" is the default: a model without a list long enough to copy (none, or two blocks) is
+    # not news. A longer list that could not be copied, or one the user named, is: the compile is
+    # slower than it could be, and the reason says what to change.
+    long_list = any(isinstance(m, nn.ModuleList) and len(m) > TRACED for m in model.modules())
+    level = logging.INFO if option != "auto" or long_list else logging.DEBUG
+    log.log(level, "repeated_blocks=%r: tracing every block: %s", option, why)
     return BlockCapture(capture(model, args, kwargs, boundaries, experts))
 
 
