@@ -41,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--recompute", default="none")
-    p.add_argument("--repeated-blocks", default=None, choices=("auto",),
-                   help="explain(repeated_blocks='auto'): trace, propagate and lower two layers, copy the others")
+    p.add_argument("--repeated-blocks", default="auto", choices=("auto", "none"),
+                   help="explain(repeated_blocks=...): auto (default) traces, propagates and lowers two "
+                   "layers and copies the others; none traces every layer")
     p.add_argument("--profile", default=None, help="write a cProfile of the explain call to this file")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
 
     kwargs = dict(config=args.config, parallel=args.parallel, world_size=args.world_size, plan=args.plan,
                   hardware=args.hardware, num_layers=args.layers, local_batch=args.local_batch,
-                  seq_len=args.seq_len, recompute=args.recompute, repeated_blocks=args.repeated_blocks)
+                  seq_len=args.seq_len, recompute=args.recompute, repeated_blocks=None if args.repeated_blocks == "none" else args.repeated_blocks)
     profiler = None
     if args.profile:
         import cProfile

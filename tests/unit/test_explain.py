@@ -329,6 +329,17 @@ def test_cli_errors_exit_2_with_one_line(capsys):
     assert "tp=3 does not divide" in capsys.readouterr().err
 
 
+def test_cli_repeated_blocks_defaults_to_auto_and_none_turns_it_off(monkeypatch):
+    """``--repeated-blocks`` reaches explain as parallelize takes it: "auto" unless told "none"."""
+    import hyper_parallel.tools.explain as explain_module
+
+    seen = []
+    monkeypatch.setattr(explain_module, "explain", lambda **kwargs: seen.append(kwargs["repeated_blocks"]) or {})
+    monkeypatch.setattr(explain_module, "format_report", lambda report: "")
+    assert main(["explain"]) == 0 and main(["explain", "--repeated-blocks", "none"]) == 0
+    assert seen == ["auto", None]
+
+
 def test_fsdp_tp_preset_keeps_vocab_tp_only_when_fsdp_can_shard_it():
     even = presets.build_plan("fsdp+tp", {"dp_shard": 32, "tp": 8}, {"vocab_size": 128256})
     assert "lm_head" in even.plan["tensor_parallel"] and not even.notes
