@@ -7,7 +7,7 @@ parameter, which every later stage of a large compile walks (issue 55: Llama 3 4
 ranks spent most of a 20-minute compile in them). Those three are traced here as a few ops, with
 exactly DTensor's values, sizes and collectives:
 
-* Replicate -> Shard over more than 8 ranks (:func:`take_own_parts`): DTensor chunks and keeps one piece; here one
+* Replicate -> Shard (:func:`take_own_parts`): DTensor chunks and keeps one piece; here one
   ``narrow`` of this rank's part, then a clone (a shard owns its storage).
 * Partial -> Shard(d) on one axis (:func:`reduce_scatter`): when the dim does not divide, DTensor
   pads each of the N chunks and concatenates them, and for d != 0 the functional collective
@@ -17,8 +17,11 @@ exactly DTensor's values, sizes and collectives:
 * Shard(d) -> Replicate on one axis with d != 0 (:func:`all_gather`): the functional collective
   gathers on dim 0 and re-concatenates N chunks on d; here unflatten + movedim + flatten.
 
-A step that changes several axes, nests shards on one dim or uses ``_StridedShard`` goes to
-DTensor unchanged. Partial(avg) was made a sum by the caller (compile/lower.py)."""
+A mesh axis of one rank changes nothing (DTensor skips it too: its part is the whole tensor, its
+partial sum the sum): :func:`move` drops such changes first. Without that a one-rank FSDP axis
+cloned every gradient, 7 GB more at the reserved peak of tests/unit/test_allocator_model.py's
+Llama 3 8B shape, whose H200 measurement caught it. A step that changes several axes, nests shards
+on one dim or uses ``_StridedShard`` goes to DTensor unchanged. Partial(avg) was made a sum by the caller (compile/lower.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ __all__ = ["move", "reduction_steps", "local_splits", "take_own_parts", "reduce_
 
 def move(local: torch.Tensor, src, dst) -> torch.Tensor:
     """``local`` (this rank's piece under ``src``) as this rank's piece under ``dst``, traced."""
+    src = _one_rank_axes_as(src, dst)
     for step in reduction_steps(src, dst):
         local = _one_step(local, src, step)
         src = step
@@ -40,10 +44,7 @@ def move(local: torch.Tensor, src, dst) -> torch.Tensor:
 
 def _one_step(local: torch.Tensor, src, dst) -> torch.Tensor:
     splits = local_splits(src, dst)
-    # Small axes keep DTensor's chunk: with it the memory estimate matches an H200's measured
-    # reserved peak (tests/unit/test_allocator_model.py); the narrow moves that estimate by 8%,
-    # not yet understood.
-    if splits is not None and max(src.mesh.size(axis) for axis, _ in splits) > 8:
+    if splits is not None:
         return take_own_parts(local, src.mesh, splits)
     change = _one_axis_change(src, dst)
     if change is not None:
@@ -53,6 +54,14 @@ def _one_step(local: torch.Tensor, src, dst) -> torch.Tensor:
         if type(before) is Shard and after.is_replicate() and before.dim != 0:
             return all_gather(local, src.mesh, axis, before.dim, src.tensor_meta.shape[before.dim])
     return compat.redistribute_local_tensor(local, src, dst)
+
+
+def _one_rank_axes_as(src, dst):
+    """``src`` with ``dst``'s placements on the mesh axes of one rank (where every placement holds
+    the same local tensor)."""
+    placements = [b if src.mesh.size(axis) == 1 else a
+                  for axis, (a, b) in enumerate(zip(src.placements, dst.placements))]
+    return src if tuple(placements) == tuple(src.placements) else compat.respec(src, placements)
 
 
 def reduction_steps(src, dst) -> list:

@@ -74,6 +74,28 @@ def test_traced_split_is_one_narrow_not_a_node_per_rank():
         assert torch.equal(gm(x), x[18:20])
 
 
+@pytest.mark.parametrize("src,dst", [
+    ((Replicate(), Replicate()), (Shard(0), Replicate())),  # FSDP's shard of a gradient on one rank
+    ((Partial(), Replicate()), (Shard(0), Replicate())),    # its reduce-scatter
+    ((Partial(), Replicate()), (Replicate(), Replicate())),
+    ((Shard(1), Replicate()), (Replicate(), Replicate())),
+])
+def test_a_change_on_a_one_rank_axis_traces_nothing(src, dst):
+    """On a mesh axis of one rank every placement holds the whole tensor: no node (DTensor skips
+    it too), where a narrow and clone would copy every gradient (an 8B model's FSDP on one rank
+    predicted 43.7 GiB reserved, not the H200's measured 47.7, because of where those copies
+    land); the other axis still moves."""
+    with fake_world(4, rank=3):
+        mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))
+        src_spec, dst_spec = _spec(mesh, src, (8, 8)), _spec(mesh, dst, (8, 8))
+        gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: _move(x, src_spec, dst_spec))(torch.randn(8, 8))
+        assert [n.op for n in gm.graph.nodes] == ["placeholder", "output"], gm.code
+        both = _spec(mesh, (Shard(0), Shard(1)), (8, 8))
+        gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: _move(x, src_spec, both))(torch.randn(8, 8))
+        x = torch.randn(8, 8)
+        assert torch.equal(gm(x), compat.redistribute_local_tensor(x, src_spec, both))
+
+
 _COLLECTIVES = {torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_gather_into_tensor.default}
 
 
