@@ -36,6 +36,7 @@ from .pipeline import (
 from .plan import ParallelPlan, parallelize_module, shard_module
 from .recompute import CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_wrapper
 from .checkpoints.io import CheckpointError, load_checkpoint, save_checkpoint
+from .tools.planner import auto_plan
 from .errors import InternalError
 from .checkpoints.state_dict import (
     StateDictOptions,
@@ -68,6 +69,7 @@ __version__ = _version()
 
 __all__ = [
     "__version__",
+    "auto_plan",
     "register_sharding",
     "BatchDimSpec",
     "CustomSchedule",

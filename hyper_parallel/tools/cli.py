@@ -15,6 +15,11 @@ Subcommands:
       hyper-parallel explain --config llama3-8b --seq-len 131072 --parallel dp_shard=8,cp=8 \\
           --world-size 64 --recompute full
 
+- ``plan``: choose the configuration (``hyper_parallel/tools/planner/``): every factorisation of the
+  world compiled as ``explain`` does, ranked by predicted step time, the best written as a plan file::
+
+      hyper-parallel plan --config llama3-70b --world-size 256 --global-batch 512 --out plan_70b.py
+
 - ``report``: one self-contained HTML page about a compile from its dump directory (passes, layouts,
   the estimated timeline, memory over the step) plus the step's Chrome trace
   (``hyper_parallel/tools/report/``)::
@@ -105,6 +110,32 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="auto (default): trace, propagate and lower two layers and copy the others "
                     "(parallelize(repeated_blocks='auto')); none: every layer through every step, the "
                     "same report, Llama 3 70B about six times slower")
+    pl = sub.add_parser(
+        "plan", help="choose the parallel configuration: every factorisation of the world compiled on fake ranks, ranked",
+        description="Enumerate the configurations of --world-size ranks (dp_shard, tp within a node, pp with its "
+        "schedule and micro-batches, cp for long sequences, ep for experts, recompute), reject what cannot run or "
+        "fit without compiling, compile the rest as explain does and rank what fits by predicted step time. "
+        "Prints the ranked table with each rejection's reason and writes the best as a plan file (--out).",
+        epilog="Example: hyper-parallel plan --config llama3-70b --world-size 256 --hardware h100 --global-batch 512 "
+        "--seq-len 8192 --out plan_70b.py; then hyper-parallel explain --plan plan_70b.py --parallel ... as the "
+        "file's docstring says.",
+    )
+    pl.add_argument("--model", default="example", help="as explain's --model; default: example")
+    pl.add_argument("--config", default="llama3-8b", help="as explain's --config; default: llama3-8b")
+    pl.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
+    pl.add_argument("--hardware", default="h100", choices=HARDWARE, help="hardware profile; default: h100")
+    pl.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, over all ranks")
+    pl.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence; default: 8192")
+    pl.add_argument("--memory-gib", type=float, default=None,
+                    help="memory budget per device in GiB; default: the hardware profile's")
+    pl.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="default: adamw")
+    pl.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="default: bf16")
+    pl.add_argument("--layers", type=int, default=None, help="override num_hidden_layers of the config")
+    pl.add_argument("--search", default=None, metavar="SPEC",
+                    help="restrictions, e.g. pp=1,tp=1:2:4,recompute=full,pp_schedule=1F1B (values separated by ':')")
+    pl.add_argument("--top-k", type=int, default=5, help="fitting candidates shown; default: 5")
+    pl.add_argument("--out", default=None, metavar="FILE", help="write the chosen plan as a plan file")
+    pl.add_argument("--json", action="store_true", help="print every candidate as JSON")
     rep = sub.add_parser(
         "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
         description="Read DUMP_DIR (written by parallelize(..., dump_dir=DUMP_DIR) or HYPER_PARALLEL_DUMP_DIR) "
@@ -138,6 +169,45 @@ def _explain(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from .planner import auto_plan
+
+    choice = auto_plan(
+        args.config, model=args.model, world_size=args.world_size, hardware=args.hardware,
+        global_batch=args.global_batch, seq_len=args.seq_len, optimizer=args.optimizer, dtype=args.dtype,
+        memory_per_device=None if args.memory_gib is None else int(args.memory_gib * 2**30),
+        top_k=args.top_k, search=parse_search_spec(args.search), num_layers=args.layers,
+    )
+    if args.json:
+        rows = [{"dims": r.dims, "recompute": r.candidate.recompute, "local_batch": r.local_batch,
+                 "pipeline": r.candidate.pipeline, "predicted": r.predicted, "rejected": r.rejected} for r in choice.ranked]
+        print(json.dumps({"search_s": choice.search_s, "ranked": rows}, indent=2, default=str))
+    else:
+        print(choice.table())
+    if args.out:
+        print(f"plan file: {choice.write(args.out)}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def parse_search_spec(spec: str | None) -> dict | None:
+    """``"pp=1,tp=1:2:4,recompute=full"`` as ``auto_plan``'s ``search`` (degrees as integers)."""
+    if not spec:
+        return None
+    out: dict = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or not value:
+            raise ValueError(f"--search {spec!r}: each item is key=value[:value...], got {item!r}")
+        values = value.split(":")
+        if key.strip() not in ("recompute", "pp_schedule"):
+            try:
+                values = [int(v) for v in values]
+            except ValueError:
+                raise ValueError(f"--search {spec!r}: {key} takes integers, got {value!r}") from None
+        out[key.strip()] = values
+    return out
+
+
 def _report(args) -> int:
     from .report import write_report
 
@@ -155,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "explain":
             return _explain(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "report":
             return _report(args)
     except (ValueError, TypeError, ImportError) as e:

@@ -1,0 +1,194 @@
+"""``hp.auto_plan`` / ``hyper-parallel plan`` (hyper_parallel/tools/planner): the search space, what
+is rejected without compiling and why, that those rejections are sound, and that the choice is what
+``explain`` predicts for it, through ``choice.mesh()`` + ``choice.plan`` and through its plan file.
+
+The model is the example Llama with a tiny shape (2 layers, 2 KV heads: tp is 1 or 2), so each
+compile takes seconds; the 64- and 1,024-rank searches leave one configuration to compile by
+their global batch (the others do not split it or do not divide the heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import hyper_parallel as hp
+from hyper_parallel.analysis.memory import optimizer_model
+from hyper_parallel.tools.cli import main, parse_search_spec
+from hyper_parallel.tools.explain import build_model, compile_for_explain, explain, fake_world
+from hyper_parallel.tools.planner import Candidate, auto_plan, predicted_of
+from hyper_parallel.tools.planner.prune import (
+    batch_problem, dims_problem, memory_problem, plan_problem, state_lower_bound,
+)
+from hyper_parallel.tools.planner.space import LONG_SEQUENCE, degree_choices, parse_search, pipeline_choices
+
+pytestmark = pytest.mark.usefixtures("no_process_group_leak")
+
+TINY = {"base": "llama3-8b", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+FIELDS = {**{k: v for k, v in TINY.items() if k != "base"}}
+SEQ = 64
+
+
+def _factorisations(world, fields=FIELDS, seq_len=SEQ, per_node=8, search=None):
+    return [tuple(d.values()) for d in degree_choices(world, fields, seq_len, per_node, parse_search(search))]
+
+
+def test_every_factorisation_of_the_world_within_the_defaults():
+    """(dp_replicate, dp_shard, cp, tp, pp, ep): products equal the world; tp within a node; pp at
+    most the layers; cp only for long sequences, ep only for experts, dp_replicate only when asked."""
+    got = _factorisations(8)
+    assert got == [(1, 8, 1, 1, 1, 1), (1, 4, 1, 1, 2, 1), (1, 4, 1, 2, 1, 1), (1, 2, 1, 2, 2, 1),
+                   (1, 2, 1, 4, 1, 1), (1, 1, 1, 4, 2, 1), (1, 1, 1, 8, 1, 1)]
+    assert all(d[0] * d[1] * d[2] * d[3] * d[4] * d[5] == 8 for d in got)
+    assert max(d[3] for d in _factorisations(64, per_node=4)) == 4  # tp within a 4-device node
+    long = _factorisations(8, seq_len=LONG_SEQUENCE)
+    assert {d[2] for d in long} == {1, 2, 4, 8}
+    moe = _factorisations(8, fields={**FIELDS, "num_experts": 4})
+    assert {d[5] for d in moe} == {1, 2, 4}  # ep up to the number of experts
+    assert {d[0] for d in _factorisations(8, search={"dp_replicate": [1, 2]})} == {1, 2}
+    # Restrictions: only these degrees, tp beyond a node when named.
+    assert _factorisations(16, search={"pp": 1, "tp": [2, 16]}, per_node=8) == [(1, 8, 1, 2, 1, 1), (1, 1, 1, 16, 1, 1)]
+    assert Candidate(dp_shard=8).plan_name == "fsdp" and Candidate(dp_shard=2, tp=4).plan_name == "fsdp+tp+sp"
+    assert Candidate(tp=8).plan_name == "tp+sp" and Candidate(pp=8).plan_name is None
+
+
+def test_pipeline_choices_fit_layers_and_the_local_batch():
+    space = parse_search(None)
+    assert pipeline_choices(2, 4, 4, space) == [("1F1B", 1, 2), ("1F1B", 1, 4), ("Interleaved1F1B", 2, 2),
+                                                ("Interleaved1F1B", 2, 4)]
+    assert pipeline_choices(2, 4, 2, space) == [("1F1B", 1, 2), ("1F1B", 1, 4)]  # 4 stages need 4 layers
+    assert pipeline_choices(4, 2, 8, space) == []  # 4 micro-batches do not come from 2 sequences
+
+
+def test_each_rejection_without_compiling_says_why():
+    degrees = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 4, "pp": 1, "ep": 1}
+    assert "tp=4 does not divide num_key_value_heads=2" in dims_problem(degrees, 4, FIELDS, SEQ)
+    assert dims_problem({**degrees, "tp": 2, "dp_shard": 2}, 4, FIELDS, SEQ) is None
+    assert batch_problem({**degrees, "tp": 1, "dp_shard": 4}, 6) == "global batch 6 does not split over 4 data-parallel ranks"
+    assert batch_problem({**degrees, "tp": 1, "dp_shard": 4}, 8) is None
+    assert plan_problem(Candidate(pp=8)).startswith("no preset for these axes")
+    # 10^9 parameters x (fp32 master, fp32 gradient, two AdamW states) over 8 ranks: 1.86 GiB.
+    assert memory_problem(10**9, Candidate(dp_shard=8), "bf16", "adamw", budget=2**30) == \
+        "OOM: parameters, gradients and adamw state alone need at least 1.86 GiB per rank (budget 1.00 GiB)"
+    assert memory_problem(10**9, Candidate(dp_shard=8), "bf16", "adamw", budget=2 * 2**30) is None
+    assert state_lower_bound(10**9, Candidate(dp_shard=8), "bf16", "adamw") == 16 * 10**9 // 8
+    assert state_lower_bound(10**9, Candidate(tp=8), "bf16", "sgd") == 4 * 10**9 // 8  # bf16 parameters, no state
+    for bad, key in (({"tq": 2}, "'tq'"), ({"tp": 0}, "'tp'"), ({"recompute": "most"}, "most"), ({"pp": "2"}, "'pp'")):
+        with pytest.raises(ValueError, match=key):
+            parse_search(bad)
+    assert parse_search_spec("pp=1,tp=1:2:4,recompute=full") == {"pp": [1], "tp": [1, 2, 4], "recompute": ["full"]}
+    with pytest.raises(ValueError, match="tp takes integers"):
+        parse_search_spec("tp=two")
+
+
+@pytest.mark.slow
+def test_a_candidate_pruned_for_memory_does_not_fit_when_compiled():
+    """The lower bound is below the compiled estimate: a budget just under it prunes the candidate,
+    and the compiled peak is above that budget (so no fitting candidate is ever pruned)."""
+    net, _ = build_model("example", FIELDS)
+    params = sum(p.numel() for p in net.parameters())
+    candidate = Candidate(dp_shard=4, local_batch=2)
+    bound = state_lower_bound(params, candidate, "bf16", "adamw")
+    assert memory_problem(params, candidate, "bf16", "adamw", bound - 1) is not None
+    report = explain(config=dict(FIELDS), parallel=candidate.degrees, world_size=4, plan="fsdp", local_batch=2,
+                     seq_len=SEQ, optimizer="adamw")
+    assert report["memory"]["peak"] > bound - 1
+    assert report["memory"]["params"] + report["memory"]["grads"] + report["memory"]["optimizer_state"] >= bound
+
+
+def _assert_explain_equals(choice, path) -> None:
+    """The plan file's configuration, explained again, predicts exactly what the search did; and
+    ``choice.mesh()`` + ``choice.plan`` compile to the same memory estimate."""
+    best = choice.ranked[0]
+    choice.write(str(path))
+    report = explain(config=dict(FIELDS), parallel=choice.dims, world_size=choice.context.world_size, plan=str(path),
+                     local_batch=choice.local_batch, seq_len=SEQ, optimizer="adamw",
+                     num_microbatches=best.candidate.num_microbatches, pp_schedule=best.candidate.pp_schedule or "1F1B")
+    assert predicted_of(report) == choice.predicted
+    if choice.dims["pp"] == 1:
+        net, _ = build_model("example", FIELDS)
+        with fake_world(choice.context.world_size):
+            ids = torch.zeros(choice.local_batch, SEQ, dtype=torch.long, device="meta")
+            pmodel = compile_for_explain(net, choice.plan, choice.mesh("cpu"), (), {"input_ids": ids, "labels": ids})
+            priced = dataclasses.replace(optimizer_model("adamw"), foreach=True)
+            assert pmodel.memory_report(priced)["peak"] == choice.predicted["peak_bytes"]
+
+
+@pytest.mark.slow
+def test_eight_ranks_with_a_budget_that_rules_some_out(tmp_path):
+    """FSDP, TP and 1F1B pipelines on 8 ranks: candidates over the budget are rejected "OOM by ..."
+    with their compiled peak above it, the rest ranked by predicted step time, the best's plan file
+    and mesh give explain's prediction again."""
+    search = {"pp": [1, 2], "pp_schedule": "1F1B", "recompute": ["none", "full"]}
+    free = auto_plan(TINY, world_size=8, global_batch=8, seq_len=SEQ, search=search, progress=False)
+    peaks = sorted(r.predicted["peak_bytes"] for r in free.ranked if r.predicted)
+    budget = (peaks[0] + peaks[-1]) // 2
+    choice = auto_plan(TINY, world_size=8, global_batch=8, seq_len=SEQ, search=search, memory_per_device=budget,
+                       progress=False)
+    fits = [r for r in choice.ranked if r.rejected is None]
+    ooms = [r for r in choice.ranked if (r.rejected or "").startswith("OOM by")]
+    assert fits and ooms, choice.table()
+    assert all(r.predicted["peak_bytes"] <= budget for r in fits)
+    assert all(r.predicted["peak_bytes"] > budget for r in ooms)
+    assert [r.predicted["step_s"] for r in fits] == sorted(r.predicted["step_s"] for r in fits)
+    assert choice.ranked[: len(fits)] == fits  # the rejected ones come after
+    # A configuration that does not fit without recompute (over the budget compiled or by the lower
+    # bound, or not compiling) is compiled again with full recompute; one that fits is not.
+    retried = {r.candidate.describe().replace("recompute full", "") for r in choice.ranked
+               if r.compiled and r.candidate.recompute == "full"}
+    assert retried == {r.candidate.describe().replace("recompute none", "") for r in choice.ranked
+                       if r.candidate.recompute == "none" and r.rejected is not None}
+    assert any(r.rejected.startswith("not compiled: recompute=none fits") for r in choice.ranked if r.rejected)
+    # The same search again: the same ranking (deterministic), and explain agrees with it.
+    assert [r.candidate for r in free.ranked] == [r.candidate for r in auto_plan(
+        TINY, world_size=8, global_batch=8, seq_len=SEQ, search=search, progress=False).ranked]
+    _assert_explain_equals(choice, tmp_path / "plan8.py")
+    assert "OOM by" in choice.table()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,global_batch", [(64, 32), (1024, 512)])
+def test_large_worlds_plan_and_explain_agree(world, global_batch, tmp_path):
+    """64 and 1,024 simulated ranks: only tp=2 splits the global batch (tp=1 leaves more
+    data-parallel ranks than sequences), so one configuration is compiled."""
+    choice = auto_plan(TINY, world_size=world, global_batch=global_batch, seq_len=SEQ, search={"pp": 1},
+                       progress=False)
+    assert choice.dims == {"dp_replicate": 1, "dp_shard": world // 2, "cp": 1, "tp": 2, "pp": 1, "ep": 1}
+    assert choice.local_batch == 1 and choice.compiled == 1
+    reasons = {r.candidate.tp: r.rejected for r in choice.ranked if r.candidate.recompute == "none"}
+    assert reasons[1] == f"global batch {global_batch} does not split over {world} data-parallel ranks"
+    assert "does not divide num_key_value_heads=2" in reasons[4]
+    _assert_explain_equals(choice, tmp_path / f"plan{world}.py")
+
+
+@pytest.mark.slow
+def test_cli_prints_the_table_and_writes_the_plan(tmp_path, capsys):
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(TINY))
+    out = tmp_path / "chosen.py"
+    assert main(["plan", "--config", str(config), "--world-size", "64", "--global-batch", "32", "--seq-len", str(SEQ),
+                 "--search", "pp=1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1 compiled, 1 fit" in printed and "dp_shard=32 tp=2" in printed and "does not split" in printed
+    namespace = {}
+    exec(compile(out.read_text(), str(out), "exec"), namespace)
+    assert namespace["parallel"]["tp"] == 2 and namespace["local_batch"] == 1
+    assert "fully_shard" in namespace["plan"]({"dp_shard": 32, "tp": 2}, FIELDS)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", str(config), "--world-size", "64", "--global-batch", "32", "--seq-len", str(SEQ),
+              "--search", "pp=1", "--memory-gib", "0.0001"])
+    assert exit_.value.code == 2 and "no configuration of 64 ranks fits" in capsys.readouterr().err
+
+
+def test_auto_plan_is_public_and_checks_its_arguments():
+    assert hp.auto_plan is auto_plan
+    with pytest.raises(ValueError, match="global_batch must be a positive integer"):
+        auto_plan(TINY, world_size=8, global_batch=0, seq_len=SEQ)
+    with pytest.raises(TypeError, match="model_or_config is a config preset name"):
+        auto_plan(3, world_size=8, global_batch=8, seq_len=SEQ)
+    with pytest.raises(TypeError, match="has no transformers config"):
+        auto_plan(torch.nn.Linear(2, 2), world_size=8, global_batch=8, seq_len=SEQ)
