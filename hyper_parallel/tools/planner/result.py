@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import os
-from typing import Any
 
 from ...analysis.memory import format_bytes
 from ...cost.hardware import HardwareProfile
@@ -92,8 +90,16 @@ class Ranked:
         if c.plan_name is None:
             raise ValueError(f"{c.describe()}: {self.rejected}")
         axes = self.parallel_dims().mesh_axes()
-        return presets.build_plan(c.plan_name, axes, dict(self.context.fields), mixed_precision=self.context.dtype == "bf16",
-                                  recompute=c.recompute, pipeline=c.pipeline).plan
+        return presets.build_plan(c.plan_name, axes, dict(self.context.fields), **self.plan_settings()).plan
+
+    def plan_settings(self) -> dict:
+        """``presets.build_plan``'s keyword arguments for this candidate, as ``explain`` passes them
+        (ring attention over the whole cp axis: Ulysses degree 1)."""
+        c = self.candidate
+        settings = {"mixed_precision": self.context.dtype == "bf16", "recompute": c.recompute, "pipeline": c.pipeline}
+        if c.cp > 1:
+            settings["ulysses_degree"] = 1
+        return settings
 
     def outcome(self) -> str:
         """``step 1.23 s, 41.2 GiB peak`` or the rejection."""
@@ -189,7 +195,7 @@ class Choice:
         c = entry.candidate
         parallel = ",".join(f"{axis}={size}" for axis, size in entry.dims.items() if size > 1) or "dp_shard=1"
         config = self.context.config_name if self.context.config_name in presets.MODEL_PRESETS else "<the config>"
-        settings = {"mixed_precision": self.context.dtype == "bf16", "recompute": c.recompute, "pipeline": c.pipeline}
+        settings = entry.plan_settings()
         predicted = {k: v for k, v in sorted((entry.predicted or {}).items())
                      if isinstance(v, (int, float)) and math.isfinite(v)}
         text = f'''"""A parallel plan chosen by hyper_parallel's auto_plan on {datetime.date.today().isoformat()}.

@@ -161,8 +161,13 @@ def _evaluate(candidate: Candidate, context: PlanContext) -> Ranked:
                              dtype=context.dtype, recompute=candidate.recompute,
                              pp_schedule=candidate.pp_schedule or "1F1B", num_microbatches=candidate.num_microbatches,
                              stages_per_rank=candidate.stages_per_rank)
-    except ValueError as exc:
+    except ValueError as exc:  # the compiler refuses the plan, saying why
         return Ranked(candidate, context, rejected=f"does not compile: {str(exc).splitlines()[0]}", compiled=True)
+    except Exception as exc:  # a compiler bug: the search goes on, and says so loudly
+        log.warning("auto_plan: %s failed to compile (%s: %s); rejected, please report it with this configuration",
+                    candidate.describe(), type(exc).__name__, exc, exc_info=True)
+        return Ranked(candidate, context, rejected=f"compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                      compiled=True)
     entry = Ranked(candidate, context, predicted=predicted_of(report), report=report, compiled=True)
     peak = entry.predicted["peak_bytes"]
     if peak > context.budget:
