@@ -83,14 +83,14 @@ class Candidate:
     def columns(self) -> tuple[str, str, str, str]:
         """(degrees, recompute, local batch, pipeline) as the ranked table prints them."""
         degrees = " ".join(f"{axis}={size}" for axis, size in self.degrees.items() if size > 1 or axis == "dp_shard")
-        pipeline = f"{self.pp_schedule} x{self.stages_per_rank}, {self.num_microbatches} mb" if self.pp > 1 else "-"
+        pipeline = f"{self.pp_schedule} x{self.stages_per_rank}, {self.num_microbatches} mb" if self.pp_schedule else "-"
         return degrees, self.recompute, str(self.local_batch), pipeline
 
     def describe(self) -> str:
         """One line: ``dp_shard=32 tp=8 | recompute full | local batch 2`` (and the pipeline)."""
         degrees = " ".join(f"{axis}={size}" for axis, size in self.degrees.items() if size > 1 or axis == "dp_shard")
         text = f"{degrees} | recompute {self.recompute} | local batch {self.local_batch}"
-        if self.pp > 1:
+        if self.pp_schedule is not None:
             text += f" | {self.pp_schedule} x{self.stages_per_rank}, {self.num_microbatches} micro-batches"
         return text
 
