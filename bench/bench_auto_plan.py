@@ -3,7 +3,8 @@
 ``python bench/bench_auto_plan.py`` (a few minutes on 2 cores):
 
 1. plans the model for 4 ranks on the ``cpu`` profile (this machine's calibrated gloo ranks,
-   ``bench/calibrate_cost_model.py``), fp32, AdamW; first without a budget, then with a memory
+   ``bench/calibrate_cost_model.py``) with the 4 ranks on one node sharing its 2 cores
+   (``host_cores``: busy ranks beyond the cores time-share them), fp32, AdamW; first without a budget, then with a memory
    budget between the smallest and the largest predicted peak (``--budget-mib`` sets it), so that
    some candidates are rejected for memory;
 2. on 4 gloo ranks, runs every candidate that fits and every one rejected as "OOM by ..." after
@@ -23,6 +24,7 @@ or ``hf:LlamaForCausalLM``; the default shape is the benches' example Llama.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -61,11 +63,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def plan(args) -> tuple[object, list]:
     """The budgeted search and the candidates to run (fitting ones, then those over the budget)."""
+    from hyper_parallel.cost.hardware import get_profile
     from hyper_parallel.tools.cli import parse_search_spec
     from hyper_parallel.tools.planner import auto_plan
 
     fields = DEFAULT_CONFIG if args.config is None else json.load(open(args.config))
-    common = dict(world_size=WORLD, hardware="cpu", global_batch=args.global_batch, seq_len=args.seq_len,
+    # The 4 ranks share this host's cores (the profile's host_cores): one node of WORLD ranks.
+    profile = dataclasses.replace(get_profile("cpu"), devices_per_node=WORLD)
+    common = dict(world_size=WORLD, hardware=profile, global_batch=args.global_batch, seq_len=args.seq_len,
                   dtype="fp32", optimizer="adamw", model=args.model, search=parse_search_spec(args.search),
                   top_k=20, progress=False)
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)

@@ -45,7 +45,19 @@ class HardwareProfile:
     program_overhead_s: float = 0.0  # one call of a forward / backward program by the runtime
     boundary_overhead_s: float = 0.0  # per tensor crossing a program boundary (DTensor <-> local, autograd)
     optimizer_tensor_overhead_s: float | None = None  # per parameter in optimizer.step (None: op_overhead_s)
+    # CPU hosts: the cores the ranks of one node share (None: each device computes on its own).
+    # More busy ranks than cores time-share them (host_sharing()).
+    host_cores: int | None = None
     notes: str = ""
+
+    def host_sharing(self, ranks_on_node: int, busy_fraction: float = 1.0) -> float:
+        """How much slower each rank runs when ``ranks_on_node`` ranks share :attr:`host_cores`
+        cores, each busy ``busy_fraction`` of the step (a pipeline's ranks idle in its bubble, and
+        their cores go to the others): the average number of busy ranks over the cores, at least 1.
+        1.0 on a profile without ``host_cores`` (accelerators)."""
+        if not self.host_cores:
+            return 1.0
+        return max(1.0, ranks_on_node * busy_fraction / self.host_cores)
 
     def __post_init__(self):
         if not self.peak_flops:
@@ -154,7 +166,8 @@ ASCEND_910B = HardwareProfile(
 #   collectives back to back fit alpha ~65 us; inside steps the waiting rank must be rescheduled on
 #   the 2 shared cores, which is most of the ~0.6 ms alpha, and varies several-fold run to run.
 # Efficiencies are 1.0: the peaks are measured achievable rates. Both ranks share one "node" and the
-# same loopback, so intra = inter.
+# same loopback, so intra = inter. host_cores=2: more ranks on this host (a profile replaced with
+# devices_per_node=4 for 4 gloo ranks) time-share the 2 cores, as HardwareProfile.host_sharing prices.
 CPU = HardwareProfile(
     name="cpu",
     peak_flops={"fp32": 131.5 * G, "bf16": 131.5 * G, "fp16": 131.5 * G},
@@ -164,6 +177,7 @@ CPU = HardwareProfile(
     matmul_efficiency=1.0, memory_efficiency=1.0, link_efficiency=1.0,
     op_overhead_s=3.71e-6, view_overhead_s=4.40e-6,
     program_overhead_s=319.7e-6, boundary_overhead_s=56.15e-6, optimizer_tensor_overhead_s=18.37e-6,
+    host_cores=2,
     notes="gloo on this machine's 2 CPU cores, 1 thread per rank (calibrated, see hardware.py)",
 )
 

@@ -308,6 +308,11 @@ def explain(
             with progress.phase("simulated step"):
                 step = _simulate(pmodel, mesh, profile, optimizer, dtype)
     progress.done()
+    # CPU ranks beyond the host's cores time-share them (a pipeline's less: its ranks idle in the bubble).
+    busy = 1.0 - pipelined["pipeline"]["bubble_fraction"] if pipelined else 1.0
+    sharing = profile.host_sharing(min(world_size, profile.devices_per_node), busy)
+    if sharing > 1.0 and step.get("available"):
+        step = _time_shared(step, sharing)
     timeline = step.pop("timeline", None)
     if trace_path is not None and timeline is None:
         raise ValueError(f"explain(trace_path={trace_path!r}): no simulated step to trace ({step.get('reason')})")
@@ -347,6 +352,7 @@ def explain(
         "optimizer": optimizer,
         "memory": memory,
         "device": {"name": hardware, "memory_bytes": device_bytes, "fits": memory["peak"] <= device_bytes,
+                   "host_cores": profile.host_cores,
                    "peak_fraction": memory["peak"] / device_bytes},
         "collectives": {key: _relabel(table, labels) for key, table in collectives.items()},
         "step": step,
@@ -438,6 +444,19 @@ def _simulate(pmodel, mesh, profile, optimizer: str, dtype: str) -> dict:
             "mfu": mfu(est.model_flops, est.step_s, profile, dtype) if positive else 0.0,
             "hfu": mfu(est.flops, est.step_s, profile, dtype) if positive else 0.0,
             "timeline": est.timeline}
+
+
+def _time_shared(step: dict, factor: float) -> dict:
+    """The simulated step on ranks that share a host's cores: every time ``factor`` longer (compute
+    and gloo's host-side communication alike), MFU ``factor`` lower; ``host_sharing`` says by how
+    much. The timeline (``trace_path``) and a pipeline's per-stage times stay those of one rank
+    with a core of its own."""
+    scaled = {k: v * factor if k.endswith("_s") and isinstance(v, float) else v for k, v in step.items()}
+    for key in ("mfu", "hfu"):
+        if key in scaled:
+            scaled[key] = step[key] / factor
+    scaled["host_sharing"] = factor
+    return scaled
 
 
 # --- text ------------------------------------------------------------------------------------------
@@ -542,6 +561,9 @@ def format_report(report: dict) -> str:
                if step["recompute_flops"] else "") + "), "
             f"{step['tokens_per_s_per_device']:,.0f} tokens/s per device",
         ]
+        if step.get("host_sharing"):
+            lines.append(f"  ranks share the host's {report['device'].get('host_cores')} cores: times x"
+                         f"{step['host_sharing']:.2f} (the busy ranks over the cores)")
     else:
         lines.append(f"step time: cost model not available ({step.get('reason', '')})")
     if "pipeline" in report:

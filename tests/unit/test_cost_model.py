@@ -263,3 +263,14 @@ def test_profile_lookup():
         get_profile("tpu-v5")
     with pytest.raises(ValueError, match="link_efficiency=1.5 must be in"):
         profile(link_efficiency=1.5)
+
+
+def test_ranks_beyond_the_host_cores_time_share_them():
+    """On the cpu profile (2 cores) 4 busy ranks run at half speed, a pipeline idle a third of
+    its step at two thirds; accelerators never share."""
+    from hyper_parallel.cost.hardware import CPU, H100
+
+    assert CPU.host_sharing(2) == 1.0 and CPU.host_sharing(4) == 2.0
+    assert CPU.host_sharing(4, busy_fraction=2 / 3) == pytest.approx(4 / 3)
+    assert CPU.host_sharing(4, busy_fraction=0.25) == 1.0
+    assert H100.host_sharing(8) == 1.0

@@ -623,3 +623,21 @@ def test_cp_with_fewer_sequences_than_cp_ranks():
     each rank holding a quarter of its one sequence."""
     report = explain(config=SMALL, parallel="dp_shard=2,cp=4", world_size=8, seq_len=512)
     assert report["batch"]["global_batch"] == 2 and report["plan"]["context_parallel"]["degree"] == 4
+
+
+@pytest.mark.slow
+def test_cpu_ranks_beyond_the_host_cores_take_longer():
+    """4 ranks on a 2-core host (the cpu profile with 4 ranks per node): every simulated time
+    twice one rank's with a core of its own, MFU half, and the report says why."""
+    import dataclasses
+
+    from hyper_parallel.cost.hardware import CPU
+
+    shared, own = (explain(config="llama3-8b", num_layers=1, parallel="dp_shard=-1", world_size=4, plan="fsdp",
+                           local_batch=1, seq_len=64, hardware=dataclasses.replace(CPU, devices_per_node=4, host_cores=cores))
+                   for cores in (2, None))
+    assert shared["step"]["host_sharing"] == 2.0 and "host_sharing" not in own["step"]
+    for key in ("step_s", "compute_s", "forward_s", "backward_s"):
+        assert shared["step"][key] == pytest.approx(2 * own["step"][key])
+    assert shared["step"]["mfu"] == pytest.approx(own["step"]["mfu"] / 2)
+    assert "ranks share the host's 2 cores: times x2.00" in format_report(shared)
