@@ -14,7 +14,12 @@ Which stage a node belongs to:
   where their data is (forward: the latest stage among their inputs; backward: the earliest), else
   the stage of the forward op with their autograd ``seq_nr``, else where their users are (forward
   nodes that read only placeholders, such as FSDP's mixed-precision cast of a parameter shard,
-  go straight to their users: the parameter then lives in the stage that uses it);
+  go straight to their users: the parameter then lives in the stage that uses it; so do constants
+  made in backward, such as the vocab-parallel loss's fill value of its masked targets). The
+  stage a ``seq_nr`` names comes from the ops the model ran, and only where they are all in one
+  stage: a redistribution carries the number of the node it was made for, and the nodes added
+  after capture (FSDP's casts, hence its all-gathers) share the last forward op's, the loss's; the
+  embedding's all-gather in stage 0 once sent the loss's backward there;
 * placeholders and constants are copied into every stage that reads them, except a parameter read
   by two stages (tied weights), which is an error: its gradient would be split between them;
 * forward values computed from buffers and constants alone (rotary tables, masks) are recomputed
@@ -69,7 +74,8 @@ of the last micro-batch, which 1F1B runs before the earlier micro-batches' backw
 them.
 
 Reads: ``partitioner_tag`` / ``hp_fsdp_phase`` (phase), ``nn_module_stack``,
-``fwd_nn_module_stack``, ``seq_nr``, ``val``; for the variants ``hp_grad_of`` and ``hp_role``.
+``fwd_nn_module_stack``, ``seq_nr``, ``hp_role`` (the redistributions lowering added), ``val``; for
+the variants ``hp_grad_of`` and ``hp_role``.
 Writes: new GraphModules (the input graph is not changed); every stage node keeps its meta; the
 variants' adds get ``hp_role = "accumulate"`` and the backward tag.
 """
@@ -166,16 +172,22 @@ def assign_stages(gm: torch.fx.GraphModule, split_points: tuple[str, ...]) -> tu
             f"pipeline split points {list(split_points)} are not in execution order; list them in the "
             "order the model runs the modules"
         )
-    by_seq: dict[int, int] = {}
+    seq_stages: dict[int, set] = {}
     by_module: dict[str, set] = {}
     for i, node in enumerate(computing):
         if phases[node] != FORWARD or not node.meta.get("nn_module_stack"):
             continue
         stage[node] = sum(1 for b in order if b <= i)
-        if node.meta.get("seq_nr") is not None:
-            by_seq.setdefault(node.meta["seq_nr"], stage[node])
+        # Only the ops the model ran number a forward op: a redistribution carries its source
+        # node's number, and an FSDP all-gather's source (the mixed-precision cast, added after
+        # capture) the last forward op's, the loss's: the embedding's all-gather, in stage 0, put
+        # the vocab-parallel loss's backward there (2-layer Llama, FSDP x TP x PP).
+        if node.meta.get("seq_nr") is not None and not meta.is_redistribute(node):
+            seq_stages.setdefault(node.meta["seq_nr"], set()).add(stage[node])
         for path in _module_paths(node, "nn_module_stack"):
             by_module.setdefault(path, set()).add(stage[node])
+    # A number seen in two stages names no forward op: left to the data and users rules below.
+    by_seq = {seq: next(iter(s)) for seq, s in seq_stages.items() if len(s) == 1}
 
     # Backward nodes: the stage of the module they differentiate.
     for node in computing:
@@ -189,7 +201,9 @@ def assign_stages(gm: torch.fx.GraphModule, split_points: tuple[str, ...]) -> tu
     # gradients only flow to earlier stages); then the forward op with the same autograd sequence
     # number (not first: autograd's gradient sums carry the number of an unrelated later op).
     # A forward node reading only placeholders (FSDP's mixed-precision cast of a parameter shard,
-    # whose seq_nr is one shared by every node lowering adds) goes where its users are, below.
+    # whose seq_nr is one shared by every node lowering adds) goes where its users are, below; so
+    # does a constant made in backward (no inputs: ``scalar_tensor``, ``full``), which has no data
+    # to follow and would otherwise pull its users, by the earliest-input rule, to its stage.
     for node in computing:
         if node in stage:
             continue
@@ -198,13 +212,17 @@ def assign_stages(gm: torch.fx.GraphModule, split_points: tuple[str, ...]) -> tu
             stage[node] = max(inputs) if phases[node] == FORWARD else min(inputs)
         elif phases[node] == FORWARD and all(a.op in ("placeholder", "get_attr") for a in node.all_input_nodes):
             continue
+        elif not node.all_input_nodes:
+            continue
         elif node.meta.get("seq_nr") in by_seq:
             stage[node] = by_seq[node.meta["seq_nr"]]
+    # Where the users are: the earliest in forward, the latest in backward, so that the value flows
+    # the one way it may to the others.
     for node in reversed(computing):
         if node in stage:
             continue
         users = [stage[u] for u in node.users if u in stage]
-        stage[node] = min(users) if users else 0
+        stage[node] = (min(users) if phases[node] == FORWARD else max(users)) if users else 0
     return stage, phases
 
 

@@ -96,6 +96,22 @@ def test_pipeline_composes_within_stages(dist4, name):
     assert any(expected in kind and axis in axes for kind, axes in kinds.items()), kinds
 
 
+def test_vocab_parallel_loss_in_the_last_stage(dist4):
+    """PP x TP on a 2 x 2 mesh with sequence parallelism and the vocab-parallel loss, on 2 layers
+    (one per stage: the loss shares its stage with a decoder layer): one device's losses and
+    gradients. The loss, forward and backward, is the last stage's: its per-token max and exp-sum
+    all-reduces over tp are in that stage's forward, none in the first stage's. (With FSDP on a
+    third axis this split used to fail, the loss's backward placed in stage 0:
+    tests/unit/test_explain_pipeline.py checks that on 8 fake ranks.)"""
+    plan = {**llama_tp_plan(sequence_parallel=True, loss_parallel=True),
+            "pipeline": _pipeline(["model.layers.1"], "1F1B", 2)}
+    results = dist4.run(run_pipeline_parity, plan, (2, 2), ("pp", "tp"), num_layers=2)
+    _check_stages(results, 2)
+    first, last = results[0]["summary"]["collectives"], results[2]["summary"]["collectives"]
+    assert "all_reduce" not in first["stage0 forward"], first
+    assert last["stage1 forward"]["all_reduce"]["tp"]["count"] >= 2, last
+
+
 def test_bubble_reported_and_schedule_dumped(dist2, tmp_path):
     """The measured bubble is reported next to (p-1)/(m+p-1); the dump holds the schedule and the
     measured timeline as a Chrome trace."""

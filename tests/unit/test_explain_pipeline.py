@@ -10,6 +10,7 @@ rank's peak must be the sum the module docstring states.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hyper_parallel.pipeline.runtime import flat_steps
 from hyper_parallel.pipeline.schedules import simulate
@@ -84,3 +85,39 @@ def test_step_is_the_schedule_replayed_with_each_stage_program(pp, schedule):
     assert report["step"]["step_s"] >= section["makespan_s"]
     text = format_report(report)
     assert f"pipeline  {pp} stages over pp={pp}, schedule {schedule}" in text and "pp rank" in text
+
+
+def test_vocab_parallel_loss_of_a_fsdp_tp_pipeline_stays_in_the_last_stage():
+    """PP x FSDP x TP with the vocab-parallel loss on a 2-layer Llama (regression): the pipeline
+    split put the loss's backward in stage 0, reading the log-probabilities stage 1 computes. The
+    fill value the vocab-parallel ``nll_loss_backward`` makes for its masked targets (a constant,
+    no inputs) was placed by its autograd ``seq_nr``, which FSDP's embedding all-gather in stage 0
+    carried too (nodes added after capture get the last forward op's, the loss's), and the
+    backward's earliest-input rule pulled the rest of the loss's backward after it (on 4 layers the
+    numbers do not collide)."""
+    from hyper_parallel.ir.graph import source_line
+    from hyper_parallel.testing.explained import explain_pipelined_kept
+
+    report, seen = explain_pipelined_kept(config={**TINY, "num_hidden_layers": 2},
+                                          parallel={"dp_shard": 2, "tp": 2, "pp": 2}, world_size=8,
+                                          plan="fsdp+tp+sp", local_batch=4, seq_len=16, num_microbatches=2)
+    assert report["pipeline"]["split_points"] == ["model.layers.1"] and report["step"]["step_s"] > 0
+    first, last = seen["pmodel"]._hp.pipeline.last.stages
+
+    def ops(graph):
+        return [n for n in graph.gm.graph.nodes if n.op == "call_function"]
+
+    # Every node of the loss, forward and backward, and its per-token max / exp-sum all-reduces
+    # over tp, in the last stage.
+    assert not [n.name for n in ops(first) if "causal_lm_loss" in (source_line(n) or "")]
+    targets = {n.target for n in ops(last)}
+    assert {torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss_backward.default} <= targets
+    token_reductions = ("[S(0), P(max)] -> [S(0), R]", "[S(0), P(sum)] -> [S(0), R]")
+    for graph, expect in ((first, set()), (last, set(token_reductions))):
+        found = {n.meta.get("hp_redistribute") for n in ops(graph) if "all_reduce" in str(n.target)}
+        assert found & set(token_reductions) == expect, (graph.stage, found)
+    # Only the hidden state crosses the cut: a micro-batch of 2 rows, its sequence-parallel half of
+    # the 16 positions, in the bf16 of FSDP's mixed precision; and its gradient back.
+    crossing = [(t.phase, t.src, t.dst, t.shape, t.dtype) for t in first.sends + last.sends]
+    assert crossing == [("forward", 0, 1, (2, 8, 64), torch.bfloat16),
+                        ("backward", 1, 0, (2, 8, 64), torch.bfloat16)], crossing
