@@ -88,36 +88,9 @@ def auto_plan(
                           hardware=profile, seq_len=seq_len, global_batch=global_batch, dtype=dtype,
                           optimizer=optimizer, budget=budget)
     num_params = context.num_params()
-    layers = int(fields.get("num_hidden_layers", 1))
 
     enable_default_logging()
-    ranked: list[Ranked] = []
-    to_compile: list[list[Candidate]] = []  # per configuration, its recompute modes in order
-    for degrees in degree_choices(world_size, fields, seq_len, profile.devices_per_node, space):
-        shape = Candidate(**degrees)
-        problem = dims_problem(degrees, world_size, fields, seq_len) or plan_problem(shape) \
-            or batch_problem(degrees, global_batch)
-        if problem:
-            ranked.append(Ranked(shape, context, rejected=problem))
-            continue
-        local_batch = global_batch // dp_degree(degrees)
-        group = candidates(degrees, local_batch, layers, space)
-        if not group:
-            ranked.append(Ranked(Candidate(**degrees, local_batch=local_batch), context,
-                                 rejected=f"pp={degrees['pp']}: no schedule fits {layers} layers and a local batch "
-                                 f"of {local_batch} ({', '.join(space.schedules)}; at least pp micro-batches)"))
-            continue
-        for candidate in group:
-            problem = memory_problem(num_params, candidate, dtype, optimizer, budget)
-            if problem:
-                ranked.append(Ranked(candidate, context, rejected=problem))
-        survivors = [c for c in group if not memory_problem(num_params, c, dtype, optimizer, budget)]
-        # One list per configuration and pipeline choice: its recompute modes, cheapest first.
-        by_pipeline: dict[tuple, list[Candidate]] = {}
-        for c in survivors:
-            by_pipeline.setdefault((c.pp_schedule, c.stages_per_rank, c.num_microbatches), []).append(c)
-        to_compile.extend(by_pipeline.values())
-
+    ranked, to_compile = _enumerate(context, space, num_params)
     total = sum(len(g) for g in to_compile)
     log.info("auto_plan: %d candidates, %d rejected without compiling, at most %d to compile",
              len(ranked) + total, len(ranked), total)
@@ -146,6 +119,39 @@ def auto_plan(
                          + "\nallow more memory, recompute or pipeline stages (search=...), or more ranks")
     log.info("auto_plan: chose %s (%.1f s of search)", fitting[0].candidate.describe(), choice.search_s)
     return choice
+
+
+def _enumerate(context: PlanContext, space, num_params: int) -> tuple[list[Ranked], list[list[Candidate]]]:
+    """(the candidates rejected without compiling, the groups to compile): each group one
+    configuration and pipeline choice with its recompute modes in order, cheapest first."""
+    layers = int(context.fields.get("num_hidden_layers", 1))
+    ranked: list[Ranked] = []
+    to_compile: list[list[Candidate]] = []
+    for degrees in degree_choices(context.world_size, context.fields, context.seq_len,
+                                  context.hardware.devices_per_node, space):
+        shape = Candidate(**degrees)
+        problem = dims_problem(degrees, context.world_size, context.fields, context.seq_len) \
+            or plan_problem(shape) or batch_problem(degrees, context.global_batch)
+        if problem:
+            ranked.append(Ranked(shape, context, rejected=problem))
+            continue
+        local_batch = context.global_batch // dp_degree(degrees)
+        group = candidates(degrees, local_batch, layers, space)
+        if not group:
+            ranked.append(Ranked(Candidate(**degrees, local_batch=local_batch), context,
+                                 rejected=f"pp={degrees['pp']}: no schedule fits {layers} layers and a local batch "
+                                 f"of {local_batch} ({', '.join(space.schedules)}; at least pp micro-batches)"))
+            continue
+        by_pipeline: dict[tuple, list[Candidate]] = {}
+        for candidate in group:
+            problem = memory_problem(num_params, candidate, context.dtype, context.optimizer, context.budget)
+            if problem:
+                ranked.append(Ranked(candidate, context, rejected=problem))
+            else:
+                key = (candidate.pp_schedule, candidate.stages_per_rank, candidate.num_microbatches)
+                by_pipeline.setdefault(key, []).append(candidate)
+        to_compile.extend(by_pipeline.values())
+    return ranked, to_compile
 
 
 def _evaluate(candidate: Candidate, context: PlanContext) -> Ranked:
