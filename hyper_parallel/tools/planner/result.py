@@ -203,7 +203,7 @@ class Choice:
 {self.context.config_name} on {self.context.world_size} x {self.context.hardware.name}, global batch {self.context.global_batch} x {self.context.seq_len} tokens, {self.context.dtype}, {self.context.optimizer}:
 {c.describe()}
 
-    hyper-parallel explain --config {config} --world-size {self.context.world_size} --parallel {parallel} --plan {path} --local-batch {c.local_batch} --seq-len {self.context.seq_len}
+    hyper-parallel explain --config {config} --world-size {self.context.world_size} --parallel {parallel} --plan {path} --local-batch {c.local_batch} --seq-len {self.context.seq_len} --dtype {self.context.dtype} --optimizer {self.context.optimizer}
 
 In a training script: ``ns = runpy.run_path(this file)``; ``ns["parallel"]`` are the
 ParallelDims degrees, ``ns["plan"](pd.mesh_axes(), config_fields)`` the plan.
