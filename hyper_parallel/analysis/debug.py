@@ -20,6 +20,7 @@ import os
 import types
 
 import torch
+import torch.distributed as dist
 
 from .. import compat
 from ..ir.graph import module_fqn_of, source_line
@@ -286,14 +287,16 @@ def simulate_step(program, mesh, fsdp, profile, optimizer_state_per_param: int |
     CompiledProgram) on ``profile``: its collectives priced on the groups of ``mesh`` (and the
     FSDP groups of ``fsdp`` and the context-parallel sub-groups of ``context``), then an optimizer
     step keeping ``optimizer_state_per_param`` parameter-sized state tensors (SGD 0, momentum 1,
-    Adam/AdamW 2; None: no optimizer step)."""
+    Adam/AdamW 2; None: no optimizer step). The per-call agreement spans the whole world."""
     from ..cost import axis_infos, optimizer_traffic, simulate
 
     axes = axis_infos(mesh, groups=group_axis_names(mesh, fsdp, context))
     opt_bytes = opt_tensors = 0
     if optimizer_state_per_param is not None:
         opt_bytes, opt_tensors = optimizer_traffic(program.backward_gm, optimizer_state_per_param)
-    return simulate((program.forward_gm, program.backward_gm), axes, profile, opt_bytes, opt_tensors)
+    world = dist.get_world_size() if dist.is_initialized() else mesh.size()
+    return simulate((program.forward_gm, program.backward_gm), axes, profile, opt_bytes, opt_tensors,
+                    agreement_ranks=world)
 
 
 def step_trace(program, mesh, fsdp=None, rank: int = 0, hardware: str | None = None,

@@ -11,7 +11,7 @@ communication, MFU), ``trace`` (Chrome trace JSON of the simulated step)::
     json.dump(to_chrome_trace(est.timeline), open("step.json", "w"))
 """
 
-from .comm import AxisInfo, axis_infos, axis_table, collective_time
+from .comm import AxisInfo, agreement_time, axis_infos, axis_table, collective_time
 from .compute import NodeWork, node_work, roofline_time
 from .hardware import PROFILES, HardwareProfile, get_profile
 from .simulate import Event, StepEstimate, Timeline, mfu, optimizer_time, optimizer_traffic, simulate, simulate_program
@@ -25,6 +25,7 @@ __all__ = [
     "PROFILES",
     "StepEstimate",
     "Timeline",
+    "agreement_time",
     "axis_infos",
     "axis_table",
     "collective_time",

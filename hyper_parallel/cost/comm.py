@@ -26,11 +26,12 @@ from typing import Iterable, Mapping
 import torch
 
 from .. import compat
+from ..distributed import host_reduce
 from .hardware import HardwareProfile
 
 __all__ = [
-    "AxisInfo", "axis_infos", "axis_table", "collective_time", "ring_volume", "group_name_of", "group_size_of",
-    "unknown_axis",
+    "AxisInfo", "agreement_time", "axis_infos", "axis_table", "collective_time", "ring_volume", "group_name_of",
+    "group_size_of", "unknown_axis",
 ]
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,14 @@ def collective_time(kind: str, input_bytes: int, axis: AxisInfo, profile: Hardwa
     else:
         bandwidth, latency = profile.inter_node_bandwidth, profile.inter_node_latency
     return steps * latency + moved / (bandwidth * profile.link_efficiency)
+
+
+def agreement_time(world_size: int, profile: HardwareProfile) -> float:
+    """Seconds of the per-call agreement over ``world_size`` ranks (``distributed.spmd.agree``): a
+    MAX all-reduce of 24 bytes by recursive doubling between the ranks' host processes, one
+    host message latency per round (``host_reduce.rounds``: log2 of the world, 2 more when it is
+    not a power of two). The bytes are too few to count."""
+    return host_reduce.rounds(world_size) * profile.host_message_latency_s
 
 
 def group_name_of(group) -> str:

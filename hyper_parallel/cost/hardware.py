@@ -48,6 +48,11 @@ class HardwareProfile:
     # CPU hosts: the cores the ranks of one node share (None: each device computes on its own).
     # More busy ranks than cores time-share them (host_sharing()).
     host_cores: int | None = None
+    # One small message between two ranks' host processes over the control network (gloo over
+    # TCP), what the per-call agreement's log2(world) rounds each pay (comm.agreement_time). 30 us
+    # on the accelerator profiles: a kernel TCP round trip between hosts of one data centre is
+    # typically 20-60 us, one way half of it, plus gloo's own handling (an assumption, unmeasured).
+    host_message_latency_s: float = 30e-6
     notes: str = ""
 
     def host_sharing(self, ranks_on_node: int, busy_fraction: float = 1.0) -> float:

@@ -17,6 +17,12 @@ accelerator profiles, where the host runs ahead). After backward, the optimizer 
 memory-bound: it reads and writes the parameters and optimizer state and reads the gradients once
 (``optimizer_traffic``), plus ``optimizer_tensor_overhead_s`` per parameter tensor (torch's
 per-parameter loop on CPU; foreach kernels on accelerators launch few).
+
+The per-call agreement (``distributed.spmd.agree``, given ``agreement_ranks``) is issued as the
+first forward program starts, on the host ("host" stream: it holds neither device stream), and
+takes ``comm.agreement_time``; the program's gate node (``meta.AGREEMENT_GATE``, right before its
+first collective) waits for it, or, without a gate, the program's end. What it waits is
+``agreement_exposed_s``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 from ..compat import pytree
 from ..ir.graph import module_fqn_of
 from ..compat import op_overload_name
-from .comm import AxisInfo, collective_time, group_name_of, group_size_of, unknown_axis
+from .comm import AxisInfo, agreement_time, collective_time, group_name_of, group_size_of, unknown_axis
 from ..ir.collectives import collective_kind
 from .compute import node_work, roofline_time, tensor_bytes
 from .hardware import HardwareProfile, get_profile
@@ -42,8 +48,9 @@ __all__ = ["Event", "Timeline", "StepEstimate", "simulate", "simulate_program", 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One interval on one stream. ``category``: "compute", "comm" or "wait"; ``stream``:
-    "compute" or "comm"; ``phase``: "forward", "backward" or "optimizer"."""
+    """One interval on one stream. ``category``: "compute", "comm", "wait" or "agreement";
+    ``stream``: "compute", "comm" or "host" (the per-call agreement); ``phase``: "forward",
+    "backward" or "optimizer"."""
 
     name: str
     category: str
@@ -98,6 +105,8 @@ class StepEstimate:
     step_s: float
     flops: int
     recompute_flops: int = 0
+    agreement_s: float = 0.0  # the per-call agreement's exchange (0: one rank, or not asked for)
+    agreement_exposed_s: float = 0.0  # the part of it the forward waited for at its gate
 
     @property
     def model_flops(self) -> int:
@@ -125,8 +134,11 @@ def _programs(programs) -> list[torch.fx.GraphModule]:
 
 
 class _Simulator:
-    def __init__(self, axes: Mapping[str, AxisInfo], profile: HardwareProfile):
+    def __init__(self, axes: Mapping[str, AxisInfo], profile: HardwareProfile, agreement_s: float = 0.0):
         self.axes, self.profile = axes, profile
+        self.agreement_s = agreement_s
+        self.agreement_ready: float | None = None  # when the exchange is done (None: not issued, or waited)
+        self.agreement_exposed = 0.0
         self.events: list[Event] = []
         self.compute_t = 0.0  # when the compute stream is next free
         self.comm_t = 0.0  # when the communication stream is next free
@@ -157,6 +169,10 @@ class _Simulator:
         ))
 
     def run(self, gm: torch.fx.GraphModule, phase: str) -> None:
+        if phase == "forward" and self.agreement_s > 0 and not self.events:  # the call's first program
+            self.agreement_ready = self.compute_t + self.agreement_s
+            self.events.append(Event("agreement", "agreement", "host", self.compute_t, self.agreement_ready,
+                                     op="agreement", phase=phase))
         # The runtime's host work around the program: converting each boundary tensor (forward:
         # its inputs; backward: the gradients it returns) between DTensor and local, autograd.
         if phase == "forward":
@@ -170,6 +186,9 @@ class _Simulator:
             self.compute_t += host
         for node in gm.graph.nodes:
             work = node_work(node)
+            if node.meta.get(meta.AGREEMENT_GATE):
+                self._await_agreement(node, phase)
+                continue
             if work.kind == "none":
                 continue
             if work.kind == "comm":
@@ -187,6 +206,8 @@ class _Simulator:
                 self.flops += work.flops
                 if node.meta.get(meta.RECOMPUTE) is not None:
                     self.recompute_flops += work.flops
+        if self.agreement_ready is not None:  # no gate: the runtime waits as the forward returns
+            self._await_agreement(gm.graph.output_node(), phase)
         # A program returns only once every collective it issued is done (the runtime waits on
         # them all): a collective never waited on is exposed here.
         pending = max((t for n, t in self.ready.items() if n.graph is gm.graph), default=0.0)
@@ -207,6 +228,13 @@ class _Simulator:
         end = start + collective_time(kind, nbytes, axis, self.profile)
         self.comm_t = self.ready[node] = end
         self._emit(node, "comm", "comm", start, end, phase, nbytes=nbytes, name=f"{kind}[{axis.name}]")
+
+    def _await_agreement(self, node: torch.fx.Node, phase: str) -> None:
+        ready, self.agreement_ready = self.agreement_ready, None
+        if ready is not None and ready > self.compute_t:
+            self._emit(node, "wait", "compute", self.compute_t, ready, phase, name="wait (agreement)")
+            self.agreement_exposed += ready - self.compute_t
+            self.compute_t = ready
 
     def _wait(self, node: torch.fx.Node, phase: str) -> None:
         ready = self.ready.get(node.args[0])
@@ -231,26 +259,30 @@ def simulate(
     profile: HardwareProfile | str,
     optimizer_bytes: int = 0,
     optimizer_tensors: int = 0,
+    agreement_ranks: int = 1,
 ) -> StepEstimate:
     """Estimate one training step of ``programs`` (``(forward_gm, backward_gm)`` as
     ``ParallelModule.compiled_programs()`` returns them, a ``CompiledProgram``, or any sequence of
     GraphModules run one after another) on ``profile``. ``axes``: ``{process-group name: AxisInfo}``
     (``comm.axis_infos(mesh)``); a group missing from it is treated as inter-node when the
     collective states its size, else it is an error. ``optimizer_bytes`` / ``optimizer_tensors``:
-    the optimizer step's memory traffic and tensor count (``optimizer_traffic``); 0 = no step."""
+    the optimizer step's memory traffic and tensor count (``optimizer_traffic``); 0 = no step.
+    ``agreement_ranks``: the ranks the per-call agreement spans (the world; 1: none priced)."""
     profile = get_profile(profile)
     gms = _programs(programs)
     return _simulate(gms, ["forward"] + ["backward"] * (len(gms) - 1), axes, profile, optimizer_bytes,
-                     optimizer_tensors)
+                     optimizer_tensors, agreement_time(agreement_ranks, profile))
 
 
 def simulate_program(gm: torch.fx.GraphModule, phase: str, axes: Mapping[str, AxisInfo],
-                     profile: HardwareProfile | str) -> StepEstimate:
+                     profile: HardwareProfile | str, agreement_ranks: int = 1) -> StepEstimate:
     """One program alone, as ``phase`` ("forward" or "backward": which boundary tensors the
-    runtime's host work converts): a pipeline stage's forward, backward, or split backward step."""
+    runtime's host work converts): a pipeline stage's forward, backward, or split backward step.
+    ``agreement_ranks``: as :func:`simulate` (a forward that starts a step waits at its gate)."""
     if phase not in ("forward", "backward"):
         raise ValueError(f"simulate_program: phase is 'forward' or 'backward', got {phase!r}")
-    return _simulate([gm], [phase], axes, get_profile(profile), 0, 0)
+    profile = get_profile(profile)
+    return _simulate([gm], [phase], axes, profile, 0, 0, agreement_time(agreement_ranks, profile))
 
 
 def optimizer_time(optimizer_bytes: int, optimizer_tensors: int, profile: HardwareProfile | str) -> float:
@@ -264,8 +296,9 @@ def optimizer_time(optimizer_bytes: int, optimizer_tensors: int, profile: Hardwa
     return optimizer_bytes / (profile.hbm_bandwidth * profile.memory_efficiency) + optimizer_tensors * per_tensor
 
 
-def _simulate(gms, phases, axes, profile: HardwareProfile, optimizer_bytes: int, optimizer_tensors: int) -> StepEstimate:
-    sim = _Simulator(axes, profile)
+def _simulate(gms, phases, axes, profile: HardwareProfile, optimizer_bytes: int, optimizer_tensors: int,
+              agreement_s: float = 0.0) -> StepEstimate:
+    sim = _Simulator(axes, profile, agreement_s)
     phase_ends = []
     for gm, phase in zip(gms, phases):
         sim.run(gm, phase)
@@ -287,7 +320,7 @@ def _simulate(gms, phases, axes, profile: HardwareProfile, optimizer_bytes: int,
         timeline=Timeline(events), profile=profile.name, compute_s=compute_s,
         comm_s=sum(e.duration_s for e in events if e.category == "comm"), exposed_comm_s=sim.exposed,
         forward_s=forward_s, backward_s=backward_s, optimizer_s=optimizer_s, step_s=sim.compute_t, flops=sim.flops,
-        recompute_flops=sim.recompute_flops,
+        recompute_flops=sim.recompute_flops, agreement_s=agreement_s, agreement_exposed_s=sim.agreement_exposed,
     )
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import compat
 from ..ir.collectives import Collective
+from .host_reduce import MaxAllReduce
 
 
 def sequence_hash(programs: dict[str, list[Collective]]) -> str:
@@ -192,7 +193,14 @@ def _message(found, rank_a: int, rank_b: int, where: str) -> str:
 # waits in the cached program: a hang. So every call (and parallelize, before it distributes the
 # parameters) first exchanges a digest of what it is about to run, plus whether this rank found a
 # problem with its inputs; a difference or a problem is a ValueError on every rank. The exchange is
-# one all-gather of two int64 per rank over a gloo group (host memory: no device synchronisation).
+# a MAX all-reduce of [digest, -digest, problem] (3 int64 per rank): every rank then holds the
+# largest digest and minus the smallest, which differ exactly when some rank's digest differs, and
+# the largest problem flag, so all ranks reach the same verdict from the same 24 bytes. Only then,
+# on a disagreement, are the ranks' descriptions gathered to name both sides. Over a gloo group
+# (host memory: no device synchronisation) the all-reduce is host_reduce's recursive doubling,
+# log2(world) message rounds, where gloo's own all-reduce and all-gather are rings (2(n-1) and n-1
+# rounds: tens of ms at 1,024 ranks); over a device group (a sub-mesh's axes) the backend's
+# all-reduce, whose small-message algorithm is a tree (NCCL).
 
 _CONTROL_GROUPS: dict = {}  # (backend of the default group, timeout seconds) -> gloo group over the world
 
@@ -231,47 +239,62 @@ def agree(mesh, what: str, digest: int, describe, problem: str | None = None, *,
     ``what`` names the moment ("parallelize", "call 3 of LlamaForCausalLM"); ``describe()`` gives
     this rank's human-readable version of what the digest covers, gathered only when digests differ
     so the error can show both sides. ``timeout``: a timedelta for the exchange, or None for the
-    group's own. ``wait=False``: where the exchange is one collective (a mesh over the whole
-    world), issue it and return a :class:`PendingAgreement` whose ``wait()`` checks it; the caller
-    must wait before it issues any other collective (runtime/agreement_gate.py). Otherwise (and
-    always when ``wait``) the check is done on return, and None is returned."""
+    group's own. ``wait=False``: where the exchange is over one group (a mesh over the whole
+    world), start it (its rounds after the first run on a thread of their own) and return a
+    :class:`PendingAgreement` whose ``wait()`` checks it; the caller must wait before it issues
+    any other collective (runtime/agreement_gate.py). Otherwise (and always when ``wait``) the
+    check is done on return, and None is returned."""
     if not dist.is_initialized() or mesh.size() == 1:
         if problem:
             raise AgreementError(f"{what}: {problem}")
         return None
     groups = _exchange_groups(mesh, timeout)
     for group in groups:
-        pending = PendingAgreement(mesh, group, what, digest, describe, problem)
-        if not wait and len(groups) == 1:
+        later = not wait and len(groups) == 1
+        pending = PendingAgreement(mesh, group, what, digest, describe, problem, background=later)
+        if later:
             return pending
         pending.wait()
     return None
 
 
 class PendingAgreement:
-    """One agreement exchange in flight (an all-gather of two int64 per rank over ``group``)."""
+    """One agreement exchange in flight: the MAX all-reduce of [digest, -digest, problem] over
+    ``group`` (see the section comment). ``background``: a host exchange's later rounds run on a
+    thread (host_reduce.MaxAllReduce), so the caller computes while they complete."""
 
-    def __init__(self, mesh, group, what: str, digest: int, describe, problem: str | None):
+    def __init__(self, mesh, group, what: str, digest: int, describe, problem: str | None, *,
+                 background: bool = False):
         self.group, self.what, self.describe, self.problem = group, what, describe, problem
-        mine = torch.tensor([digest, 1 if problem else 0], dtype=torch.int64)
-        if group is not None and mesh.device_type != "cpu" and dist.get_backend(group) != "gloo":
-            mine = mine.to(mesh.device_type)  # a device mesh axis group (sub-mesh case)
-        self.everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        mine = torch.tensor([digest, -digest, 1 if problem else 0], dtype=torch.int64)
+        backend = dist.get_backend(group)
         try:
-            self.work = dist.all_gather(self.everyone, mine, group=group, async_op=True)
+            if backend == "gloo":
+                self.host, self.work = True, MaxAllReduce(mine, group, background=background)
+            else:  # a device mesh axis group (sub-mesh case), or the fake backend (one process: a no-op)
+                if group is not None and mesh.device_type != "cpu" and backend != "fake":
+                    mine = mine.to(mesh.device_type)
+                self.host, self.reduced = False, mine
+                self.work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group, async_op=True)
         except RuntimeError as exc:
             raise self._lost(exc) from exc
 
     def wait(self) -> None:
         """Raise :class:`AgreementError` on every rank unless all digests match and none has a problem."""
         try:
-            self.work.wait()
+            if self.host:
+                reduced = self.work.wait()
+            else:
+                self.work.wait()
+                reduced = self.reduced
         except RuntimeError as exc:
             raise self._lost(exc) from exc
-        digests = {int(t[0]) for t in self.everyone}
-        if len(digests) == 1 and not any(int(t[1]) for t in self.everyone):
+        high, minus_low, flagged = (int(v) for v in reduced.tolist())
+        if high == -minus_low and not flagged:
             return
-        details = [None] * len(self.everyone)
+        # Every rank holds the same maximum, so all of them take this path: the gather cannot hang.
+        size = dist.get_world_size(self.group)
+        details = [None] * size
         dist.all_gather_object(details, (dist.get_rank(), self.describe(), self.problem), group=self.group)
         raise AgreementError(_disagreement(self.what, details))
 

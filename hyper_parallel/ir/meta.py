@@ -65,6 +65,9 @@ PACK = "hp_pack"  # True on the nodes packing a fused collective's buffer or cop
 # --- in-place reuse (passes/inplace_reuse.py; runtime/program.py) -----------------------------------
 INPLACE_OF = "hp_inplace_of"  # the out-of-place op an in-place node replaced (its result took an input's storage)
 
+# --- the per-call agreement (runtime/agreement_gate.py; cost/simulate.py) --------------------------
+AGREEMENT_GATE = "hp_agreement_gate"  # True on the forward program's wait for the per-call agreement
+
 # Keys lowering copies from a joint-graph node onto the nodes it becomes (besides ROLE/SOURCE/LAYOUT,
 # which lowering sets itself). torch's own keys first: source lines and module stacks for dumps and
 # errors, the phase tag for the partition.
@@ -76,7 +79,7 @@ COPIED_BY_LOWERING = (
 ALL_KEYS = (
     LAYOUT, LOSS_MEAN, PLAN_ENTRY, FALLBACK, BOUNDARY_CHANGE, FSDP_PARAM, FSDP_UNIT, FSDP_PHASE, FSDP_POST_FORWARD,
     FSDP_CAST, SOURCE, ROLE, REDISTRIBUTE, GRAD_OF, WHY, REGION, RECOMPUTE, SWAP, SWAP_GROUP, SWAP_COPY, BUCKET, PACK, EXPERT_CHUNK,
-    CP_RING, MASK_WITHIN_CAUSAL, INPLACE_OF,
+    CP_RING, MASK_WITHIN_CAUSAL, INPLACE_OF, AGREEMENT_GATE,
 )
 
 

@@ -25,7 +25,7 @@ import dataclasses
 from typing import Mapping
 
 from ..analysis.memory import estimate, optimizer_model
-from ..cost import AxisInfo, HardwareProfile, collective_time, get_profile, optimizer_time, optimizer_traffic
+from ..cost import AxisInfo, HardwareProfile, agreement_time, collective_time, get_profile, optimizer_time, optimizer_traffic
 from ..cost.simulate import simulate_program
 from .runtime import StageProgram, first_microbatches, flat_steps, program_for, sync_microbatches, variants_of
 from .schedules.costs import in_flight_per_stage
@@ -64,11 +64,13 @@ class PipelineCost:
     rank_peak_bytes: dict  # pp rank -> estimated peak
     rank_totals: dict  # pp rank -> its steps' summed seconds and FLOPs (RANK_TOTALS), optimizer_s
     events: list  # (pp rank, MetaStep, start, end) per compute step, in the replay's order
+    agreement_s: float = 0.0  # the step's per-call agreement exchange (once per step, not per micro-batch)
+    agreement_exposed_s: float = 0.0  # what the first stage's first forward waits for it at its gate
 
     def as_dict(self) -> dict:
         return {
             "step_s": self.step_s, "makespan_s": self.makespan_s, "bubble_fraction": self.bubble_fraction,
-            "p2p_s": self.p2p_s,
+            "p2p_s": self.p2p_s, "agreement_s": self.agreement_s, "agreement_exposed_s": self.agreement_exposed_s,
             "stages": [{k: v for k, v in dataclasses.asdict(s).items() if k != "memory"} for s in self.stages],
             "ranks": [{"rank": r, "end_s": self.rank_end_s[r], "peak_bytes": self.rank_peak_bytes[r],
                        "stages": [s.stage for s in self.stages if s.rank == r], **self.rank_totals[r]}
@@ -82,12 +84,15 @@ RANK_TOTALS = ("forward_s", "backward_s", "compute_s", "comm_s", "exposed_comm_s
 
 
 def pipeline_cost(entry, num_ranks: int, axes: Mapping[str, AxisInfo], pp_axis: AxisInfo,
-                  profile: HardwareProfile | str, optimizer="adamw") -> PipelineCost:
+                  profile: HardwareProfile | str, optimizer="adamw", agreement_ranks: int = 1) -> PipelineCost:
     """Simulate one training step of ``entry`` (a PipelineEntry holding every stage's programs) on
     ``profile``. ``axes``: the stage mesh's process groups (``cost.axis_infos``); ``pp_axis``: the
     pipeline axis, over which each boundary tensor is sent; ``optimizer``: the optimizer model
     (what ``analysis.memory.optimizer_model`` takes: "adamw", "sgd", an OptimizerModel, ...; "none":
-    no optimizer step and no state)."""
+    no optimizer step and no state); ``agreement_ranks``: the ranks the step's agreement spans
+    (the world; 1: not priced). The agreement is issued as the step starts; the first stage's first
+    forward waits for it at its gate, and the whole schedule is taken as delayed by that wait (the
+    later stages wait for their input longer than that anyway)."""
     profile = get_profile(profile)
     programs: dict[int, StageProgram] = entry.programs
     schedule = entry.schedule
@@ -129,6 +134,11 @@ def pipeline_cost(entry, num_ranks: int, axes: Mapping[str, AxisInfo], pp_axis: 
     p2p = max((collective_time("send_recv", _bytes(t), pp_axis, profile) for g in entry.stages for t in g.sends),
               default=0.0)
     events, stuck, busy = _execute(schedule, num_stages, duration, p2p)
+    agreement_s = agreement_time(agreement_ranks, profile)
+    exposed = 0.0
+    if agreement_s > 0 and schedule.get(0):
+        first = program_for(programs[0], 0, firsts[0], syncs[0])
+        exposed = simulate_program(first.forward_gm, "forward", axes, profile, agreement_ranks).agreement_exposed_s
     if stuck:  # the schedule's own checks refuse such a schedule before it compiles
         raise ValueError(f"pipeline_cost: the schedule does not run to its end: {stuck}")
     makespan = max((e[3] for e in events), default=0.0)
@@ -146,14 +156,14 @@ def pipeline_cost(entry, num_ranks: int, axes: Mapping[str, AxisInfo], pp_axis: 
         if state is not None:
             traffic = [optimizer_traffic(_gradient_program(programs[c.stage]), state) for c in own]
             opt_s = optimizer_time(sum(b for b, _ in traffic), sum(n for _, n in traffic), profile)
-        last = max((e[3] for e in events if e[0] == r), default=0.0)
+        last = exposed + max((e[3] for e in events if e[0] == r), default=0.0)
         ends[r] = last + opt_s
         totals[r]["optimizer_s"] = opt_s
         peaks[r] = rank_memory(own, _held_at_once(steps, {c.stage: c.saved_bytes for c in own}))
     total = len(busy) * makespan
     bubble = (total - sum(busy.values())) / total if total else 0.0
     return PipelineCost(max(ends.values(), default=0.0), makespan, bubble, p2p, tuple(stage_costs), ends, peaks,
-                        totals, events)
+                        totals, events, agreement_s, exposed)
 
 
 def rank_memory(stages: list[StageCost], held_saved_bytes: int) -> int:

@@ -50,6 +50,7 @@ from . import presets
 from ..cost.hardware import PROFILES, HardwareProfile, get_profile
 from ..analysis.memory import format_bytes, optimizer_model
 from ..progress import Progress, enable_default_logging
+from ..distributed import host_reduce
 
 __all__ = ["compile_for_explain", "explain", "fake_world", "format_report"]
 
@@ -469,6 +470,10 @@ def _fmt_count(n: float) -> str:
     return str(n)
 
 
+def _fmt_us(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else _fmt_s(s)
+
+
 def _fmt_s(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
 
@@ -561,6 +566,11 @@ def format_report(report: dict) -> str:
                if step["recompute_flops"] else "") + "), "
             f"{step['tokens_per_s_per_device']:,.0f} tokens/s per device",
         ]
+        if step.get("agreement_s"):
+            world = report["mesh"]["world_size"]
+            lines.append(f"  per-call agreement over {world:,} ranks: {_fmt_us(step['agreement_s'])} "
+                         f"({host_reduce.rounds(world)} host message rounds), {_fmt_us(step['agreement_exposed_s'])} "
+                         "of it waited for")
         if step.get("host_sharing"):
             lines.append(f"  ranks share the host's {report['device'].get('host_cores')} cores: times x"
                          f"{step['host_sharing']:.2f} (the busy ranks over the cores)")

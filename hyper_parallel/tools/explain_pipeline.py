@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..analysis.memory import format_bytes
 
@@ -46,7 +47,8 @@ def explain_pipelined(net: torch.nn.Module, plan: Any, mesh, ids: torch.Tensor, 
     stage_mesh = state.mesh
     axes = axis_infos(stage_mesh, groups=group_axis_names(stage_mesh, resolved.fsdp, resolved.context))
     pp_axis = axis_infos(mesh)[mesh.get_group(pipe.resolved.plan.axis).group_name]
-    cost = pipeline_cost(entry, pipe.resolved.num_ranks, axes, pp_axis, profile, optimizer)
+    cost = pipeline_cost(entry, pipe.resolved.num_ranks, axes, pp_axis, profile, optimizer,
+                         agreement_ranks=dist.get_world_size() if dist.is_initialized() else mesh.size())
     worst = max(cost.rank_peak_bytes, key=lambda r: (cost.rank_peak_bytes[r], -r))
     memory = _rank_memory(cost, worst)
     slowest = max(cost.rank_end_s, key=lambda r: (cost.rank_end_s[r], -r))
@@ -58,6 +60,7 @@ def explain_pipelined(net: torch.nn.Module, plan: Any, mesh, ids: torch.Tensor, 
     step = {**totals, "step_s": cost.step_s, "available": True, "profile": profile.name,
             "model_flops": model_flops, "flops": flops,
             "recompute_flops": sum(t["recompute_flops"] for t in cost.rank_totals.values()) / ranks,
+            "agreement_s": cost.agreement_s, "agreement_exposed_s": cost.agreement_exposed_s,
             "mfu": mfu(model_flops, cost.step_s, profile, dtype) if positive else 0.0,
             "hfu": mfu(flops, cost.step_s, profile, dtype) if positive else 0.0}
     plan_ = pipe.resolved.plan

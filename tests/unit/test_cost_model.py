@@ -249,6 +249,50 @@ def test_chrome_trace_is_valid_json():
     assert names == {"compute", "comm"}
 
 
+def _gated_program(matmuls_before: int, collective: bool = True):
+    """``matmuls_before`` matmuls, then (``collective``) an all-reduce and its wait, with the
+    agreement gate the compile driver inserts (before the first collective; none without one)."""
+    from hyper_parallel.runtime.agreement_gate import insert_gate
+
+    g = GraphBuilder()
+    x, w = g.input("x", 512, 512), g.input("w", M, M)
+    h = w
+    for _ in range(matmuls_before):
+        h = g(aten.mm.default, h, w)
+    outputs = [h]
+    if collective:
+        outputs.append(g(c10d.wait_tensor.default, g(c10d.all_reduce.default, x, "sum", "grp")))
+    gm = g.module(*outputs)
+    assert insert_gate(gm) is collective
+    return gm
+
+
+def test_the_agreement_is_waited_for_at_the_gate_or_at_the_forwards_end():
+    """The per-call agreement (log2(world) host rounds) runs while the forward computes up to its
+    gate: exposed only where the compute before the gate is shorter; a forward without a
+    collective waits for it as it returns."""
+    axes = {"grp": AxisInfo("dp", 2)}
+    p = profile(host_message_latency_s=1e-4)
+    plain = simulate(_gated_program(1), axes, p)
+    assert plain.agreement_s == plain.agreement_exposed_s == 0.0  # one rank's view: nothing to agree
+    small = simulate(_gated_program(1), axes, p, agreement_ranks=8)  # 3 rounds, 0.3 ms < one matmul
+    assert small.agreement_s == pytest.approx(3e-4) and small.agreement_exposed_s == 0.0
+    assert small.step_s == pytest.approx(plain.step_s)
+    host = [e for e in small.timeline if e.stream == "host"]
+    assert len(host) == 1 and host[0].category == "agreement" and host[0].start_s == 0.0
+    big = simulate(_gated_program(1), axes, p, agreement_ranks=1024)  # 10 rounds, 1 ms > one matmul
+    assert big.agreement_exposed_s == pytest.approx(1e-3 - MATMUL_S)
+    assert big.step_s == pytest.approx(plain.step_s + 1e-3 - MATMUL_S)
+    waits = [e for e in big.timeline.of("wait") if e.name == "wait (agreement)"]
+    assert len(waits) == 1 and waits[0].start_s == pytest.approx(MATMUL_S)
+    assert big.exposed_comm_s == pytest.approx(plain.exposed_comm_s)  # the device streams' exposure is apart
+    late = simulate(_gated_program(2), axes, p, agreement_ranks=1024)  # gate after 2 matmuls: hidden
+    assert late.agreement_exposed_s == 0.0
+    alone = simulate(_gated_program(1, collective=False), axes, p, agreement_ranks=1024)  # no gate: at the end
+    assert alone.agreement_exposed_s == pytest.approx(1e-3 - MATMUL_S)
+    assert alone.step_s == pytest.approx(1e-3)
+
+
 # -- profiles --------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from hyper_parallel.cost import get_profile
 from hyper_parallel.tools import presets
 from hyper_parallel.tools.cli import main
 from hyper_parallel.tools.explain import explain, format_report
@@ -196,7 +197,13 @@ def test_cost_model_step_time_and_mfu_when_available():
     assert step["available"] and step["profile"] == "a100"
     assert step["step_s"] > 0 and 0 < step["mfu"] < 1 and step["flops"] > 0
     assert step["exposed_comm_s"] <= step["comm_s"]
-    assert "step time (cost model, a100)" in format_report(report)
+    # The per-call agreement over the 16 ranks: 4 host rounds, waited for at the forward's first
+    # collective (FSDP's first all-gather, at once).
+    assert step["agreement_s"] == pytest.approx(4 * get_profile("a100").host_message_latency_s)
+    assert 0 < step["agreement_exposed_s"] <= step["agreement_s"]
+    text = format_report(report)
+    assert "step time (cost model, a100)" in text
+    assert "per-call agreement over 16 ranks: 120 us (4 host message rounds)" in text
 
 
 def test_when_the_cost_model_fails_memory_and_collectives_still_work(monkeypatch):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyper_parallel.cost import get_profile
+from hyper_parallel.distributed.host_reduce import rounds
 from hyper_parallel.pipeline.runtime import flat_steps
 from hyper_parallel.pipeline.schedules import simulate
 from hyper_parallel.pipeline.schedules.steps import T
@@ -83,6 +85,9 @@ def test_step_is_the_schedule_replayed_with_each_stage_program(pp, schedule):
     assert report["memory"]["peak"] == max(r["peak_bytes"] for r in section["ranks"])
     assert report["step"]["step_s"] == pytest.approx(max(r["end_s"] for r in section["ranks"]))
     assert report["step"]["step_s"] >= section["makespan_s"]
+    # The step's agreement (once per step, log2(2 pp) rounds) delays it by what stage 0's first forward waits.
+    assert section["agreement_s"] == pytest.approx(rounds(2 * pp) * get_profile(report["step"]["profile"]).host_message_latency_s)
+    assert 0 <= section["agreement_exposed_s"] <= section["agreement_s"]
     text = format_report(report)
     assert f"pipeline  {pp} stages over pp={pp}, schedule {schedule}" in text and "pp rank" in text
 
