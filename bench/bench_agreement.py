@@ -6,15 +6,17 @@ compute, so the ranks arrive as from a training step), then the exchange, timed 
 round's time is its slowest rank's; medians over ``--rounds``. Timed:
 
 * the exchanges alone, on 3 int64 per rank: ``all_gather`` (what the agreement issued up to
-  2026-12-02), gloo's ``all_reduce`` (MAX; a ring: 2(n-1) steps), and
-  ``host_reduce.MaxAllReduce`` (recursive doubling over send/recv: log2(n) steps), each blocking;
+  88216a4, and still does up to 4 ranks), gloo's ``all_reduce`` (MAX; a ring: 2(n-1) steps), and
+  ``host_reduce.MaxAllReduce`` (recursive doubling over send/recv beyond 4 ranks: log2(n) steps),
+  each blocking;
 * ``spmd.agree`` as a call that compiles runs it (``wait=True``: blocking);
 * ``spmd.agree`` as a call that reuses a cached program runs it (``wait=False`` before the
   compute, ``wait()`` after it, as the forward's gate does): the time the step spends issuing and
   waiting for it (what is left of it once it overlaps the compute).
 
 Runs against whichever ``hyper_parallel`` is first on ``PYTHONPATH`` (the exchanges it lacks are
-left out), so an older checkout can be measured with the same script.
+left out), so an older checkout can be measured with the same script. Results:
+docs/benchmarks.md, "The per-call agreement's exchange".
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The recursive-doubling schedule of the per-call agreement's all-reduce
 (``distributed.host_reduce``), run message by message in this process: every member ends with the
-maximum, in at most ``rounds(n)`` messages, for every group size up to 70 (powers of two and not).
+maximum, in at most ``doubling_rounds(n)`` messages, for every group size up to 70 (powers of two
+and not; the exchange itself all-gathers in groups of up to 4).
 The exchange itself, over gloo, is tests/distributed/test_agreement.py."""
 
 import math
@@ -9,7 +10,7 @@ import random
 import pytest
 
 from hyper_parallel.cost import agreement_time, get_profile
-from hyper_parallel.distributed.host_reduce import rounds, schedule
+from hyper_parallel.distributed.host_reduce import doubling_rounds, rounds, schedule
 
 
 def _run(values: list[int]) -> tuple[list[int], list[int]]:
@@ -42,18 +43,20 @@ def _run(values: list[int]) -> tuple[list[int], list[int]]:
     return held, sent
 
 
-def test_every_member_ends_with_the_maximum_in_at_most_rounds_messages():
+def test_every_member_ends_with_the_maximum_in_at_most_doubling_rounds_messages():
     for n in range(1, 71):
         values = random.Random(n).sample(range(10 * n + 10), n)
         held, sent = _run(values)
         assert held == [max(values)] * n, n
-        assert all(len(schedule(n, i)) <= rounds(n) for i in range(n)), n
-        assert max(sent) <= rounds(n), n
+        assert all(len(schedule(n, i)) <= doubling_rounds(n) for i in range(n)), n
+        assert max(sent) <= doubling_rounds(n), n
 
 
 def test_rounds_grow_with_log2_of_the_group():
-    assert [rounds(n) for n in (1, 2, 4, 1024, 16384)] == [0, 1, 2, 10, 14]
-    assert rounds(3) == 3 and rounds(1000) == 11  # not a power of two: two more
+    assert [rounds(n) for n in (1, 2, 1024, 16384)] == [0, 1, 10, 14]
+    assert [rounds(n) for n in (3, 4, 8)] == [2, 3, 3]  # up to 4 ranks all-gather: n - 1
+    assert rounds(1000) == doubling_rounds(1000) == 11  # not a power of two: two more
+    assert doubling_rounds(3) == 3
     assert all(rounds(n) <= math.floor(math.log2(n)) + 2 for n in range(2, 5000))
 
 
