@@ -35,11 +35,13 @@ def use_boxed_calling_convention(gm: torch.fx.GraphModule) -> None:
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy whose graph may be rewritten without touching ``gm`` (node meta copied shallowly),
-    with ``gm``'s code generator, so its calling convention (boxed or not) too."""
+    with ``gm``'s code generator, so its calling convention (boxed or not) too. Lazy
+    (:func:`lazy_graph_module`): the passes that rewrite it, and explain's compiles that never run
+    it, skip generating code for each version."""
     graph = torch.fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     graph.output(graph.graph_copy(gm.graph, {}))
-    return torch.fx.GraphModule(gm, graph)
+    return lazy_graph_module(gm, graph)
 
 
 def is_boxed_call(gm: torch.fx.GraphModule) -> bool:

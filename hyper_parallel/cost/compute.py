@@ -105,7 +105,8 @@ def tensor_bytes(value) -> int:
 
 
 def _arg_vals(node: torch.fx.Node):
-    return pytree.tree_map_only(torch.fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    # fx's own map_arg: a fraction of pytree.tree_map_only's time, on every node of every program
+    return torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
 
 
 def _is_view(target) -> bool:
@@ -145,11 +146,11 @@ def node_work(node: torch.fx.Node) -> NodeWork:
     target = node.target
     if target == WAIT_TARGET:
         return _WAIT
+    if _is_view(target):  # before reading the arguments' values: most nodes of a program are views
+        return _VIEW
     args, kwargs = _arg_vals(node)
     if target in COLLECTIVE_KIND:
         return NodeWork("comm", bytes=tensor_bytes(args[0]), dtype=_first_float_dtype(args[0]))
-    if _is_view(target):
-        return _VIEW
     out_val = node.meta.get("val")
     if not any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out_val)):
         # Host-side arithmetic (sym sizes) or an op whose value was not recorded: no kernel.

@@ -390,7 +390,7 @@ def _build_stage(gm, s, stage, replicable, info_of, slots, out_infos, slot_stage
             backward_out.append(env[names[t.name]])
             outputs.append(OutputInfo(SEND_BWD, t.name, t.dst))
     graph.output(tuple(forward_out + backward_out))
-    stage_gm = torch.fx.GraphModule(gm, graph)
+    stage_gm = compat.lazy_graph_module(gm, graph)  # code generated only if it runs
     return StageGraph(s, stage_gm, inputs, outputs, len(forward_out), sends, recvs)
 
 
