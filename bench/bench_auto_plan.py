@@ -72,7 +72,7 @@ def plan(args) -> tuple[object, list]:
     profile = dataclasses.replace(get_profile("cpu"), devices_per_node=WORLD)
     common = dict(world_size=WORLD, hardware=profile, global_batch=args.global_batch, seq_len=args.seq_len,
                   dtype="fp32", optimizer="adamw", model=args.model, search=parse_search_spec(args.search),
-                  top_k=20, progress=False)
+                  top_k=20, progress=False, max_compiles=None)  # every candidate: the cost model is what is checked
     budget = None if args.budget_mib is None else int(args.budget_mib * 2**20)
     if budget is None:
         free = auto_plan(dict(fields), **common)

@@ -135,6 +135,14 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="restrictions, e.g. pp=1,tp=1:2:4,recompute=full,pp_schedule=1F1B (values separated by ':')")
     pl.add_argument("--top-k", type=int, default=5, help="fitting candidates shown; default: 5")
     pl.add_argument("--out", default=None, metavar="FILE", help="write the chosen plan as a plan file")
+    pl.add_argument("--max-compiles", type=int, default=10, metavar="N",
+                    help="compile at most N candidates, the best by the analytic estimate first (0: all); default 10")
+    pl.add_argument("--time-budget", type=float, default=None, metavar="S",
+                    help="start no compile after S seconds of search")
+    pl.add_argument("--include", action="append", default=[], metavar="SPEC",
+                    help="a configuration to compile and rank whatever the budget (the plan to compare with), e.g. "
+                         "dp_shard=32,tp=8,recompute=full or tp=8,pp=8,pp_schedule=Interleaved1F1B,num_microbatches=32;"
+                         " repeatable")
     pl.add_argument("--json", action="store_true", help="print every candidate as JSON")
     rep = sub.add_parser(
         "report", help="write an HTML report (and a Chrome trace) of a compile from its dump directory",
@@ -177,10 +185,13 @@ def _plan(args) -> int:
         global_batch=args.global_batch, seq_len=args.seq_len, optimizer=args.optimizer, dtype=args.dtype,
         memory_per_device=None if args.memory_gib is None else int(args.memory_gib * 2**30),
         top_k=args.top_k, search=parse_search_spec(args.search), num_layers=args.layers,
+        max_compiles=args.max_compiles or None, time_budget_s=args.time_budget,
+        include=[parse_include_spec(spec) for spec in args.include],
     )
     if args.json:
         rows = [{"dims": r.dims, "recompute": r.candidate.recompute, "local_batch": r.local_batch,
-                 "pipeline": r.candidate.pipeline, "predicted": r.predicted, "rejected": r.rejected} for r in choice.ranked]
+                 "pipeline": r.candidate.pipeline, "predicted": r.predicted, "rejected": r.rejected,
+                 "estimate_s": r.estimate_s, "included": r.included} for r in choice.ranked]
         print(json.dumps({"search_s": choice.search_s, "ranked": rows}, indent=2, default=str))
     else:
         print(choice.table())
@@ -205,6 +216,24 @@ def parse_search_spec(spec: str | None) -> dict | None:
             except ValueError:
                 raise ValueError(f"--search {spec!r}: {key} takes integers, got {value!r}") from None
         out[key.strip()] = values
+    return out
+
+
+def parse_include_spec(spec: str) -> dict:
+    """``"dp_shard=32,tp=8,recompute=full"`` as one of ``auto_plan``'s ``include`` entries."""
+    out: dict = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise ValueError(f"--include {spec!r}: each item is key=value, got {item!r}")
+        if key in ("recompute", "pp_schedule"):
+            out[key] = value
+            continue
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--include {spec!r}: {key} takes an integer, got {value!r}") from None
     return out
 
 

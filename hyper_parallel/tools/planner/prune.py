@@ -3,8 +3,8 @@
 Each check returns the reason a user reads in ``ranked`` (``"heads not divisible by tp"``, ``"OOM:
 the model state alone needs 9.1 GiB per rank"``) or None. They are sound: a configuration they
 reject cannot run (ParallelDims' own validation, the batch split, the pipeline's stages) or cannot
-fit (:func:`state_lower_bound` is at most the compiled estimate's peak: tests/unit/test_auto_plan.py
-compiles pruned candidates to check).
+fit (:func:`memory_lower_bound` is at most the compiled estimate's peak: tests/unit/test_auto_plan.py
+compiles candidates of every kind to check).
 
 Reads: the degrees, the model config's fields, the parameter count, the batch, dtype and
 optimizer. Writes: nothing.
@@ -17,7 +17,8 @@ from typing import Any, Mapping
 from ...analysis.memory import format_bytes, optimizer_model
 from .space import Candidate, dp_degree
 
-__all__ = ["batch_problem", "dims_problem", "memory_problem", "plan_problem", "state_lower_bound"]
+__all__ = ["activation_lower_bound", "batch_problem", "dims_problem", "memory_lower_bound", "memory_problem",
+           "plan_problem", "state_lower_bound"]
 
 
 def dims_problem(degrees: Mapping[str, int], world_size: int, fields: Mapping[str, Any], seq_len: int) -> str | None:
@@ -50,23 +51,82 @@ def plan_problem(candidate: Candidate) -> str | None:
     return None
 
 
+def _state_bytes_per_param(candidate: Candidate, dtype: str, optimizer: str) -> tuple[int, int]:
+    """(bytes of a parameter's weight, of its optimizer state) in the preset's storage: FSDP presets
+    keep fp32 master weights and gradients (bf16 only in compute), the TP preset ``dtype`` ones."""
+    width = 4 if candidate.fp32_masters or dtype == "fp32" else 2
+    return width, width * optimizer_model(optimizer).state
+
+
+def _spread(candidate: Candidate) -> int:
+    degrees = candidate.degrees
+    return degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"] * degrees["ep"]
+
+
 def state_lower_bound(num_params: int, candidate: Candidate, dtype: str, optimizer: str) -> int:
     """Bytes per rank that parameters, gradients and optimizer state take at least, all live at the
-    optimizer step: FSDP presets keep fp32 master weights and gradients (bf16 only in compute),
-    the TP preset ``dtype`` ones; each optimizer state tensor is the size of a parameter; all
-    spread over at most every axis but ``dp_replicate`` (a lower bound: embeddings that tensor
-    parallelism leaves whole, or a first pipeline stage that holds more, only add to it)."""
-    width = 4 if candidate.fp32_masters or dtype == "fp32" else 2
-    bytes_per_param = width * (2 + optimizer_model(optimizer).state)
-    degrees = candidate.degrees
-    spread = degrees["dp_shard"] * degrees["cp"] * degrees["tp"] * degrees["pp"] * degrees["ep"]
-    return num_params * bytes_per_param // spread
+    optimizer step; each optimizer state tensor is the size of a parameter; all spread over at most
+    every axis but ``dp_replicate`` (a lower bound: embeddings that tensor parallelism leaves whole,
+    or a first pipeline stage that holds more, only add to it)."""
+    weight, state = _state_bytes_per_param(candidate, dtype, optimizer)
+    return num_params * (2 * weight + state) // _spread(candidate)
 
 
-def memory_problem(num_params: int, candidate: Candidate, dtype: str, optimizer: str, budget: int) -> str | None:
-    """"OOM: ..." when the model state alone exceeds ``budget`` bytes per rank, else None."""
-    bound = state_lower_bound(num_params, candidate, dtype, optimizer)
+def activation_lower_bound(fields: Mapping[str, Any], candidate: Candidate, seq_len: int, dtype: str) -> int:
+    """Bytes of activations one rank holds at least when its forward ends, for backward: per
+    decoder layer and token, in the compute dtype and over ``tp`` (sequence parallelism), full
+    recompute keeps the layer's input (``h``); selective at least as much; none at least the
+    inputs of its matmuls and what attention and a dense MLP produce for backward (``4 h + 2 kv +
+    3 ffn``, the MLP left out for experts). Tokens: the local batch's over ``cp``; with a pipeline
+    the first rank holds at least min(pp, micro-batches) micro-batches of each of its stages' layers.
+    The compiled estimates hold more (26 h and 11.5 h per layer and token for Llama 3 8B without
+    and with selective recompute, 1.0 h with full: tests/unit/test_auto_plan.py checks the bound
+    against compiles of each kind)."""
+    h = int(fields["hidden_size"])
+    layers = int(fields.get("num_hidden_layers", 1))
+    heads = int(fields.get("num_attention_heads", 1))
+    head_dim = int(fields.get("head_dim") or h // heads)
+    kv = int(fields.get("num_key_value_heads", heads)) * head_dim
+    per_token = h
+    if candidate.recompute == "none":
+        mlp = 0 if "num_experts" in fields else 3 * int(fields.get("intermediate_size", 4 * h))
+        per_token = 4 * h + 2 * kv + mlp
+    tokens = candidate.local_batch * seq_len // candidate.cp
+    held_layers = layers
+    if candidate.pp > 1:
+        micro = candidate.micro_batches
+        tokens = tokens // micro * min(candidate.pp, micro)
+        # Interleaved: before its first backward the rank runs each of its v stages' forward of
+        # those micro-batches (its warm-up is at least v * pp forwards).
+        virtual = candidate.stages_per_rank or 1
+        held_layers = layers // (candidate.pp * virtual) * virtual
+    width = 4 if dtype == "fp32" else 2
+    return held_layers * tokens * per_token * width // candidate.tp
+
+
+def memory_lower_bound(num_params: int, fields: Mapping[str, Any], candidate: Candidate, seq_len: int, dtype: str,
+                       optimizer: str) -> tuple[int, str]:
+    """(bytes, what they are) a rank needs at least: the larger of the optimizer step's (weights,
+    gradients, state: :func:`state_lower_bound`) and the end of forward's (weights, state and the
+    saved activations, :func:`activation_lower_bound`; gradients may not exist yet)."""
+    weight, state = _state_bytes_per_param(candidate, dtype, optimizer)
+    at_step = state_lower_bound(num_params, candidate, dtype, optimizer)
+    at_forward_end = num_params * (weight + state) // _spread(candidate) + \
+        activation_lower_bound(fields, candidate, seq_len, dtype)
+    if at_forward_end > at_step:
+        return at_forward_end, f"parameters, {optimizer} state and the activations saved for backward"
+    return at_step, f"parameters, gradients and {optimizer} state alone"
+
+
+def memory_problem(num_params: int, candidate: Candidate, dtype: str, optimizer: str, budget: int,
+                   fields: Mapping[str, Any] | None = None, seq_len: int = 0) -> str | None:
+    """"OOM: ..." when what a rank needs at least (:func:`memory_lower_bound`; without ``fields``
+    the model state alone) exceeds ``budget`` bytes, else None."""
+    if fields is None:
+        bound, what = state_lower_bound(num_params, candidate, dtype, optimizer), \
+            f"parameters, gradients and {optimizer} state alone"
+    else:
+        bound, what = memory_lower_bound(num_params, fields, candidate, seq_len, dtype, optimizer)
     if bound > budget:
-        return (f"OOM: parameters, gradients and {optimizer} state alone need at least {format_bytes(bound)} per rank "
-                f"(budget {format_bytes(budget)})")
+        return f"OOM: {what} need at least {format_bytes(bound)} per rank (budget {format_bytes(budget)})"
     return None

@@ -15,10 +15,14 @@ from ...cost.hardware import HardwareProfile
 from .. import presets
 from .space import Candidate
 
-__all__ = ["Choice", "NOT_COMPILED_RECOMPUTE", "PlanContext", "Ranked"]
+__all__ = ["Choice", "NOT_COMPILED_BUDGET", "NOT_COMPILED_RECOMPUTE", "PlanContext", "Ranked"]
 
 NOT_COMPILED_RECOMPUTE = "not compiled: recompute="
 """How a candidate left out because a mode recomputing less fits is rejected (``search.py``)."""
+
+NOT_COMPILED_BUDGET = "not compiled: "
+"""How a candidate beyond ``max_compiles`` / ``time_budget_s`` is rejected (``search.py``), followed
+by the limit: ``not compiled: max_compiles=10 spent on ...``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Ranked:
     rejected: str | None = None
     report: dict | None = None  # explain's whole report, when compiled
     compiled: bool = False
+    estimate_s: float | None = None  # the analytic step time the search ordered it by (estimate.py)
+    included: bool = False  # named by auto_plan's ``include``: compiled whatever the budget
 
     @property
     def dims(self) -> dict[str, int]:
@@ -165,25 +171,42 @@ class Choice:
                  f"candidates, {self.compiled} compiled, {len(fits)} fit ({self.search_s:.1f} s)",
                  f"{'#':>3}  {'degrees':<32}{'recompute':<11}{'batch':>6}  {'pipeline':<24}{'step':>11}{'tok/s/dev':>11}"
                  f"{'MFU':>7}{'peak':>11}{'reserved':>11}"]
-        for i, r in enumerate(fits[:self.top_k], 1):
+        # The top_k, and any included configuration below them (the plan to compare with).
+        shown_fits = [(i, r) for i, r in enumerate(fits, 1) if i <= self.top_k or r.included]
+        for i, r in shown_fits:
             p = r.predicted
             degrees, recompute, batch, pipeline = r.candidate.columns()
-            lines.append(f"{i:>3}  {degrees:<32}{recompute:<11}{batch:>6}  {pipeline:<24}{p['step_s'] * 1e3:>9.1f}ms"
+            mark = "*" if r.included else " "
+            lines.append(f"{i:>3}{mark} {degrees:<32}{recompute:<11}{batch:>6}  {pipeline:<24}{p['step_s'] * 1e3:>9.1f}ms"
                          f"{p['tokens_per_s']:>11.0f}{p['mfu'] * 100:>6.1f}%{format_bytes(p['peak_bytes']):>11}"
                          f"{format_bytes(p['reserved_bytes']):>11}")
-        if len(fits) > self.top_k:
-            lines.append(f"     ... {len(fits) - self.top_k} more that fit")
-        # A mode that recomputes more than one that fits is a row per candidate of no interest: counted.
+        if len(fits) > len(shown_fits):
+            lines.append(f"     ... {len(fits) - len(shown_fits)} more that fit")
+        if any(r.included for r in self.ranked):
+            lines.append("   * included: compiled as asked (auto_plan include=, plan --include)")
+        # A mode that recomputes more than one that fits is a row per candidate of no interest, and
+        # what the compile budget left out is listed best-estimated first: both counted.
         dominated = [r for r in rejected if r.rejected.startswith(NOT_COMPILED_RECOMPUTE)]
-        rejected = [r for r in rejected if r not in dominated]
+        unreached = [r for r in rejected if r not in dominated and r.rejected.startswith(NOT_COMPILED_BUDGET)
+                     and "spent on" in r.rejected]
+        expected_over = [r for r in rejected if r not in dominated and r.rejected.startswith(NOT_COMPILED_BUDGET)
+                         and "over the budget (calibrated" in r.rejected]
+        rejected = [r for r in rejected if r not in dominated and r not in unreached and r not in expected_over]
         shown = rejected if rejected_rows is None else rejected[:rejected_rows]
-        if shown or dominated:
+        if shown or dominated or unreached or expected_over:
             lines.append("rejected:")
-            lines += [f"     {r.candidate.describe()}: {r.rejected}" for r in shown]
+            lines += [f"    {'*' if r.included else ' '}{r.candidate.describe()}: {r.rejected}" for r in shown]
         if len(shown) < len(rejected):
             lines.append(f"     ... {len(rejected) - len(shown)} more")
         if dominated:
             lines.append(f"     {len(dominated)} not compiled: a mode recomputing less fits with the same configuration")
+        if expected_over:
+            lines.append(f"     {len(expected_over)} not compiled: a mode recomputing more fits and this one is expected "
+                         "over the budget (the expectation scaled by the compiles' estimates)")
+        if unreached:
+            best = min(unreached, key=lambda r: (r.estimate_s, r.candidate.describe()))
+            lines.append(f"     {len(unreached)} not compiled: the compile budget went to candidates estimated faster "
+                         f"(the best of these estimated {best.estimate_s * 1e3:.0f} ms: {best.candidate.describe()})")
         return "\n".join(lines)
 
     def write(self, path: str, which: Ranked | None = None) -> str:

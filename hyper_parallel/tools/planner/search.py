@@ -1,13 +1,17 @@
 """``hp.auto_plan``: choose the parallel configuration from the compiler's own estimates.
 
 The search: enumerate every factorisation of the world (:mod:`.space`), reject what cannot run or
-cannot fit without compiling (:mod:`.prune`), then compile each survivor with
+cannot fit without compiling (:mod:`.prune`), order the survivors by an analytic step time
+(:mod:`.estimate`), then compile them in that order with
 :func:`~hyper_parallel.tools.explain.explain` on fake ranks (the passes, memory estimate and
-simulated step a real run's plan gets) and rank the ones that fit by predicted step time.
+simulated step a real run's plan gets) and rank the ones that fit by predicted step time. A
+compile takes seconds, so at most ``max_compiles`` are compiled (and none started after
+``time_budget_s``), besides the configurations named in ``include`` (a hand-written plan to
+compare with), which always are; the rest are listed as not compiled, with their estimate.
 Recompute modes are tried in the order none, selective, full per configuration and the first that
 fits ends it: recompute only adds compute, so a later mode cannot be faster (it is listed as not
-compiled, with that reason). Everything is deterministic: the order of :mod:`.space`, ties broken
-by the candidate's description.
+compiled, with that reason). Everything is deterministic (the order of the estimate, ties
+broken by the candidate's description) but how far ``time_budget_s`` lets the search get.
 
 Reads: the model config, world size, hardware profile, batch, sequence length, dtype, optimizer,
 memory budget and restrictions. Writes: a :class:`~.result.Choice` (progress lines on stderr).
@@ -17,19 +21,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ...analysis.memory import format_bytes
 from ...cost.hardware import HardwareProfile, get_profile
 from ...progress import enable_default_logging
 from .. import presets
+from .estimate import analytic_step_s, expected_peak_bytes
 from .prune import batch_problem, dims_problem, memory_problem, plan_problem
-from .result import NOT_COMPILED_RECOMPUTE, Choice, PlanContext, Ranked
-from .space import Candidate, candidates, degree_choices, dp_degree, parse_search
+from .result import NOT_COMPILED_BUDGET, NOT_COMPILED_RECOMPUTE, Choice, PlanContext, Ranked
+from .space import AXES, RECOMPUTE, Candidate, candidates, degree_choices, dp_degree, parse_search
 
 __all__ = ["auto_plan"]
+
+RECOMPUTE_ORDER = {mode: i for i, mode in enumerate(RECOMPUTE)}  # none < selective < full
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,9 @@ def auto_plan(
     model: str = "example",
     num_layers: int | None = None,
     progress: bool = True,
+    max_compiles: int | None = 10,
+    time_budget_s: float | None = None,
+    include: Sequence[Mapping[str, Any]] = (),
 ) -> Choice:
     """The fastest configuration of ``world_size`` ranks that fits, and every one considered.
 
@@ -61,7 +72,13 @@ def auto_plan(
     restrictions, e.g. ``{"pp": 1}``, ``{"tp": [1, 2, 4]}``, ``{"recompute": "full"}``,
     ``{"pp_schedule": "1F1B"}``, ``{"dp_replicate": [1, 2]}`` (HSDP is not searched otherwise).
     ``top_k``: how many of the fitting candidates :meth:`Choice.table` shows (all are in
-    ``ranked``). ``progress``: a line per compiled candidate on stderr.
+    ``ranked``). ``progress``: a line per compiled candidate on stderr. ``max_compiles``: how many
+    candidates to compile at most, in the order of the analytic estimate (None: all);
+    ``time_budget_s``: start no compile after this many seconds of search. ``include``:
+    configurations compiled and ranked whatever the budget, each a dict of degrees (``dp_shard``
+    defaults to what the others leave of the world), ``recompute``, ``pp_schedule``,
+    ``num_microbatches`` and ``stages_per_rank``, e.g. ``{"dp_shard": 32, "tp": 8, "recompute":
+    "full"}``; their entries in ``ranked`` have ``included`` set.
 
     Returns a :class:`~.result.Choice`: ``dims``, ``plan``, ``mesh(device)``, ``local_batch``,
     ``micro_batches``, ``predicted`` of the best, and ``ranked``, every candidate best first (the
@@ -71,7 +88,8 @@ def auto_plan(
     started = time.perf_counter()
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"auto_plan: world_size must be a positive integer, got {world_size!r}")
-    for name, value in (("global_batch", global_batch), ("seq_len", seq_len), ("top_k", top_k)):
+    for name, value in (("global_batch", global_batch), ("seq_len", seq_len), ("top_k", top_k),
+                        ("max_compiles", 1 if max_compiles is None else max_compiles)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"auto_plan: {name} must be a positive integer, got {value!r}")
     if dtype not in ("bf16", "fp32"):
@@ -91,24 +109,81 @@ def auto_plan(
 
     enable_default_logging()
     ranked, to_compile = _enumerate(context, space, num_params)
+    forced = _included(include, context, ranked, to_compile)
+    estimate = {c: analytic_step_s(c, context.fields, profile, seq_len=seq_len, dtype=dtype)
+                for group in to_compile for c in group}
+    expected = {c: expected_peak_bytes(c, context.fields, num_params, seq_len=seq_len, dtype=dtype,
+                                       optimizer=optimizer) for group in to_compile for c in group}
+    # Each configuration's recompute ladder starts at its first mode expected to fit (the
+    # expectation scaled by what the compiles so far estimated over it, per recompute mode and
+    # with or without a pipeline); the modes it passes over are compiled after every ladder, while
+    # compiles remain, if still expected to fit. Ladders go fastest-estimated first, those
+    # expected to fit before the others.
+    ladders = sorted(to_compile, key=lambda g: (min(expected[c] for c in g) > budget,
+                                                min(estimate[c] for c in g if expected[c] <= budget)
+                                                if any(expected[c] <= budget for c in g) else estimate[g[0]],
+                                                g[0].describe()))
     total = sum(len(g) for g in to_compile)
-    log.info("auto_plan: %d candidates, %d rejected without compiling, at most %d to compile",
-             len(ranked) + total, len(ranked), total)
+    log.info("auto_plan: %d candidates, %d rejected without compiling, %d to compile (at most %s, then %d "
+             "included)", len(ranked) + total, len(ranked), total, max_compiles or "all", len(forced))
     done = 0
-    for group in to_compile:
-        fitted = None
-        for candidate in group:
-            if fitted is not None:
-                ranked.append(Ranked(candidate, context, rejected=f"{NOT_COMPILED_RECOMPUTE}{fitted.recompute} fits "
-                                     "and recompute only adds compute"))
-                continue
-            done += 1
-            entry = _evaluate(candidate, context)
-            ranked.append(entry)
-            if progress:
-                log.info("auto_plan: [%d/%d] %s: %s", done, total, candidate.describe(), entry.outcome())
-            if entry.rejected is None:
-                fitted = candidate
+    ratio: dict = {}  # (recompute, pipelined) -> the largest compiled peak over its expectation
+    fitted_of: dict = {}  # a configuration's fitting mode: the modes recomputing more are not compiled
+    passed_over: list[Candidate] = []
+
+    def calibrated(c: Candidate) -> float:
+        return expected[c] * ratio.get((c.recompute, c.pp > 1), 1.0)
+
+    def try_compile(candidate: Candidate, passing: bool) -> None:
+        """Compile ``candidate`` or record why not; ``passing``: it may be passed over (a mode
+        recomputing more follows it in its ladder)."""
+        nonlocal done
+        fitted = fitted_of.get(candidate.degrees_and_pipeline)
+        forced_ = candidate in forced
+        if fitted is not None and not forced_ and fitted.recompute != candidate.recompute and \
+                RECOMPUTE_ORDER[fitted.recompute] < RECOMPUTE_ORDER[candidate.recompute]:
+            ranked.append(Ranked(candidate, context, rejected=f"{NOT_COMPILED_RECOMPUTE}{fitted.recompute} fits "
+                                 "and recompute only adds compute", estimate_s=estimate[candidate]))
+            return
+        at_most = max_compiles is not None and done >= max_compiles
+        if (at_most or (time_budget_s is not None and time.perf_counter() - started > time_budget_s)) and not forced_:
+            limit = f"max_compiles={max_compiles}" if at_most else f"time_budget_s={time_budget_s:g}"
+            ranked.append(Ranked(candidate, context, rejected=f"{NOT_COMPILED_BUDGET}{limit} spent on candidates "
+                                 f"estimated faster (analytic estimate {estimate[candidate] * 1e3:.0f} ms, expected "
+                                 f"peak {format_bytes(int(calibrated(candidate)))})", estimate_s=estimate[candidate]))
+            return
+        if not forced_ and calibrated(candidate) > budget:
+            if passing:
+                passed_over.append(candidate)
+                return
+            if candidate in passed_over_set:
+                ranked.append(Ranked(candidate, context, rejected=f"{NOT_COMPILED_BUDGET}expected peak "
+                                     f"{format_bytes(int(calibrated(candidate)))} over the budget (calibrated on the "
+                                     "compiles so far)", estimate_s=estimate[candidate]))
+                return
+        done += not forced_
+        entry = _evaluate(candidate, context)
+        entry.estimate_s, entry.included = estimate[candidate], forced_
+        ranked.append(entry)
+        if entry.predicted is not None and expected[candidate] > 0:
+            key = (candidate.recompute, candidate.pp > 1)
+            ratio[key] = max(ratio.get(key, 1.0), entry.predicted["peak_bytes"] / expected[candidate])
+        if progress:
+            log.info("auto_plan: [%d] %s%s: %s (estimated %.0f ms, %s)", done, candidate.describe(),
+                     " (included)" if forced_ else "", entry.outcome(), estimate[candidate] * 1e3,
+                     format_bytes(expected[candidate]))
+        if entry.rejected is None:
+            best = fitted_of.get(candidate.degrees_and_pipeline)
+            if best is None or RECOMPUTE_ORDER[candidate.recompute] < RECOMPUTE_ORDER[best.recompute]:
+                fitted_of[candidate.degrees_and_pipeline] = candidate
+
+    passed_over_set: set = set()
+    for modes in ladders:
+        for i, candidate in enumerate(modes):
+            try_compile(candidate, passing=i < len(modes) - 1)
+    passed_over_set.update(passed_over)
+    for candidate in sorted(passed_over, key=lambda c: (estimate[c], c.describe())):
+        try_compile(candidate, passing=False)
     fitting = sorted((r for r in ranked if r.rejected is None),
                      key=lambda r: (r.predicted["step_s"], r.candidate.describe()))
     rejected = [r for r in ranked if r.rejected is not None]
@@ -144,7 +219,8 @@ def _enumerate(context: PlanContext, space, num_params: int) -> tuple[list[Ranke
             continue
         by_pipeline: dict[tuple, list[Candidate]] = {}
         for candidate in group:
-            problem = memory_problem(num_params, candidate, context.dtype, context.optimizer, context.budget)
+            problem = memory_problem(num_params, candidate, context.dtype, context.optimizer, context.budget,
+                                     context.fields, context.seq_len)
             if problem:
                 ranked.append(Ranked(candidate, context, rejected=problem))
             else:
@@ -152,6 +228,47 @@ def _enumerate(context: PlanContext, space, num_params: int) -> tuple[list[Ranke
                 by_pipeline.setdefault(key, []).append(candidate)
         to_compile.extend(by_pipeline.values())
     return ranked, to_compile
+
+
+def _included(include, context: PlanContext, ranked: list[Ranked], to_compile: list[list[Candidate]]) -> set:
+    """The candidates ``include`` names (``auto_plan``'s docstring), found among ``to_compile`` or
+    added to it as groups of their own; one that the analytic checks rejected stays in ``ranked``
+    (its reason said), marked included."""
+    keys = set(AXES) | {"recompute", "pp_schedule", "num_microbatches", "stages_per_rank"}
+    forced = set()
+    for spec in include:
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"auto_plan include: each entry is a dict of degrees and settings, got {spec!r}")
+        unknown = sorted(set(spec) - keys)
+        if unknown:
+            raise ValueError(f"auto_plan include {dict(spec)}: unknown keys {unknown}; use {sorted(keys)}")
+        degrees = {axis: int(spec.get(axis, 1)) for axis in AXES}
+        others = math.prod(size for axis, size in degrees.items() if axis != "dp_shard")
+        if "dp_shard" not in spec:
+            degrees["dp_shard"] = context.world_size // others
+        if math.prod(degrees.values()) != context.world_size:
+            raise ValueError(f"auto_plan include {dict(spec)}: the degrees multiply to {math.prod(degrees.values())}, "
+                             f"not the world size {context.world_size}")
+        dp = dp_degree(degrees)
+        if context.global_batch % dp:
+            raise ValueError(f"auto_plan include {dict(spec)}: {batch_problem(degrees, context.global_batch)}")
+        pipelined = degrees["pp"] > 1
+        candidate = Candidate(**degrees, recompute=spec.get("recompute", "none"),
+                              local_batch=context.global_batch // dp,
+                              pp_schedule=spec.get("pp_schedule", "1F1B") if pipelined else None,
+                              num_microbatches=spec.get("num_microbatches", degrees["pp"]) if pipelined else None,
+                              stages_per_rank=spec.get("stages_per_rank",
+                                                       2 if spec.get("pp_schedule") == "Interleaved1F1B" else 1)
+                              if pipelined else None)
+        forced.add(candidate)
+        for entry in ranked:
+            if entry.candidate == candidate:
+                entry.included = True
+                break
+        else:
+            if not any(candidate in group for group in to_compile):
+                to_compile.append([candidate])
+    return forced
 
 
 def _evaluate(candidate: Candidate, context: PlanContext) -> Ranked:

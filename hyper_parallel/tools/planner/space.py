@@ -80,6 +80,11 @@ class Candidate:
     def micro_batches(self) -> int:
         return self.num_microbatches or 1
 
+    @property
+    def degrees_and_pipeline(self) -> tuple:
+        """Everything but the recompute mode: one configuration's recompute ladder shares it."""
+        return dataclasses.astuple(dataclasses.replace(self, recompute="none"))
+
     def columns(self) -> tuple[str, str, str, str]:
         """(degrees, recompute, local batch, pipeline) as the ranked table prints them."""
         degrees = " ".join(f"{axis}={size}" for axis, size in self.degrees.items() if size > 1 or axis == "dp_shard")
