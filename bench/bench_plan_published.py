@@ -1,7 +1,8 @@
 """``auto_plan`` against torchtitan's published Llama 3.1 runs: the chosen plan beside the
 published configuration, both predicted by the same cost model, and the published measurement.
 
-``python bench/bench_plan_published.py [--only 8b|70b|405b] [--max-compiles 10] [--json-out FILE]``
+``python bench/bench_plan_published.py [--only 8b|70b|405b] [--max-compiles 10] [--time-budget S]
+[--json-out FILE]``
 runs, for each setting of torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (H100s of
 96 GB, sequence 8192, bf16, AdamW), ``hp.auto_plan`` with the published configuration as
 ``include`` (so it is compiled and ranked whatever the budget) and prints, per setting: the search
@@ -37,22 +38,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", choices=[s[0] for s in SETTINGS], action="append", default=None)
     p.add_argument("--max-compiles", type=int, default=10, help="auto_plan's max_compiles (0: all)")
+    p.add_argument("--time-budget", type=float, default=None, help="auto_plan's time_budget_s")
     p.add_argument("--json-out", default=None)
     return p.parse_args(argv)
 
 
-def run_setting(name, config, world, global_batch, published, measured, memory_gib, note, max_compiles) -> dict:
+def run_setting(name, config, world, global_batch, published, measured, memory_gib, note, max_compiles,
+                time_budget) -> dict:
     from hyper_parallel.tools.planner import auto_plan
 
     started = time.perf_counter()
     choice = auto_plan(config, world_size=world, hardware="h100", global_batch=global_batch, seq_len=8192,
-                       memory_per_device=MEMORY_GIB * 2**30, include=[published], max_compiles=max_compiles or None)
+                       memory_per_device=MEMORY_GIB * 2**30, include=[published], max_compiles=max_compiles or None,
+                       time_budget_s=time_budget)
     wall = time.perf_counter() - started
     entry = next(r for r in choice.ranked if r.included)
     rank = choice.ranked.index(entry) + 1 if entry.rejected is None else None
 
     def row(r):
-        return {"configuration": r.candidate.describe(), "predicted": r.predicted, "rejected": r.rejected}
+        return {"configuration": r.candidate.describe().replace(" | ", ", "), "predicted": r.predicted,
+                "rejected": r.rejected}
 
     return {"setting": name, "world_size": world, "global_batch": global_batch, "search_s": wall,
             "candidates": len(choice.ranked), "compiled": choice.compiled,
@@ -68,7 +73,7 @@ def main(argv=None) -> None:
     for setting in SETTINGS:
         if args.only and setting[0] not in args.only:
             continue
-        result = run_setting(*setting, args.max_compiles)
+        result = run_setting(*setting, args.max_compiles, args.time_budget)
         results.append(result)
         print(result["table"], flush=True)
     print("\n| setting | search | candidates (compiled, fit) | chosen | chosen tok/s/dev | published configuration "

@@ -192,12 +192,18 @@ class Choice:
         expected_over = [r for r in rejected if r not in dominated and r.rejected.startswith(NOT_COMPILED_BUDGET)
                          and "over the budget (calibrated" in r.rejected]
         rejected = [r for r in rejected if r not in dominated and r not in unreached and r not in expected_over]
+        # The memory lower bound's rejections, often most of a large world's: the first three shown,
+        # the rest counted.
+        folded = [r for r in rejected if r.rejected.startswith("OOM:")][3:]
+        rejected = [r for r in rejected if r not in folded]
         shown = rejected if rejected_rows is None else rejected[:rejected_rows]
-        if shown or dominated or unreached or expected_over:
+        if shown or dominated or unreached or expected_over or folded:
             lines.append("rejected:")
             lines += [f"    {'*' if r.included else ' '}{r.candidate.describe()}: {r.rejected}" for r in shown]
         if len(shown) < len(rejected):
             lines.append(f"     ... {len(rejected) - len(shown)} more")
+        if folded:
+            lines.append(f"     {len(folded)} more over the budget by the memory lower bound")
         if dominated:
             lines.append(f"     {len(dominated)} not compiled: a mode recomputing less fits with the same configuration")
         if expected_over:

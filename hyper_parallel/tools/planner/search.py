@@ -119,10 +119,9 @@ def auto_plan(
     # with or without a pipeline); the modes it passes over are compiled after every ladder, while
     # compiles remain, if still expected to fit. Ladders go fastest-estimated first, those
     # expected to fit before the others.
-    ladders = sorted(to_compile, key=lambda g: (min(expected[c] for c in g) > budget,
-                                                min(estimate[c] for c in g if expected[c] <= budget)
-                                                if any(expected[c] <= budget for c in g) else estimate[g[0]],
-                                                g[0].describe()))
+    # The estimate is calibrated the same way: by the median ratio of compiled step times to their
+    # estimates among the compiled candidates of its kind (with or without a pipeline and tensor
+    # parallelism), so the order after each compile follows what the compiles found.
     total = sum(len(g) for g in to_compile)
     log.info("auto_plan: %d candidates, %d rejected without compiling, %d to compile (at most %s, then %d "
              "included)", len(ranked) + total, len(ranked), total, max_compiles or "all", len(forced))
@@ -131,8 +130,18 @@ def auto_plan(
     fitted_of: dict = {}  # a configuration's fitting mode: the modes recomputing more are not compiled
     passed_over: list[Candidate] = []
 
+    step_ratios: dict = {}  # (pipelined, tensor-parallel) -> compiled step over estimate, each compile
+
     def calibrated(c: Candidate) -> float:
         return expected[c] * ratio.get((c.recompute, c.pp > 1), 1.0)
+
+    def calibrated_estimate(c: Candidate) -> float:
+        seen = sorted(step_ratios.get((c.pp > 1, c.tp > 1), ()))
+        return estimate[c] * (seen[len(seen) // 2] if seen else 1.0)
+
+    def ladder_key(modes: list[Candidate]) -> tuple:
+        hopeful = [c for c in modes if calibrated(c) <= budget]
+        return (not hopeful, calibrated_estimate((hopeful or modes)[0]), modes[0].describe())
 
     def try_compile(candidate: Candidate, passing: bool) -> None:
         """Compile ``candidate`` or record why not; ``passing``: it may be passed over (a mode
@@ -168,6 +177,9 @@ def auto_plan(
         if entry.predicted is not None and expected[candidate] > 0:
             key = (candidate.recompute, candidate.pp > 1)
             ratio[key] = max(ratio.get(key, 1.0), entry.predicted["peak_bytes"] / expected[candidate])
+            if entry.rejected is None and estimate[candidate] > 0:
+                step_ratios.setdefault((candidate.pp > 1, candidate.tp > 1), []).append(
+                    entry.predicted["step_s"] / estimate[candidate])
         if progress:
             log.info("auto_plan: [%d] %s%s: %s (estimated %.0f ms, %s)", done, candidate.describe(),
                      " (included)" if forced_ else "", entry.outcome(), estimate[candidate] * 1e3,
@@ -178,11 +190,14 @@ def auto_plan(
                 fitted_of[candidate.degrees_and_pipeline] = candidate
 
     passed_over_set: set = set()
-    for modes in ladders:
+    ladders = list(to_compile)
+    while ladders:  # the most promising ladder by the calibrated expectations, one at a time
+        modes = min(ladders, key=ladder_key)
+        ladders.remove(modes)
         for i, candidate in enumerate(modes):
             try_compile(candidate, passing=i < len(modes) - 1)
     passed_over_set.update(passed_over)
-    for candidate in sorted(passed_over, key=lambda c: (estimate[c], c.describe())):
+    for candidate in sorted(passed_over, key=lambda c: (calibrated_estimate(c), c.describe())):
         try_compile(candidate, passing=False)
     fitting = sorted((r for r in ranked if r.rejected is None),
                      key=lambda r: (r.predicted["step_s"], r.candidate.describe()))
