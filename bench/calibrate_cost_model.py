@@ -1,5 +1,8 @@
 """Calibrate the cost model's "cpu" profile on this machine, then check it against measured steps.
 
+The measurements are ``hyper-parallel calibrate``'s (``hyper_parallel/tools/calibrate.py``, which
+writes the profile as JSON for ``--hardware FILE``); this script adds the validation below.
+
 ``python bench/calibrate_cost_model.py`` (about 30 s on 2 cores) measures, with one intra-op thread
 per process (how the benches and tests run gloo ranks):
 
@@ -42,7 +45,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from _calibration import measure_gloo, measure_local, measure_runtime, profile_from  # noqa: E402
+from hyper_parallel.tools.calibrate import measure_gloo, measure_local, measure_runtime, profile_from  # noqa: E402
 from hyper_parallel.cost.hardware import HardwareProfile  # noqa: E402
 
 MODELS = {

@@ -18,7 +18,7 @@ from typing import Mapping
 
 import torch
 
-__all__ = ["HardwareProfile", "PROFILES", "get_profile", "dtype_key"]
+__all__ = ["HardwareProfile", "PROFILES", "get_profile", "dtype_key", "load_profile", "save_profile"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +183,9 @@ CPU = HardwareProfile(
     op_overhead_s=3.71e-6, view_overhead_s=4.40e-6,
     program_overhead_s=319.7e-6, boundary_overhead_s=56.15e-6, optimizer_tensor_overhead_s=18.37e-6,
     host_cores=2,
+    # hyper-parallel calibrate, 2026-12-03: one round of the agreement's exchange between 2 ranks,
+    # each after a compute burst (the host differed from the 2026-11-23 one: 192 GFLOP/s).
+    host_message_latency_s=286e-6,
     notes="gloo on this machine's 2 CPU cores, 1 thread per rank (calibrated, see hardware.py)",
 )
 
@@ -190,13 +193,52 @@ PROFILES: dict[str, HardwareProfile] = {p.name: p for p in (H100, H200, A100, AS
 
 
 def get_profile(name: str | HardwareProfile) -> HardwareProfile:
-    """The profile called ``name`` (case-insensitive); a profile passes through."""
+    """The profile called ``name`` (case-insensitive), or read from ``name`` when it is a JSON file
+    (``hyper-parallel calibrate --out``, :func:`load_profile`); a profile passes through."""
     if isinstance(name, HardwareProfile):
         return name
+    if str(name).endswith(".json"):
+        return load_profile(str(name))
     profile = PROFILES.get(str(name).lower())
     if profile is None:
         raise ValueError(
-            f"unknown hardware profile {name!r}; choose one of {sorted(PROFILES)} or pass a "
-            "hyper_parallel.cost.HardwareProfile"
+            f"unknown hardware profile {name!r}; choose one of {sorted(PROFILES)}, a profile JSON file "
+            "(hyper-parallel calibrate --out FILE), or pass a hyper_parallel.cost.HardwareProfile"
         )
     return profile
+
+
+def save_profile(profile: HardwareProfile, path: str) -> str:
+    """Write ``profile`` as JSON (every field) for :func:`load_profile`; returns ``path``."""
+    import json
+
+    fields = {f.name: getattr(profile, f.name) for f in dataclasses.fields(profile)}
+    fields["peak_flops"] = dict(profile.peak_flops)
+    with open(path, "w") as f:
+        json.dump({"hyper_parallel_hardware_profile": 1, **fields}, f, indent=2, sort_keys=True)
+    return path
+
+
+def load_profile(path: str) -> HardwareProfile:
+    """The profile :func:`save_profile` (or ``hyper-parallel calibrate``) wrote to ``path``; a
+    field it lacks takes the default, an unknown one is an error naming it."""
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"hardware profile file {path!r} does not exist (hyper-parallel calibrate --out {path} "
+                         "writes one)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"hardware profile file {path!r} is not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.pop("hyper_parallel_hardware_profile", None) != 1:
+        raise ValueError(f"{path!r} is not a hardware profile written by hyper-parallel calibrate / save_profile")
+    known = {f.name for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"hardware profile file {path!r}: unknown fields {unknown}; known: {sorted(known)}")
+    try:
+        return HardwareProfile(**data)
+    except TypeError as exc:  # a required field missing
+        raise ValueError(f"hardware profile file {path!r}: {exc}") from None

@@ -71,9 +71,10 @@ def _build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--plan", default="fsdp",
                     help=f"a preset ({', '.join(PLAN_PRESETS)}) or a Python file defining `plan` (a "
                     "ParallelPlan/dict or plan(mesh_axes, config)); default: fsdp")
-    ex.add_argument("--hardware", default="h100", type=str.lower, choices=HARDWARE,
+    ex.add_argument("--hardware", default="h100", type=_hardware(HARDWARE), metavar="{%s} or FILE.json" % ",".join(HARDWARE),
                     help="hardware profile for memory capacity and the cost model (cpu: gloo ranks on this "
-                         "machine's cores, as calibrated in cost/hardware.py); default: h100")
+                         "machine's cores, as calibrated in cost/hardware.py; a .json file: a profile "
+                         "hyper-parallel calibrate wrote); default: h100")
     ex.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="optimizer state to count; default: adamw")
     ex.add_argument("--local-batch", type=int, default=1,
                     help="sequences per data-parallel rank (per-rank batch); default: 1")
@@ -123,7 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="example", help="as explain's --model; default: example")
     pl.add_argument("--config", default="llama3-8b", help="as explain's --config; default: llama3-8b")
     pl.add_argument("--world-size", type=int, required=True, help="ranks to plan for")
-    pl.add_argument("--hardware", default="h100", choices=HARDWARE, help="hardware profile; default: h100")
+    pl.add_argument("--hardware", default="h100", type=_hardware(HARDWARE), metavar="{%s} or FILE.json" % ",".join(HARDWARE),
+                    help="hardware profile (a name, or a .json file hyper-parallel calibrate wrote); default: h100")
     pl.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step, over all ranks")
     pl.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence; default: 8192")
     pl.add_argument("--memory-gib", type=float, default=None,
@@ -156,6 +158,16 @@ def _build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--out", default=None,
                      help="the HTML file to write; default: DUMP_DIR/report.html (the trace goes next to it, "
                      "as <name>.trace.json)")
+    cal = sub.add_parser(
+        "calibrate", help="measure this machine and write its cost-model profile (for --hardware FILE)",
+        description="Measure matmul FLOP/s, copy bandwidth, per-op and runtime overheads, gloo collectives and the "
+        "per-call agreement's host message between --ranks processes of this machine (one thread each) and write "
+        "the cost model's profile as JSON: explain --hardware FILE and plan --hardware FILE price steps with it.",
+    )
+    cal.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
+    cal.add_argument("--ranks", type=int, default=2, help="gloo processes to measure between; default: 2")
+    cal.add_argument("--name", default="cpu-calibrated", help="the profile's name; default: cpu-calibrated")
+    cal.add_argument("--quick", action="store_true", help="fewer sizes and repetitions: seconds, less precise")
     return parser
 
 
@@ -237,6 +249,31 @@ def parse_include_spec(spec: str) -> dict:
     return out
 
 
+def _hardware(names):
+    """argparse type of ``--hardware``: a profile name (case-insensitive) or a .json profile file."""
+    def parse(value: str) -> str:
+        if value.endswith(".json") or value.lower() in names:
+            return value if value.endswith(".json") else value.lower()
+        raise argparse.ArgumentTypeError(f"{value!r}: choose one of {', '.join(names)} or a profile .json file")
+    return parse
+
+
+def _calibrate(args) -> int:
+    from ..cost.hardware import save_profile
+    from .calibrate import calibrate
+
+    profile, measured = calibrate(ranks=args.ranks, quick=args.quick, name=args.name)
+    save_profile(profile, args.out)
+    fit = measured["gloo"]["fit"]["in_step"]
+    print(f"{profile.name}: matmul {profile.peak_flops['fp32'] / 1e9:.1f} GFLOP/s, copy "
+          f"{profile.hbm_bandwidth / 1e9:.2f} GB/s, op {profile.op_overhead_s * 1e6:.2f} us, program "
+          f"{profile.program_overhead_s * 1e6:.1f} us, gloo alpha {fit['alpha_s'] * 1e6:.1f} us, "
+          f"{fit['bandwidth_bytes_per_s'] / 1e9:.3f} GB/s, host message {profile.host_message_latency_s * 1e6:.0f} us "
+          f"({args.ranks} ranks, {profile.host_cores} cores)")
+    print(f"profile: {args.out} (explain --hardware {args.out}, plan --hardware {args.out})")
+    return 0
+
+
 def _report(args) -> int:
     from .report import write_report
 
@@ -258,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
     except (ValueError, TypeError, ImportError) as e:
         parser.exit(2, f"hyper-parallel {args.command}: error: {e}\n")
     parser.error(f"unknown command {args.command!r}")

@@ -222,10 +222,11 @@ def explain(
     bubble, each stage's times and memory and each pp rank's peak.
     """
     started = time.perf_counter()
-    if isinstance(hardware, str) and hardware.lower() not in HARDWARE:
-        raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)} or pass a "
-                         "hyper_parallel.cost.HardwareProfile")
-    profile = get_profile(hardware.lower() if isinstance(hardware, str) else hardware)
+    if isinstance(hardware, str) and hardware.lower() not in HARDWARE and not hardware.endswith(".json"):
+        raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(HARDWARE)}, a profile JSON file "
+                         "(hyper-parallel calibrate --out FILE) or pass a hyper_parallel.cost.HardwareProfile")
+    profile = get_profile(hardware if isinstance(hardware, str) and hardware.endswith(".json")
+                          else hardware.lower() if isinstance(hardware, str) else hardware)
     hardware = profile.name
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")

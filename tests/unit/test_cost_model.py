@@ -6,6 +6,7 @@ the FLOP count of a compiled program uses a 1-rank gloo world, and the mesh test
 backend, each set up and torn down by its own test so they never coexist.
 """
 
+import dataclasses
 import json
 import operator
 import socket
@@ -318,3 +319,26 @@ def test_ranks_beyond_the_host_cores_time_share_them():
     assert CPU.host_sharing(4, busy_fraction=2 / 3) == pytest.approx(4 / 3)
     assert CPU.host_sharing(4, busy_fraction=0.25) == 1.0
     assert H100.host_sharing(8) == 1.0
+
+
+def test_a_profile_file_round_trips_and_names_what_is_wrong(tmp_path):
+    """``hyper-parallel calibrate --out`` writes save_profile's JSON; get_profile reads a .json path."""
+    from hyper_parallel.cost import hardware
+
+    path = str(tmp_path / "mine.json")
+    mine = dataclasses.replace(hardware.CPU, name="mine", host_cores=16, devices_per_node=8)
+    assert hardware.save_profile(mine, path) == path
+    assert hardware.load_profile(path) == mine and get_profile(path) == mine
+    data = json.loads(open(path).read())
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**data, "tflops": 3}))
+    with pytest.raises(ValueError, match=r"unknown fields \['tflops'\]"):
+        get_profile(str(bad))
+    bad.write_text(json.dumps({k: v for k, v in data.items() if k != "peak_flops"}))
+    with pytest.raises(ValueError, match="peak_flops"):
+        get_profile(str(bad))
+    bad.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match="not a hardware profile written by"):
+        get_profile(str(bad))
+    with pytest.raises(ValueError, match="does not exist"):
+        get_profile(str(tmp_path / "missing.json"))

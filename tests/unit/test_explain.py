@@ -235,6 +235,32 @@ def test_hsdp_collectives_are_labelled_by_axis_names():
     assert per_step["all_reduce"]["dp_replicate"]["count"] == 2  # HSDP: one per unit after its RS
 
 
+def test_cli_hardware_takes_a_calibrated_profile_file(tmp_path, capsys):
+    """``--hardware FILE.json`` (what ``hyper-parallel calibrate --out`` writes): the report names the
+    file's profile and prices the step with its numbers; a bad name says what is accepted."""
+    import dataclasses
+
+    from hyper_parallel.cost import hardware
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"base": "llama3-8b", "hidden_size": 64, "intermediate_size": 128,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                                  "vocab_size": 256}))
+    slow = dataclasses.replace(hardware.CPU, name="slow-cpu", peak_flops={"fp32": 1e9, "bf16": 1e9, "fp16": 1e9})
+    path = hardware.save_profile(slow, str(tmp_path / "slow.json"))
+    steps = {}
+    for name in ("cpu", path):
+        assert main(["explain", "--config", str(config), "--parallel", "dp_shard=-1", "--world-size", "2",
+                     "--seq-len", "64", "--hardware", name, "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        steps[name] = report["step"]
+    assert steps[path]["profile"] == "slow-cpu" and steps["cpu"]["profile"] == "cpu"
+    assert steps[path]["compute_s"] > steps["cpu"]["compute_s"]  # the file's 1 GFLOP/s, not the cpu profile's
+    with pytest.raises(SystemExit):
+        main(["explain", "--hardware", "tpu", "--world-size", "2"])
+    assert "choose one of" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_cli_json_plan_file_and_python_m(tmp_path, capsys):
     config = tmp_path / "tiny.json"

@@ -94,7 +94,7 @@ def auto_plan(
             raise ValueError(f"auto_plan: {name} must be a positive integer, got {value!r}")
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"auto_plan: dtype {dtype!r}; choose bf16 or fp32")
-    profile = get_profile(hardware.lower() if isinstance(hardware, str) else hardware)
+    profile = get_profile(hardware if not isinstance(hardware, str) or hardware.endswith(".json") else hardware.lower())
     budget = profile.memory_bytes if memory_per_device is None else memory_per_device
     if not isinstance(budget, int) or budget < 1:
         raise ValueError(f"auto_plan: memory_per_device is a number of bytes, got {memory_per_device!r}")

@@ -1,22 +1,39 @@
-"""Measurements behind ``calibrate_cost_model.py``: compute rates, per-op and runtime overheads,
-gloo collective times and the alpha-beta fit, and the "cpu" profile built from them.
+"""``hyper-parallel calibrate``: measure this machine and write its cost-model profile.
 
-Each function measures on the calling process (and, for ``measure_gloo``, the ranks of the default
-group) with whatever threads torch has; ``calibrate_cost_model.py`` sets one intra-op thread.
+What a gloo rank on this host costs, one intra-op thread per process (how the tests and benches
+run ranks): matmul FLOP/s, copy bandwidth and the per-op overheads, alone and with ``ranks``
+processes busy at once (the profile takes the latter, the condition of a multi-rank step);
+hyper_parallel's runtime host overheads (per program call, boundary tensor and optimizer
+parameter, in a 1-rank world); gloo collectives between the ranks, fitted to the ring model's
+alpha and beta (``cost.comm.ring_volume``); and one host message of the per-call agreement
+(``host_message_latency_s``). :func:`calibrate` returns the profile and every measurement;
+``hyper-parallel calibrate --out cpu.json`` writes the profile for ``--hardware cpu.json`` of
+``explain`` and ``plan`` (``cost.hardware.load_profile``). ``bench/calibrate_cost_model.py``
+checks such a profile against measured steps.
+
+Each ``measure_*`` function measures on the calling process (and, for ``measure_gloo`` and
+``measure_host_message``, the ranks of the default group) with whatever threads torch has.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import socket
 import statistics
+import tempfile
 import time
 
 import torch
 
-from hyper_parallel.cost import comm as cost_comm
-from hyper_parallel.cost.hardware import CPU, HardwareProfile
+from ..cost import comm as cost_comm
+from ..cost.hardware import CPU, HardwareProfile
+
+__all__ = ["calibrate", "measure_gloo", "measure_host_message", "measure_local", "measure_runtime", "profile_from"]
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+QUICK_SIZES = [16 << 10, 1 << 20]
 
 
 def _median_time(fn, reps: int, warmup: int = 2) -> float:
@@ -30,11 +47,11 @@ def _median_time(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def measure_local() -> dict:
+def measure_local(quick: bool = False) -> dict:
     """Matmul FLOP/s, copy bandwidth and op overheads in this process (1 thread)."""
     torch.set_num_threads(1)
     matmul = {}
-    for n in (128, 256, 512, 1024):
+    for n in (128, 512) if quick else (128, 256, 512, 1024):
         a, b = torch.randn(n, n), torch.randn(n, n)
         reps = max(3, int(2e8 / n**3))
         matmul[n] = 2 * n**3 / _median_time(lambda: torch.mm(a, b), reps)
@@ -76,7 +93,7 @@ def _fit(samples: list[tuple[int, float, float]]) -> tuple[float, float]:
     return alpha, beta
 
 
-def measure_gloo(reps: int = 20) -> dict:
+def measure_gloo(reps: int = 20, sizes=SIZES) -> dict:
     """Collective times between the ranks of the default group, two ways: "isolated" (median of
     back-to-back calls) and "in_step" (each call after a ~0.3 ms compute burst, as in a training
     step, minus the burst alone; mean, since a step's time is the sum of its collectives'). On a
@@ -104,7 +121,7 @@ def measure_gloo(reps: int = 20) -> dict:
     burst_s = mean_time(burst, 50)
     raw: dict = {mode: {"all_reduce": {}, "all_gather": {}} for mode in ("isolated", "in_step")}
     samples: dict = {mode: [] for mode in raw}
-    for size in SIZES:
+    for size in sizes:
         x = torch.ones(size // 4)
         shard = torch.ones(size // 4 // n)
         count = max(5, min(reps, int(reps * (1 << 20) / size)))
@@ -132,14 +149,44 @@ def measure_gloo(reps: int = 20) -> dict:
     }
 
 
-def profile_from(local: dict, gloo: dict | None = None, runtime: dict | None = None) -> HardwareProfile:
-    """The cpu profile with this run's measurements in place of hardware.py's."""
+def measure_host_message(reps: int = 50) -> float:
+    """Seconds of one round of the per-call agreement's exchange between the ranks of the default
+    group (``distributed.host_reduce``: a 24-byte all-gather, each after a short compute burst as
+    in a step), over its rounds; the slowest rank's median."""
+    import torch.distributed as dist
+
+    from ..distributed.host_reduce import MaxAllReduce, rounds
+
+    a, values = torch.randn(128, 128), torch.zeros(3, dtype=torch.int64)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        for _ in range(8):
+            torch.mm(a, a)
+        t0 = time.perf_counter()
+        MaxAllReduce(values).wait()
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist()) / max(1, rounds(dist.get_world_size()))
+
+
+def profile_from(local: dict, gloo: dict | None = None, runtime: dict | None = None,
+                 host_message_s: float | None = None, *, name: str = "cpu-measured",
+                 ranks: int | None = None) -> HardwareProfile:
+    """The cpu profile with this run's measurements in place of hardware.py's; ``ranks``: one node
+    of that many ranks sharing this host's cores (default: the cpu profile's)."""
     peak = max(local["matmul_flops_per_s"].values())
     changes = dict(
-        name="cpu-measured", peak_flops={"fp32": peak, "bf16": peak, "fp16": peak},
+        name=name, peak_flops={"fp32": peak, "bf16": peak, "fp16": peak},
         hbm_bandwidth=local["copy_bytes_per_s"],
         op_overhead_s=local["op_overhead_s"], view_overhead_s=local["view_overhead_s"],
+        notes=f"calibrated by hyper-parallel calibrate on {os.uname().nodename}, torch {torch.__version__}",
     )
+    if ranks is not None:
+        changes.update(devices_per_node=ranks, host_cores=os.cpu_count() or 1)
+    if host_message_s is not None:
+        changes["host_message_latency_s"] = host_message_s
     if gloo is not None:
         fit = gloo["fit"]["in_step"]
         bandwidth, latency = fit["bandwidth_bytes_per_s"], fit["alpha_s"]
@@ -174,7 +221,7 @@ def measure_runtime(local: dict) -> dict:
     import torch.distributed as dist
 
     import hyper_parallel as hp
-    from hyper_parallel.cost import optimizer_traffic, simulate
+    from ..cost import optimizer_traffic, simulate
 
     graph_only = dataclasses.replace(profile_from(local), program_overhead_s=0.0, boundary_overhead_s=0.0,
                                      optimizer_tensor_overhead_s=0.0)
@@ -211,3 +258,78 @@ def measure_runtime(local: dict) -> dict:
         "program_overhead_s": max((r0 - per_boundary * b0) / 2, 0.0),
         "optimizer_tensor_overhead_s": max((o1 - o0) / (n1 - n0), 0.0),
     }
+
+
+def _spawned(rank: int, world: int, port: int, quick: bool, out_path: str) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        dist.barrier()
+        # Compute rates with every rank busy, as during a step (they share cores, caches and
+        # memory bandwidth): the profile uses these.
+        local = measure_local(quick)
+        gloo = measure_gloo(reps=5 if quick else 20, sizes=QUICK_SIZES if quick else SIZES)
+        host = measure_host_message(10 if quick else 50)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        import json
+
+        with open(out_path, "w") as f:
+            json.dump({"local_concurrent": local, "gloo": gloo, "host_message_s": host}, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def calibrate(ranks: int = 2, quick: bool = False, name: str = "cpu-calibrated") -> tuple[HardwareProfile, dict]:
+    """Measure this machine (module docstring): the profile of ``ranks`` gloo ranks on it, and the
+    measurements. ``quick``: fewer sizes and repetitions (seconds, for a smoke test). Runs the
+    runtime's overheads in a 1-rank world of this process (which must have no process group) and
+    the rest in ``ranks`` spawned processes."""
+    import json
+    import warnings
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if ranks < 2:
+        raise ValueError(f"calibrate: ranks must be at least 2 (collectives are measured between them), got {ranks}")
+    if dist.is_initialized():
+        raise ValueError("calibrate: run it outside a process group (it creates a 1-rank world of its own)")
+    threads = torch.get_num_threads()
+    alone = measure_local(quick)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    from ..progress import enable_default_logging
+
+    enable_default_logging()  # once per process: set up now, so the level below is not reset at parallelize
+    package = logging.getLogger("hyper_parallel")
+    level = package.level
+    package.setLevel(logging.WARNING)  # the runtime measurement's compiles log their phases at INFO
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            runtime = measure_runtime(alone)
+        finally:
+            dist.destroy_process_group()
+            torch.set_num_threads(threads)
+            package.setLevel(level)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "result.json")
+        mp.spawn(_spawned, args=(ranks, _free_port(), quick, out_path), nprocs=ranks)
+        with open(out_path) as f:
+            remote = json.load(f)
+    profile = profile_from(remote["local_concurrent"], remote["gloo"], runtime, remote["host_message_s"], name=name,
+                           ranks=ranks)
+    return profile, {"local_alone": alone, "runtime": runtime, "ranks": ranks, "quick": quick,
+                     "threads_per_process": 1, "torch": torch.__version__, **remote}
