@@ -162,7 +162,8 @@ def test_the_analytic_estimate_orders_as_the_costs_it_models():
 
 def test_include_entries_are_checked():
     for spec, error in (({"tq": 2}, "unknown keys \\['tq'\\]"), ({"tp": 3}, "multiply to 6, not the world size 8"),
-                        ({"dp_shard": 8, "tp": 2}, "multiply to 16")):
+                        ({"dp_shard": 8, "tp": 2}, "multiply to 16"), ({"recompute": "most"}, "recompute is one of"),
+                        ({"pp": 2, "pp_schedule": "Zig"}, "pp_schedule is one of")):
         with pytest.raises(ValueError, match=error):
             auto_plan(TINY, world_size=8, global_batch=8, seq_len=SEQ, include=[spec], max_compiles=1, progress=False)
     with pytest.raises(ValueError, match="does not split over 8 data-parallel ranks"):

@@ -10,7 +10,9 @@ compile takes seconds, so at most ``max_compiles`` are compiled (and none starte
 compare with), which always are; the rest are listed as not compiled, with their estimate.
 Recompute modes are tried in the order none, selective, full per configuration and the first that
 fits ends it: recompute only adds compute, so a later mode cannot be faster (it is listed as not
-compiled, with that reason). Everything is deterministic (the order of the estimate, ties
+compiled, with that reason); the ladder starts at the first mode expected to fit, and the estimate
+and the expectation are scaled by what the compiles so far found (see ``auto_plan``'s body).
+Everything is deterministic (the order of the estimate, ties
 broken by the candidate's description) but how far ``time_budget_s`` lets the search get.
 
 Reads: the model config, world size, hardware profile, batch, sequence length, dtype, optimizer,
@@ -264,6 +266,10 @@ def _included(include, context: PlanContext, ranked: list[Ranked], to_compile: l
         if math.prod(degrees.values()) != context.world_size:
             raise ValueError(f"auto_plan include {dict(spec)}: the degrees multiply to {math.prod(degrees.values())}, "
                              f"not the world size {context.world_size}")
+        if spec.get("recompute", "none") not in RECOMPUTE:
+            raise ValueError(f"auto_plan include {dict(spec)}: recompute is one of {RECOMPUTE}")
+        if spec.get("pp_schedule", "1F1B") not in presets.PIPELINE_SCHEDULES:
+            raise ValueError(f"auto_plan include {dict(spec)}: pp_schedule is one of {presets.PIPELINE_SCHEDULES}")
         dp = dp_degree(degrees)
         if context.global_batch % dp:
             raise ValueError(f"auto_plan include {dict(spec)}: {batch_problem(degrees, context.global_batch)}")
