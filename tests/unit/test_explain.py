@@ -356,7 +356,8 @@ def test_cli_errors_exit_2_with_one_line(capsys):
     assert "unknown degree 'tq'" in err and "Traceback" not in err
     with pytest.raises(SystemExit):
         main(["explain", "--hardware", "tpu"])
-    assert "invalid choice: 'tpu'" in capsys.readouterr().err
+    assert "--hardware: 'tpu': choose one of h100, h200, a100, ascend-910b, cpu or a profile .json file" in \
+        capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["explain", "--config", "llama3-8b", "--parallel", "tp=3", "--world-size", "3", "--plan", "tp"])
     assert "tp=3 does not divide" in capsys.readouterr().err
