@@ -23,7 +23,9 @@ The estimate, per rank and step (``h`` hidden size, ``L`` layers, tokens the ran
 
 The search also expects a peak (:func:`expected_peak_bytes`: the memory lower bound with the saved
 activations the compiled estimates have): candidates expected over the budget go after the rest,
-so the compile budget is not spent confirming OOMs.
+so the compile budget is not spent confirming OOMs. Neither is a bound: the raw step estimate came
+out 0.6-0.7 of the compiled predictions without a pipeline and 0.4-0.5 with one (Llama 3 8B, 70B,
+405B on H100s), so ``search.py`` scales both by what the compiles so far found, per kind.
 
 Reads: the candidate, the config fields, the hardware profile. Writes: nothing.
 """
