@@ -45,7 +45,9 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hyper_parallel.tools.calibrate import measure_gloo, measure_local, measure_runtime, profile_from  # noqa: E402
+from hyper_parallel.tools.calibrate import (  # noqa: E402
+    join_local_world, measure_gloo, measure_local, measure_runtime, profile_from,
+)
 from hyper_parallel.cost.hardware import HardwareProfile  # noqa: E402
 
 MODELS = {
@@ -104,14 +106,9 @@ def validate(args, measured: HardwareProfile, plans=("dp", "tp")) -> list[dict]:
 
 
 def _worker(rank: int, world: int, port: int, args, runtime: dict, out_path: str) -> None:
-    import warnings
-
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_local_world(rank, world, port)
     try:
         # Compute rates with both ranks busy, as during a 2-rank step (they share 2 cores, caches
         # and memory bandwidth): the profile uses these.

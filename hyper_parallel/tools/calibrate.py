@@ -30,7 +30,7 @@ import torch
 from ..cost import comm as cost_comm
 from ..cost.hardware import CPU, HardwareProfile
 
-__all__ = ["calibrate", "measure_gloo", "measure_host_message", "measure_local", "measure_runtime", "profile_from"]
+__all__ = ["calibrate", "join_local_world", "measure_gloo", "measure_host_message", "measure_local", "measure_runtime", "profile_from"]
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 QUICK_SIZES = [16 << 10, 1 << 20]
@@ -260,7 +260,9 @@ def measure_runtime(local: dict) -> dict:
     }
 
 
-def _spawned(rank: int, world: int, port: int, quick: bool, out_path: str) -> None:
+def join_local_world(rank: int, world: int, port: int) -> None:
+    """In a spawned process: one intra-op thread, then rank ``rank`` of a gloo world of ``world``
+    processes of this machine meeting on ``port`` (how the measurements run)."""
     import warnings
 
     import torch.distributed as dist
@@ -269,6 +271,12 @@ def _spawned(rank: int, world: int, port: int, quick: bool, out_path: str) -> No
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _spawned(rank: int, world: int, port: int, quick: bool, out_path: str) -> None:
+    import torch.distributed as dist
+
+    join_local_world(rank, world, port)
     try:
         dist.barrier()
         # Compute rates with every rank busy, as during a step (they share cores, caches and
