@@ -25,7 +25,7 @@ import operator
 
 import torch
 import torch.fx.traceback as fx_traceback
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial
 
 from ..ir.kinds import InputKind, OutputKind
 from ..compat import pytree
@@ -36,7 +36,7 @@ from ..ir.graph import CapturedGraph, module_fqn_of
 from ..errors import internal_error
 from ..ir import meta
 from ..ir.names import renumber
-from ..cp.load_balance import Balancer
+from ..cp.load_balance import Balancer, balanced_sequence_length
 from ..layout import dims_by_stride, format_placements
 from ..moe.lowering import ExpertLowering
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
@@ -273,25 +273,9 @@ def _add_pending(grad: DTensor, pending: DTensor, source_node_name: str, grad_of
 
 
 def _balancer(captured: CapturedGraph, mesh, context) -> Balancer | None:
-    """The load-balanced order's bookkeeping when ring attention balances the sequence: its length
-    is dim 1 of the user inputs sharded on the sequence axis."""
-    if context is None or not context.balanced:
-        return None
-    axis = mesh.mesh_dim_names.index(context.axis)
-    lengths = {
-        node.meta[meta.LAYOUT].output.tensor_meta.shape[1]
-        for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs)
-        if info.kind == InputKind.INPUT and isinstance(node.meta[meta.LAYOUT].output, compat.DTensorSpec)
-        and node.meta[meta.LAYOUT].output.placements[axis] == Shard(1)
-    }
-    if not lengths:
-        return None
-    if len(lengths) > 1:
-        raise ValueError(
-            f"{context.source}: the inputs sharded over {context.axis!r} have sequences of different "
-            f"lengths {sorted(lengths)}; load-balanced ring attention reorders one sequence: give "
-            "every sequence input the same length or use load_balance=False")
-    return Balancer(mesh, context.axis, lengths.pop(), ring=context.ring)
+    """The load-balanced order's bookkeeping when ring attention balances the sequence."""
+    seq_len = balanced_sequence_length(captured, mesh, context)
+    return None if seq_len is None else Balancer(mesh, context.axis, seq_len, ring=context.ring)
 
 
 def placeholder_local_values(captured: CapturedGraph, fake_mode) -> tuple[list, list]:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import compat
 from ..ir import meta
+from ..ir.kinds import InputKind
 from ..layout import format_placements
 
 c10d = torch.ops._c10d_functional
@@ -84,6 +85,30 @@ def unpermute(x: torch.Tensor, dim: int, seq_len: int, n: int) -> torch.Tensor:
     order = chunk_order(n)
     inverse = [order.index(i) for i in range(2 * n)]
     return _reorder(x, dim, seq_len, inverse)
+
+
+def balanced_sequence_length(captured, mesh, context) -> int | None:
+    """The length of the sequences the balanced order permutes, or None when ring attention does
+    not balance one: dim 1 of the user inputs sharded over the cp axis along it (their layouts
+    propagated). Propagation (``propagation/balanced_order.py``) and lowering read the same."""
+    if context is None or not context.balanced:
+        return None
+    axis = mesh.mesh_dim_names.index(context.axis)
+    lengths = {
+        node.meta[meta.LAYOUT].output.tensor_meta.shape[1]
+        for node, info in zip(captured.gm.graph.find_nodes(op="placeholder"), captured.inputs)
+        if info.kind == InputKind.INPUT and meta.LAYOUT in node.meta
+        and isinstance(node.meta[meta.LAYOUT].output, compat.DTensorSpec)
+        and node.meta[meta.LAYOUT].output.placements[axis] == Shard(1)
+    }
+    if not lengths:
+        return None
+    if len(lengths) > 1:
+        raise ValueError(
+            f"{context.source}: the inputs sharded over {context.axis!r} have sequences of different "
+            f"lengths {sorted(lengths)}; load-balanced ring attention reorders one sequence: give "
+            "every sequence input the same length or use load_balance=False")
+    return lengths.pop()
 
 
 class Balancer:

@@ -39,6 +39,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from .. import compat
 from ..compat import pytree
 from ..compile.annotations import BOUNDARY, BOUNDARY_GRAD, UNSHARD, parse_boundary_key
+from ..cp.load_balance import balanced_sequence_length
 from ..ir.graph import BUFFER_UPDATE, INPUT_GRAD, CapturedGraph, module_fqn_of
 from ..ir.graph import describe_node as _describe
 from ..errors import internal_error
@@ -47,6 +48,7 @@ from ..ir.kinds import InputKind, OutputKind
 from ..layout import format_placements, with_shard_dim
 from ..moe.propagation import expert_op_layout
 from ..moe.region import EXPERTS, EXPERTS_BACKWARD
+from . import balanced_order
 from .accumulation import GRAD_ACCUM, unreduced_placements
 from .attention_rules import sequence_sharded_attention
 from .rules import NoShardingRule, has_partial, propagate_op, propagate_token_mean
@@ -305,10 +307,39 @@ class _Propagator:
         if not tensor_nodes:
             return NodeLayout(self._replicated_output(node), (), "factory")
 
-        flat_specs = [self.spec_of(a) if isinstance(a, torch.fx.Node) and _is_tensor(a) else
+        current = tuple(self.spec_of(a) for a in tensor_nodes)
+        decided = self._decide(node, flat, tree, tensor_nodes, current)
+        if isinstance(decided, NodeLayout):
+            return decided
+        output_spec, wanted = decided
+        order = self._balanced_order()
+        if order is not None and (unordered := balanced_order.unordered_inputs(current, wanted, *order)):
+            # A cp shard off the sequence has no balanced order: decide again with those inputs
+            # gathered over the cp axis (balanced_order.py).
+            gathered = tuple(balanced_order.gathered_on(c, order[0]) if i in unordered else c
+                             for i, c in enumerate(current))
+            decided = self._decide(node, flat, tree, tensor_nodes, gathered)
+            if isinstance(decided, NodeLayout):
+                return decided
+            output_spec, wanted = decided
+            if balanced_order.unordered_inputs(gathered, wanted, *order):
+                context = self.resolved.context
+                raise ValueError(
+                    f"context parallelism ({context.source}): {_describe(node)} can only run with an "
+                    f"input sharded over {context.axis!r} along a dim that does not hold whole sequences "
+                    f"({', '.join(format_placements(w.placements) for w in wanted)}), which the "
+                    "load-balanced order cannot permute; use load_balance=False in the "
+                    "hp.ContextParallel entry, or compute this op outside the context-parallel modules"
+                )
+        return NodeLayout(_with_meta(output_spec, node, self.mesh), wanted, "rule")
+
+    def _decide(self, node, flat, tree, tensor_nodes, current):
+        """The op's rule given its tensor inputs' layouts ``current``: ``(output spec, the layout
+        each tensor input must have)``, or the NodeLayout of a fallback."""
+        given = iter(current)
+        flat_specs = [next(given) if isinstance(a, torch.fx.Node) and _is_tensor(a) else
                       (a.meta.get("val") if isinstance(a, torch.fx.Node) else a) for a in flat]
         args_schema, kwargs_schema = pytree.tree_unflatten(flat_specs, tree)
-        current = tuple(self.spec_of(a) for a in tensor_nodes)
         try:
             if node.meta.get(meta.LOSS_MEAN) and any(has_partial(s) for s in current):
                 output_spec, suggested = propagate_token_mean(node.target, args_schema, kwargs_schema)
@@ -329,22 +360,27 @@ class _Propagator:
             ) from exc
         if output_spec is None and _produces_tensor(node):
             return self.fallback(node, tensor_nodes, "rule gave no output layout")
-        if suggested is not None:
-            if len(suggested) != len(current):
-                # Lowering would pair input layouts with the wrong inputs.
-                raise internal_error(
-                    "layout propagation", f"the sharding rule of {node.target} gave {len(suggested)} input "
-                    f"layouts for the op's {len(current)} tensor inputs", node=node,
-                    workaround="a plan that gives this op's inputs other layouts avoids the rule's "
-                    f"strategy, e.g. change the plan entry of module {module_fqn_of(node) or '<root>'!r}",
-                )
-            wanted = tuple(
-                compat.respec(s, mesh=self.mesh, tensor_meta=c.tensor_meta)
-                for s, c in zip(suggested, current)
+        if suggested is None:
+            return output_spec, current
+        if len(suggested) != len(current):
+            # Lowering would pair input layouts with the wrong inputs.
+            raise internal_error(
+                "layout propagation", f"the sharding rule of {node.target} gave {len(suggested)} input "
+                f"layouts for the op's {len(current)} tensor inputs", node=node,
+                workaround="a plan that gives this op's inputs other layouts avoids the rule's "
+                f"strategy, e.g. change the plan entry of module {module_fqn_of(node) or '<root>'!r}",
             )
-        else:
-            wanted = current
-        return NodeLayout(_with_meta(output_spec, node, self.mesh), wanted, "rule")
+        return output_spec, tuple(compat.respec(s, mesh=self.mesh, tensor_meta=c.tensor_meta)
+                                  for s, c in zip(suggested, current))
+
+    def _balanced_order(self) -> tuple[int, int] | None:
+        """``(cp mesh axis, sequence length)`` while load-balanced ring attention orders the
+        sequence, else None; read once the user inputs have their layouts."""
+        if not hasattr(self, "_order"):
+            context = getattr(self.resolved, "context", None)
+            seq_len = balanced_sequence_length(self.captured, self.mesh, context)
+            self._order = None if seq_len is None else (self.axis_names.index(context.axis), seq_len)
+        return self._order
 
     def fallback(self, node, tensor_nodes, why: str) -> NodeLayout:
         node.meta[meta.FALLBACK] = why.splitlines()[0][:120]

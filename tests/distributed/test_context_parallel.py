@@ -265,6 +265,23 @@ def test_fewer_sequences_than_cp_ranks(dist4):
               model_overrides={"num_hidden_layers": 1})
 
 
+def test_fsdp_cp_labels_shift_at_many_tokens_per_rank(dist4):
+    """FSDP over dp_shard x load-balanced cp with 16k tokens per data-parallel rank (64 sequences
+    of 256; the planner's long-sequence candidates hold as many as 2 x 8k): there DTensor would
+    move the labels' cp shard from the sequence to the batch dim for their one-token shift, a shard
+    the balanced order cannot permute ("must reorder a tensor of shape [64, 256]" before
+    propagation/balanced_order.py). The shift gathers the integer labels over cp, as it does at
+    fewer tokens, and the run matches one device."""
+    results = dist4.run(run_parity, "llama", _plan("ring", fully_shard={"units": ["model.layers.*", ""]}),
+                        (2, 2), ("dp_shard", "cp"), batch=128, seq_len=256, steps=2, ignore_fraction=0.3,
+                        model_overrides={"num_hidden_layers": 1})
+    forward = results[0]["summary"]["collectives"]["forward"]
+    # The only gather over cp: this rank's [64, 128] int64 labels; the only all-to-alls the
+    # reordering of ids and labels (stacked) into the balanced order and of the logits out of it.
+    assert forward["all_gather"]["cp"] == {"count": 1, "bytes": 64 * 128 * 8}, forward
+    assert forward["all_to_all"]["cp"]["count"] == 2, forward
+
+
 @pytest.mark.parametrize("style", ["async", "gather"])
 def test_ring_cp_with_a_pipeline(dist4, style):
     """Two pipeline stages, each a cp=2 ring (async, load-balanced) or all-gather attention:
