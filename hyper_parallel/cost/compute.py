@@ -85,12 +85,14 @@ class NodeWork:
 
     ``kind``: "compute" (a kernel), "view" (metadata only: views, ``getitem``), "comm" (a collective;
     ``bytes`` is its local input), "wait" (``wait_tensor``) or "none" (placeholders, outputs).
-    ``dtype``: the dtype whose peak FLOP/s applies (the first floating input's)."""
+    ``dtype``: the dtype whose peak FLOP/s applies (the first floating input's). ``attention``: one
+    of the fused attention kernels, priced at the profile's attention efficiency."""
 
     kind: str
     flops: int = 0
     bytes: int = 0
     dtype: torch.dtype | None = None
+    attention: bool = False  # a fused attention kernel (HardwareProfile.attention_efficiency)
 
 
 _NONE = NodeWork("none")
@@ -116,6 +118,20 @@ def _is_view(target) -> bool:
         # A view aliases its input and writes nothing; in-place ops also alias but do move memory.
         return target.is_view
     return False
+
+
+# The fused attention kernels and their backwards (torch's FLOP registry counts the GPU ones,
+# _EXTRA_FORMULAS the CPU flash kernel): priced at HardwareProfile.attention_efficiency.
+ATTENTION_PACKETS = frozenset(
+    getattr(aten, name) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+        "_flash_attention_forward", "_flash_attention_backward",
+        "_efficient_attention_forward", "_efficient_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    ) if hasattr(aten, name)
+)
 
 
 def _flops(target, args, kwargs, out_val) -> int:
@@ -157,7 +173,8 @@ def node_work(node: torch.fx.Node) -> NodeWork:
         return _VIEW if out_val is not None or not isinstance(target, compat.OpOverload) else _NONE
     moved = tensor_bytes((args, kwargs)) + tensor_bytes(out_val)
     return NodeWork("compute", flops=_flops(target, args, kwargs, out_val), bytes=moved,
-                    dtype=_first_float_dtype((args, kwargs)))
+                    dtype=_first_float_dtype((args, kwargs)),
+                    attention=getattr(target, "overloadpacket", None) in ATTENTION_PACKETS)
 
 
 def roofline_time(work: NodeWork, profile: HardwareProfile) -> float:
@@ -169,6 +186,7 @@ def roofline_time(work: NodeWork, profile: HardwareProfile) -> float:
         return profile.view_overhead_s
     if work.kind != "compute":
         return 0.0
-    compute = work.flops / (profile.flops_per_s(work.dtype) * profile.matmul_efficiency) if work.flops else 0.0
+    efficiency = profile.compute_efficiency(work.attention)
+    compute = work.flops / (profile.flops_per_s(work.dtype) * efficiency) if work.flops else 0.0
     memory = work.bytes / (profile.hbm_bandwidth * profile.memory_efficiency)
     return max(compute, memory) + profile.op_overhead_s

@@ -35,7 +35,7 @@ class HardwareProfile:
     intra_node_latency: float  # s per ring step
     inter_node_bandwidth: float  # bytes/s per device per direction
     inter_node_latency: float  # s per ring step
-    matmul_efficiency: float  # fraction of peak_flops large GEMMs / attention kernels reach
+    matmul_efficiency: float  # fraction of peak_flops large GEMMs reach
     memory_efficiency: float  # fraction of hbm_bandwidth memory-bound kernels reach
     link_efficiency: float  # fraction of link bandwidth collectives reach (NCCL "bus bandwidth")
     op_overhead_s: float  # fixed cost of one kernel (launch / dispatch)
@@ -53,7 +53,19 @@ class HardwareProfile:
     # on the accelerator profiles: a kernel TCP round trip between hosts of one data centre is
     # typically 20-60 us, one way half of it, plus gloo's own handling (an assumption, unmeasured).
     host_message_latency_s: float = 30e-6
+    # Fraction of peak_flops the fused attention kernels (SDPA's flash / memory-efficient / cuDNN
+    # kernels and their backwards, counted as torch counts them, masked tiles skipped) reach; None:
+    # matmul_efficiency. Lower than a GEMM's where the head dim is small (the CPU flash kernel at
+    # head dim 16 reaches about 0.6 of the matmul rate), which matters at long sequences.
+    attention_efficiency: float | None = None
     notes: str = ""
+
+    def compute_efficiency(self, attention: bool = False) -> float:
+        """The fraction of peak_flops a kernel reaches: :attr:`attention_efficiency` for the fused
+        attention kernels when set, else :attr:`matmul_efficiency`."""
+        if attention and self.attention_efficiency is not None:
+            return self.attention_efficiency
+        return self.matmul_efficiency
 
     def host_sharing(self, ranks_on_node: int, busy_fraction: float = 1.0) -> float:
         """How much slower each rank runs when ``ranks_on_node`` ranks share :attr:`host_cores`
@@ -67,8 +79,10 @@ class HardwareProfile:
     def __post_init__(self):
         if not self.peak_flops:
             raise ValueError(f"hardware profile {self.name!r}: peak_flops needs at least one dtype")
-        for field in ("matmul_efficiency", "memory_efficiency", "link_efficiency"):
+        for field in ("matmul_efficiency", "memory_efficiency", "link_efficiency", "attention_efficiency"):
             value = getattr(self, field)
+            if field == "attention_efficiency" and value is None:
+                continue
             if not 0 < value <= 1:
                 raise ValueError(f"hardware profile {self.name!r}: {field}={value} must be in (0, 1]")
         # A private copy, so the caller's dict cannot change a frozen profile (a plain dict, not a
@@ -186,6 +200,9 @@ CPU = HardwareProfile(
     # hyper-parallel calibrate, 2026-12-03: one round of the agreement's exchange between 2 ranks,
     # each after a compute burst (the host differed from the 2026-11-23 one: 192 GFLOP/s).
     host_message_latency_s=286e-6,
+    # 2026-12-03, one thread: the causal CPU flash kernel at head dim 16 (sequences of 4k-16k),
+    # forward and backward together, ran at 0.59 of the 1024^3 matmul's rate (92 vs 155 GFLOP/s).
+    attention_efficiency=0.59,
     notes="gloo on this machine's 2 CPU cores, 1 thread per rank (calibrated, see hardware.py)",
 )
 

@@ -72,6 +72,7 @@ def measure_local(quick: bool = False) -> dict:
 
     return {
         "matmul_flops_per_s": {str(k): v for k, v in matmul.items()},
+        "attention_flops_per_s": measure_attention(quick),
         "copy_bytes_per_s": copy_bw,
         "op_overhead_s": _median_time(many_adds, 7) / n_ops,
         "view_overhead_s": _median_time(many_views, 7) / n_ops,
@@ -171,6 +172,25 @@ def measure_host_message(reps: int = 50) -> float:
     return statistics.median(slowest.tolist()) / max(1, rounds(dist.get_world_size()))
 
 
+def measure_attention(quick: bool = False) -> float:
+    """FLOP/s of causal SDPA forward + backward (the CPU flash kernel, head dim 16, one long
+    sequence), counted as the cost model counts it (torch's formula, masked tiles skipped)."""
+    from torch.utils import flop_counter
+
+    seq, heads, head_dim = (2048, 2, 16) if quick else (8192, 2, 16)
+    q, k, v = (torch.randn(1, heads, seq, head_dim, requires_grad=True) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    grad = torch.randn(1, heads, seq, head_dim)
+
+    def step():
+        sdpa(q, k, v, is_causal=True).backward(grad)
+
+    flops = (flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape)
+             + flop_counter.sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+    visible = seq * (seq + 1) / 2 / seq**2  # the causal mask's share of query-key pairs
+    return flops * visible / _median_time(step, 3 if quick else 5, warmup=1)
+
+
 def profile_from(local: dict, gloo: dict | None = None, runtime: dict | None = None,
                  host_message_s: float | None = None, *, name: str = "cpu-measured",
                  ranks: int | None = None) -> HardwareProfile:
@@ -183,6 +203,8 @@ def profile_from(local: dict, gloo: dict | None = None, runtime: dict | None = N
         op_overhead_s=local["op_overhead_s"], view_overhead_s=local["view_overhead_s"],
         notes=f"calibrated by hyper-parallel calibrate on {os.uname().nodename}, torch {torch.__version__}",
     )
+    if "attention_flops_per_s" in local:  # the fused attention kernel's rate against the matmul's
+        changes["attention_efficiency"] = min(1.0, local["attention_flops_per_s"] / peak)
     if ranks is not None:
         changes.update(devices_per_node=ranks, host_cores=os.cpu_count() or 1)
     if host_message_s is not None:

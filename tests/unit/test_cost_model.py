@@ -26,6 +26,7 @@ from hyper_parallel.cost import (
     get_profile,
     mfu,
     node_work,
+    roofline_time,
     simulate,
     to_chrome_trace,
 )
@@ -151,6 +152,27 @@ def test_cpu_flash_attention_flops():
     assert node_work(attn).flops == 2 * (2 * b * h * s * s * d)  # Q K^T and P V
     assert node_work(grad).flops == 5 * (2 * b * h * s * s * d)  # recompute, dP, dV, dQ, dK
     assert node_work(out).kind == "view" and node_work(out).bytes == 0
+
+
+def test_attention_kernels_are_priced_at_the_attention_efficiency():
+    """The fused attention kernels (forward and backward) run at the profile's
+    attention_efficiency, every other kernel at matmul_efficiency; unset, attention is a matmul."""
+    b, h, s, d = 1, 2, 512, 16
+    g = GraphBuilder()
+    q, k, v = g.input("q", b, h, s, d), g.input("k", b, h, s, d), g.input("v", b, h, s, d)
+    attn = g(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v)
+    out, lse = g(operator.getitem, attn, 0), g(operator.getitem, attn, 1)
+    grad = g(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, out, q, k, v, out, lse, 0.0, False)
+    w = g.input("w", 512, 512)
+    mm = g(aten.mm.default, w, w)
+    assert node_work(attn).attention and node_work(grad).attention and not node_work(mm).attention
+    plain = dataclasses.replace(get_profile("cpu"), attention_efficiency=None, op_overhead_s=0.0)
+    slow = dataclasses.replace(plain, attention_efficiency=0.25)
+    for node in (attn, grad):  # compute-bound at this size: the time scales with 1 / efficiency
+        assert roofline_time(node_work(node), slow) == pytest.approx(4 * roofline_time(node_work(node), plain))
+    assert roofline_time(node_work(mm), slow) == roofline_time(node_work(mm), plain)
+    with pytest.raises(ValueError, match="attention_efficiency=1.5"):
+        dataclasses.replace(plain, attention_efficiency=1.5)
 
 
 def test_bytes_and_views():
