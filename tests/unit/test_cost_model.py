@@ -142,13 +142,19 @@ def test_flops_of_a_compiled_linear_program(gloo_world):
 
 
 
-def test_cpu_flash_attention_flops():
-    b, h, s, d = 2, 4, 32, 8
+def _cpu_flash_graph(b: int, h: int, s: int, d: int):
+    """A graph of the CPU flash-attention forward and backward: (builder, forward, its output, backward)."""
     g = GraphBuilder()
     q, k, v = g.input("q", b, h, s, d), g.input("k", b, h, s, d), g.input("v", b, h, s, d)
     attn = g(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v)
     out, lse = g(operator.getitem, attn, 0), g(operator.getitem, attn, 1)
     grad = g(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, out, q, k, v, out, lse, 0.0, False)
+    return g, attn, out, grad
+
+
+def test_cpu_flash_attention_flops():
+    b, h, s, d = 2, 4, 32, 8
+    g, attn, out, grad = _cpu_flash_graph(b, h, s, d)
     assert node_work(attn).flops == 2 * (2 * b * h * s * s * d)  # Q K^T and P V
     assert node_work(grad).flops == 5 * (2 * b * h * s * s * d)  # recompute, dP, dV, dQ, dK
     assert node_work(out).kind == "view" and node_work(out).bytes == 0
@@ -157,12 +163,7 @@ def test_cpu_flash_attention_flops():
 def test_attention_kernels_are_priced_at_the_attention_efficiency():
     """The fused attention kernels (forward and backward) run at the profile's
     attention_efficiency, every other kernel at matmul_efficiency; unset, attention is a matmul."""
-    b, h, s, d = 1, 2, 512, 16
-    g = GraphBuilder()
-    q, k, v = g.input("q", b, h, s, d), g.input("k", b, h, s, d), g.input("v", b, h, s, d)
-    attn = g(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v)
-    out, lse = g(operator.getitem, attn, 0), g(operator.getitem, attn, 1)
-    grad = g(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, out, q, k, v, out, lse, 0.0, False)
+    g, attn, out, grad = _cpu_flash_graph(1, 2, 512, 16)
     w = g.input("w", 512, 512)
     mm = g(aten.mm.default, w, w)
     assert node_work(attn).attention and node_work(grad).attention and not node_work(mm).attention
