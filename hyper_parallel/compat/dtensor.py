@@ -19,6 +19,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # no
 from torch.distributed.tensor._op_schema import (  # noqa: F401
     OpSchema,
     OpStrategy,
+    OutputSharding,
     RuntimeSchemaInfo,
 )
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy  # noqa: F401
@@ -31,12 +32,16 @@ __all__ = [
     "TensorMeta",
     "OpSchema",
     "OpStrategy",
+    "OutputSharding",
     "RuntimeSchemaInfo",
     "expand_to_full_mesh_op_strategy",
     "redistribute_local_tensor",
     "compute_local_shape_and_global_offset",
     "StridedShard",
     "sharding_propagator",
+    "fresh_sharding_decision",
+    "strategy_rules_of",
+    "rank_in_mesh",
     "select_min_cost_strategy",
     "wrap_with_op_strategy",
     "redistribution_planner",
@@ -61,6 +66,27 @@ def sharding_propagator():
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def fresh_sharding_decision(op_schema):
+    """DTensor's full strategy search for ``op_schema`` (an OutputSharding), bypassing its caches
+    and any replacement ``sharding_decisions_replaced`` installed on the propagator instance."""
+    propagator = sharding_propagator()
+    return type(propagator).propagate_op_sharding_non_cached(propagator, op_schema)
+
+
+def strategy_rules_of(op) -> tuple:
+    """The rule objects DTensor's registry holds for ``op`` (strategy function, single-dim strategy,
+    propagation rule; None where absent): a decision is a function of these, so they key it."""
+    propagator = sharding_propagator()
+    return (propagator.op_strategy_funcs.get(op), propagator.op_single_dim_strategy_funcs.get(op),
+            propagator.op_to_rules.get(op))
+
+
+def rank_in_mesh(mesh) -> bool:
+    """Whether this process is one of ``mesh``'s ranks (DTensor prices no redistribution on a mesh
+    it is not part of)."""
+    return mesh._is_current_rank_part_of_mesh()
 
 
 def select_min_cost_strategy(strategy, op_schema):

@@ -70,7 +70,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from ..compat import pytree
 from .. import compat
 from ..cp import attention as cp_attention
-from . import attention_rules, elementwise_rules, fused_projections, strided_views
+from . import attention_rules, decision_cache, elementwise_rules, fused_projections, strided_views
 from ..ir import meta
 from ..layout import format_placements
 
@@ -141,13 +141,14 @@ def propagate_op(op, args_schema: tuple, kwargs_schema: dict):
     schema = compat.OpSchema(op, tuple(args_schema), dict(kwargs_schema), schema_info=info)
     if any(isinstance(v, compat.DTensorSpec) for v in kwargs_schema.values()) and op in propagator.op_strategy_funcs:
         return _select_with_tensor_kwargs(propagator, schema)
-    # The cached entry point, as eager DTensor uses it: repeated layers hit the cache. Not for the
-    # attention ops, whose strategies differ inside the propagation scope (attention_rules.py): a
-    # decision cached there must not reach eager dispatch, nor one cached outside reach propagation.
+    # Decisions kept across compiles and meshes of one shape (decision_cache.decide): repeated
+    # layers and recompiles reuse them. Not for the attention ops, whose strategies differ inside
+    # the propagation scope (attention_rules.py): a decision kept there must not reach eager
+    # dispatch, nor one kept outside reach propagation.
     if op in attention_rules.ATTENTION_OPS:
-        decide = propagator.propagate_op_sharding_non_cached
+        decide = compat.fresh_sharding_decision
     else:
-        decide = propagator.propagate_op_sharding
+        decide = decision_cache.decide
     try:
         sharding = decide(schema)
     except NoShardingRule as exc:

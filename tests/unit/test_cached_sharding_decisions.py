@@ -1,9 +1,12 @@
-"""Lowering takes DTensor's sharding decisions from its cache (``decision_cache.cached_sharding_decisions``).
+"""Lowering and propagation take DTensor's sharding decisions from a table kept for the process
+(``decision_cache.decide``, ``decision_cache.cached_sharding_decisions``).
 
 Under ``make_fx`` DTensor bypasses its per-schema cache, so lowering re-ran every op's strategy
-search; on a 2-D mesh with a sequence-sharded plan that was most of the compile. The cached
-decision must be exactly the one DTensor computes afresh: the programs are compared with the cache
-off, and a schema with a symbolic size must still be decided afresh (it cannot be hashed)."""
+search; on a 2-D mesh with a sequence-sharded plan that was most of the compile. And DTensor's own
+caches are emptied whenever a mesh is created, so every compile onto a new mesh searched again.
+A kept decision must be exactly the one DTensor computes afresh, on the mesh it is asked for: the
+programs are compared with the table off and with it filled by an earlier mesh of the same shape,
+and a schema with a symbolic size must still be decided afresh (it cannot be hashed)."""
 
 import contextlib
 
@@ -33,25 +36,38 @@ PLANS = {
 }
 
 
-def _compile(model_name, plan, names):
-    """Programs of rank 1 on a fake 2 x 2 mesh, and how often lowering found a decision cached."""
+def _compile(model_name, plan, names, forget=True):
+    """Programs of rank 1 on a fake 2 x 2 mesh, and the decision table's counts of the compile."""
+    if forget:
+        decision_cache.forget_decisions()
     with fake_world(4, 1):
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)  # clears DTensor's caches
         model = build_model(model_name, num_hidden_layers=2)
         batch = local_batch(global_batch(model_name, 4, 16, ignore_fraction=0.3), mesh)
         pmodel = compile_for_explain(model, plan, mesh, (), batch)
-        hits = compat.sharding_propagator().propagate_op_sharding.cache_info().hits
-        return [program.code for program in pmodel.compiled_programs()], hits
+        return [program.code for program in pmodel.compiled_programs()], decision_cache.decision_counts()
+
+
+def _decided_afresh(monkeypatch):
+    """Every decision searched for by DTensor: propagation's and lowering's."""
+    monkeypatch.setattr(decision_cache, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(decision_cache, "decide", compat.fresh_sharding_decision)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(PLANS))
 def test_programs_are_the_same_with_the_cache_and_without(case, monkeypatch):
-    cached, hits_cached = _compile(*PLANS[case])
-    monkeypatch.setattr(decision_cache, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
-    fresh, hits_fresh = _compile(*PLANS[case])
+    cached, counts = _compile(*PLANS[case])
+    # Propagation keeps a decision per distinct schema; its repeated layers and lowering reuse them.
+    assert counts["made"] > 0 and counts["kept"] > counts["made"], counts
+    # A second mesh of the same shape (other process groups): every decision reused, bound to it.
+    again, after = _compile(*PLANS[case], forget=False)
+    assert after["made"] == counts["made"] and after["kept"] > counts["kept"], (counts, after)
+    with monkeypatch.context() as m:
+        _decided_afresh(m)
+        fresh, _ = _compile(*PLANS[case])
     assert cached == fresh
-    assert hits_cached > hits_fresh, (hits_cached, hits_fresh)  # lowering did reuse decisions
+    assert again == fresh
 
 
 def _relu_schema(mesh, rows):
@@ -71,10 +87,11 @@ def test_symbolic_sizes_are_decided_afresh_and_concrete_ones_cached():
             assert propagator.propagate_op_sharding.cache_info().currsize == 0  # never looked up
             assert decided.output_spec.placements == (Shard(0),)
             concrete = _relu_schema(mesh, 8)
+            decision_cache.forget_decisions()
             first = propagator.propagate_op_sharding_non_cached(concrete)
             again = propagator.propagate_op_sharding_non_cached(_relu_schema(mesh, 8))
-        assert again is first
-        assert propagator.propagate_op_sharding.cache_info().hits == 1
+        assert again == first and again.output_spec.mesh is mesh
+        assert decision_cache.decision_counts() == {"kept": 1, "made": 1}
 
 
 def test_the_method_comes_back_after_nesting_and_errors():
