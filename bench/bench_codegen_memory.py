@@ -18,7 +18,7 @@ allocated inside it and alive at once, from the allocator's own events
 * *all*: everything, as a user's allocator sees it.
 
 Each is the least over the measured steps. The ratio inductor / eager is what
-``tests/distributed/test_codegen.py::test_inductor_programs_hold_no_more_than_eager`` bounds for DP
+``tests/codegen/test_codegen.py::test_inductor_programs_hold_no_more_than_eager`` bounds for DP
 and FSDP without resharding after forward.
 
 Plans (``--plans``, comma separated): ``dp``, ``tp``, ``sp``, ``cp``, ``fsdp``, ``fsdp_bf16``

@@ -12,7 +12,7 @@ shards or two sharded axes in front of DTensor's redistribution planner:
 Each plan is compiled ``--repeats`` times (default 2) both ways, alternating: as shipped, and with
 ``decision_cache.cached_sharding_decisions`` replaced by a no-op (DTensor deciding every op afresh under
 tracing, as before). It prints the seconds of each and the median ratio. The programs are the same
-either way (``tests/unit/test_cached_sharding_decisions.py``).
+either way (``tests/propagation/test_cached_sharding_decisions.py``).
 """
 
 from __future__ import annotations

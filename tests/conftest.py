@@ -12,13 +12,17 @@
 
 A test that is not marked yet creates a pool (through ``get_pool`` or a ``WorkerPool`` left open)
 fails, naming the marker to add: the fast tier never starts a pool unnoticed.
-tests/unit/test_fast_tier.py checks the marking.
+tests/testing/test_fast_tier.py checks the marking.
+
+Also ``no_process_group_leak``, for tests that simulate a mesh in this process (torch's ``fake``
+backend): they must start without a default process group and leave none behind.
 """
 
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hyper_parallel.testing import distributed as _distributed
 from hyper_parallel.testing import worker_pool as _worker_pool
@@ -39,6 +43,17 @@ def dist2():
 def dist4():
     """A 4-rank gloo WorkerPool shared by the whole session: ``dist4.run(fn, *args)``."""
     return get_pool(4)
+
+
+@pytest.fixture
+def no_process_group_leak():
+    """The test starts without a default process group and leaves none behind: ``explain`` and
+    ``fake_world`` create one for the simulated mesh and must destroy it, else later tests of this
+    process would run on it."""
+    if dist.is_initialized():
+        pytest.fail("a default process group is already initialised in this process: an earlier test leaked it")
+    yield
+    assert not dist.is_initialized(), "the test left its fake process group behind"
 
 
 def uses_pool_fixture(item) -> bool:

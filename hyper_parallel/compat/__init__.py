@@ -2,7 +2,7 @@
 subsystem.
 
 A torch upgrade that moves or renames one of these names is fixed here only; the rest of the
-package imports them from ``hyper_parallel.compat`` (tests/unit/test_imports.py enforces it).
+package imports them from ``hyper_parallel.compat`` (tests/package/test_imports.py enforces it).
 Anything imported here is an implementation detail of torch that the compiler relies on: the
 joint-graph export with descriptors (``export``), fake tensors and symbolic shapes
 (``fake_tensor``), DTensor's sharding-strategy registry (our rule database), specs and local

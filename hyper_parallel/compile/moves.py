@@ -19,7 +19,7 @@ exactly DTensor's values, sizes and collectives:
 
 A mesh axis of one rank changes nothing (DTensor skips it too: its part is the whole tensor, its
 partial sum the sum): :func:`move` drops such changes first. Without that a one-rank FSDP axis
-cloned every gradient, 7 GB more at the reserved peak of tests/unit/test_allocator_model.py's
+cloned every gradient, 7 GB more at the reserved peak of tests/analysis/test_allocator_model.py's
 Llama 3 8B shape, whose H200 measurement caught it. A step that changes several axes, nests shards
 on one dim or uses ``_StridedShard`` goes to DTensor unchanged. Partial(avg) was made a sum by the caller (compile/lower.py)."""
 

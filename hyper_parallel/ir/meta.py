@@ -1,7 +1,7 @@
 """The ``node.meta`` keys hyper_parallel writes on graph nodes: the graph contract between stages.
 
 Every key a stage writes and a later stage (or a dump) reads is named here once; code elsewhere
-uses these constants, never the spelled-out string (``tests/unit/test_imports.py`` checks). Each
+uses these constants, never the spelled-out string (``tests/package/test_imports.py`` checks). Each
 entry says who writes it and what its value is. The values are the strings the dumps show, so
 renaming a constant's value changes every dump.
 """

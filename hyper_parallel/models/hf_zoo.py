@@ -4,7 +4,7 @@
 ``transformers`` model class (vocabulary 256, hidden 64, 2 layers, 4 heads, 2 key/value heads where
 the architecture has grouped-query attention, FFN width 128, MoE with 4 experts top-2, dropout 0,
 ``use_cache=False``, SDPA attention where the class supports it), in train mode, its weights
-depending only on ``seed``. These are the models ``tests/distributed/test_hf_models.py`` checks at
+depending only on ``seed``. These are the models ``tests/end_to_end/test_hf_models.py`` checks at
 single-device parity (README, "Verified models").
 
 ``hf_fsdp_plan(arch)`` gives the ``fully_shard`` plan with each decoder / encoder layer as a unit

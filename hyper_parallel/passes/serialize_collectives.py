@@ -23,7 +23,7 @@ run, 2026-11-29): a 2-rank test worker, alive through hundreds of tests, aborted
 the heap had been corrupted earlier in that process. Not reproduced: 21 of 21 runs of the stress
 below (depth 2, 3 at once), 1,800 FSDP steps of the failing test's model in the pool, raw gloo
 patterns (two collectives of one group in flight, bf16, send/recv beside a collective: 24,000 pairs)
-and all of tests/distributed under glibc's malloc checks (``glibc.malloc.check=3``) found nothing.
+and all of the pool tests under glibc's malloc checks (``glibc.malloc.check=3``) found nothing.
 Pool and stress workers now print every thread's C++ stack on a fatal signal
 (``compat.print_native_stacks_on_fatal_signal``), so the next one shows what every thread was
 doing (gloo's included) when glibc noticed.

@@ -89,7 +89,7 @@ def _copy_gradients(copy_: torch.nn.Module, run: Callable[[torch.nn.Module], Any
 # device's own error. Each rank rounds its partial gradient to bf16 before the fp32 reduction where
 # one device rounds the whole sum once, so the roundings of several partials add up: measured 0.5-1.0x
 # under Inductor on 2-rank FSDP, up to 2.2-2.7x on eager 2- and 4-rank FSDP, FSDP x TP and LoRA
-# plans. A gradient 3% off (a wrong token count) still fails 4x (tests/unit/test_bf16_gradient_bound.py).
+# plans. A gradient 3% off (a wrong token count) still fails 4x (tests/testing/test_bf16_gradient_bound.py).
 DEVICE_ERRORS_ALLOWED = 4
 BF16_EPS = 2.0 ** -8  # bf16's relative rounding step (8 significant bits)
 

@@ -4,7 +4,7 @@ leaves rank 0 out (not a power of two, not starting at 0), by all-gather (what g
 use) and by recursive doubling (larger groups), in at most the rounds each is priced at, blocking and with its later rounds on the agreement thread
 while the caller computes; one rank's other
 digest or problem is an AgreementError on every rank that names both sides. The schedule alone is
-tests/unit/test_host_reduce.py."""
+tests/distributed/test_host_reduce.py."""
 
 import torch
 import torch.distributed as dist

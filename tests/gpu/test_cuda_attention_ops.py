@@ -1,6 +1,6 @@
 """The GPU SDPA kernel families' block interface (cp/attention_ops.py) on the real kernels.
 
-CI checks it on CPU through emulated kernels (tests/unit/test_attention_ops.py); the real kernels
+CI checks it on CPU through emulated kernels (tests/cp/test_attention_ops.py); the real kernels
 decide what the emulation can only mirror: the efficient kernel's padded log-sum-exp, cuDNN's
 ``[B, H, S, 1]`` one, flash's arguments and RNG state, their mask alignment. Each family computes a
 sequence in two chunks as ring attention on two ranks would and must match the math kernel on the

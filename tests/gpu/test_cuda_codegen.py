@@ -2,7 +2,7 @@
 numbers as the eager model's.
 
 Skipped without CUDA (CI has none; the CPU path, with the collective-order checks on two ranks, is
-tests/distributed/test_codegen.py); run on a lent GPU with ``python -m pytest tests/gpu``. One
+tests/codegen/test_codegen.py); run on a lent GPU with ``python -m pytest tests/gpu``. One
 process, one rank, NCCL: on a mesh of one the FSDP plan compiles to programs without collectives
 (a degree-1 axis needs none), so what these tests show is the GPU code generation and its numbers.
 
@@ -47,7 +47,7 @@ def _fsdp(master, mesh, mixed_precision: bool, dump_dir: str):
 def test_fsdp_fp32_parity_and_triton_kernels(mesh, tmp_path, model_name):
     if model_name == "hf_llama":
         pytest.importorskip("transformers")
-        if torch.__version__ < "2.13":  # see tests/unit/test_attention_rules.py
+        if torch.__version__ < "2.13":  # see tests/propagation/test_attention_rules.py
             pytest.skip("torch < 2.13: DTensor cannot shard the efficient-attention backward with a mask")
     master = build_model(model_name, **MODEL).to(DEVICE)
     model = _fsdp(master, mesh, False, str(tmp_path))

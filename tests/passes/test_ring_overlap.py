@@ -1,7 +1,7 @@
 """ring_overlap: for AsyncContextParallel, each ring-attention transfer's wait moves past the
 current block's attention to the node that first reads the received block; sync ring plans and
 other collectives are left alone; the issue order does not change; a second run changes nothing.
-Numerics with the pass on and off: tests/distributed/test_context_parallel.py."""
+Numerics with the pass on and off: tests/cp/test_context_parallel.py."""
 
 import torch
 

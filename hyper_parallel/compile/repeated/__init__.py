@@ -7,7 +7,7 @@ run through every transformer block although each gives the same graph up to ren
 list cut to its first two blocks, then writes blocks 2 .. N-1 into the joint graph as copies of
 block 1. The result is the joint graph a trace of all N blocks gives: the same nodes in the same
 order, module stacks, source lines and autograd sequence order, named as a fresh trace numbers them
-(``tests/unit/test_repeated_blocks.py`` compares the two node by node, and the compiled dumps byte
+(``tests/compile/test_repeated_blocks.py`` compares the two node by node, and the compiled dumps byte
 for byte). The same instantiation writes out the two-block graph after propagation and after
 lowering, with the checks that concern layouts and lowered nodes added.
 

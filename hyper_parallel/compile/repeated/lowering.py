@@ -17,7 +17,7 @@ both their results are written out for every block with the same machinery
 * the propagation report, read back from the copied graph's nodes.
 
 The result is what the same steps give on the full joint graph: the dumps, from the rewrites to the
-partitioned programs, are the same files (``tests/unit/test_repeated_blocks.py``). Where a check
+partitioned programs, are the same files (``tests/compile/test_repeated_blocks.py``). Where a check
 fails (block 0 and 1 lowered differently, a gradient accumulated over micro-steps, context
 parallelism's ring transfers, which name their attention node) the steps run on the full graph, as
 without copying, and the INFO log says why.

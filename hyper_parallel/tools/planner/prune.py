@@ -3,7 +3,7 @@
 Each check returns the reason a user reads in ``ranked`` (``"heads not divisible by tp"``, ``"OOM:
 the model state alone needs 9.1 GiB per rank"``) or None. They are sound: a configuration they
 reject cannot run (ParallelDims' own validation, the batch split, the pipeline's stages) or cannot
-fit (:func:`memory_lower_bound` is at most the compiled estimate's peak: tests/unit/test_auto_plan.py
+fit (:func:`memory_lower_bound` is at most the compiled estimate's peak: tests/tools/test_auto_plan.py
 compiles candidates of every kind to check).
 
 Reads: the degrees, the model config's fields, the parameter count, the batch, dtype and
@@ -80,7 +80,7 @@ def activation_lower_bound(fields: Mapping[str, Any], candidate: Candidate, seq_
     3 ffn``, the MLP left out for experts). Tokens: the local batch's over ``cp``; with a pipeline
     the first rank holds at least min(pp, micro-batches) micro-batches of each of its stages' layers.
     The compiled estimates hold more (26 h and 11.5 h per layer and token for Llama 3 8B without
-    and with selective recompute, 1.0 h with full: tests/unit/test_auto_plan.py checks the bound
+    and with selective recompute, 1.0 h with full: tests/tools/test_auto_plan.py checks the bound
     against compiles of each kind)."""
     h = int(fields["hidden_size"])
     layers = int(fields.get("num_hidden_layers", 1))

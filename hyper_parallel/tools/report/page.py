@@ -104,7 +104,7 @@ BODY = """
 </main>
 """
 
-# Runs first: records uncaught errors where a headless check (tests/unit/test_report.py) reads them.
+# Runs first: records uncaught errors where a headless check (tests/tools/test_report.py) reads them.
 ERROR_HOOK = """
 window.__hpErrors = [];
 window.addEventListener("error", function (e) {

@@ -4,7 +4,7 @@ headless Chromium (no console messages, every section built, hover / search / ex
 One compile of a 2-layer Llama with FSDP + TP on a 4-rank mesh of torch's fake process-group
 backend (one process plays rank 0, nothing runs) writes the dump. (That the new dump files are
 byte-identical across compiles is checked with every other dump file by
-tests/distributed/test_compile.py.) The Chromium checks skip when no Chromium binary is found,
+tests/compile/test_compile.py.) The Chromium checks skip when no Chromium binary is found,
 except under CI (``CI`` set), where ``.ci/run`` installs it and its absence is a failure.
 """
 

@@ -19,8 +19,9 @@ from hyper_parallel.testing import distributed as _distributed
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# Measured on tests/distributed + tests/passes (the folders with pool tests) when this was written:
-# 134 tests in the fast tier, 428 in the pool tier; the bounds leave room for tests to come and go.
+# Measured when this was written, on tests/distributed + tests/passes (then the only folders with pool
+# tests; the fixture below now collects all of tests/, whose folders follow the packages): 134 tests
+# in the fast tier, 428 in the pool tier; the bounds leave room for tests to come and go.
 MIN_FAST, MIN_POOL = 120, 380
 
 # Collects ARGS with -m "not pool" and prints, for the kept and for the deselected tests, their node
@@ -58,7 +59,7 @@ print("@@" + json.dumps({"rc": int(rc), "kept": rec.kept, "deselected": rec.dese
 
 @pytest.fixture(scope="module")
 def tiers():
-    proc = subprocess.run([sys.executable, "-c", COLLECT, "tests/distributed", "tests/passes"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", COLLECT, "tests"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -87,14 +88,14 @@ def test_the_pool_tier_is_what_was_deselected(tiers):
     # one of each way of using a pool: a session fixture, a fixture over it, a module's dist1,
     # getfixturevalue, a WorkerPool of its own, get_pool in the body, torchrun, a module pytestmark
     for expected in [
-        "tests/distributed/test_pipeline.py::test_loss_fn_and_targets",
+        "tests/pipeline/test_pipeline.py::test_loss_fn_and_targets",
         "tests/distributed/test_eager_dtensor.py::test_distribute_from_local_redistribute_give_the_manual_slices",
         "tests/passes/test_pipeline_split.py::",
-        "tests/distributed/test_state_dict.py::test_get_model_state_dict_matrix[",
-        "tests/distributed/test_faults.py::test_stuck_peer_times_out_naming_program_collective_and_call",
-        "tests/distributed/test_pipeline.py::test_interleaved_two_stages_on_one_rank",
-        "tests/distributed/test_readme_example.py::test_readme_example_trains_at_one_device_parity",
-        "tests/distributed/test_harness.py::test_timeout_kills_and_recovers",
+        "tests/checkpoints/test_state_dict.py::test_get_model_state_dict_matrix[",
+        "tests/runtime/test_faults.py::test_stuck_peer_times_out_naming_program_collective_and_call",
+        "tests/pipeline/test_pipeline.py::test_interleaved_two_stages_on_one_rank",
+        "tests/end_to_end/test_readme_example.py::test_readme_example_trains_at_one_device_parity",
+        "tests/testing/test_harness.py::test_timeout_kills_and_recovers",
     ]:
         assert any(i == expected or (expected.endswith(("::", "[")) and i.startswith(expected)) for i in ids), expected
     assert len(tiers["deselected"]) >= MIN_POOL, len(tiers["deselected"])
@@ -103,8 +104,8 @@ def test_the_pool_tier_is_what_was_deselected(tiers):
 def test_the_fast_tier_keeps_the_tests_without_processes(tiers):
     ids = {t["id"] for t in tiers["kept"]}
     # tests next to pool tests in their module stay (test_faults.py, test_backend.py hold both)
-    assert "tests/distributed/test_faults.py::test_dump_dir_must_be_writable" in ids
-    assert any(i.startswith("tests/distributed/test_backend.py::test_bad_options[") for i in ids)
+    assert "tests/runtime/test_faults.py::test_dump_dir_must_be_writable" in ids
+    assert any(i.startswith("tests/backend/test_backend.py::test_bad_options[") for i in ids)
     assert len(ids) >= MIN_FAST, len(ids)
 
 

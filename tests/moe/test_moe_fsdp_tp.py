@@ -8,7 +8,7 @@ shards are all-reduced over tp after FSDP's reduce-scatter, and ``shared_expert_
 one row for two dp ranks, so dp rank 1 holds an empty shard: that all-reduce has 224 elements in
 the tp group of ranks (0, 1) and 160 in that of (2, 3). The check compared the two groups, which
 never meet; it now compares each group's sequence among its members only (distributed/spmd.py,
-tests/unit/test_spmd_check.py). The routing is not part of the program: transformers' grouped
+tests/distributed/test_spmd_check.py). The routing is not part of the program: transformers' grouped
 experts sort all T x k routed rows by expert, a size fixed by the batch, so one program serves every
 routing (checked here: the dp groups route different numbers of tokens to each expert, and the
 counts change from step to step, with one compiled program)."""

@@ -1,7 +1,7 @@
 """Zero-bubble (ZB-H1): ``runtime/partition.py:split_backward`` cuts a backward program into an
 input-gradient program I and a weight-gradient program W, checked numerically against the unsplit
-program. The executor runs them (``tests/distributed/test_pipeline_zero_bubble.py``); the schedule
-itself is tested in ``tests/unit/test_pipeline_schedules.py``.
+program. The executor runs them (``tests/pipeline/test_pipeline_zero_bubble.py``); the schedule
+itself is tested in ``tests/pipeline/test_pipeline_schedules.py``.
 """
 
 import pytest

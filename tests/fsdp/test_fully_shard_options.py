@@ -2,7 +2,7 @@
 stored on dim 1 (``shard_placement_fn``), one unit over two modules, ``ignored_params``, per-unit
 mixed precision with the casts at unit boundaries, ``mesh=`` sub-meshes (FSDP and 2-D HSDP), the
 FSDP2 switches on non-root units (``set_reduce_scatter_divide_factor``, ``recurse=``), and the
-errors for what is refused. Resolution-only checks: tests/unit/test_fully_shard_option_resolution.py."""
+errors for what is refused. Resolution-only checks: tests/fsdp/test_fully_shard_option_resolution.py."""
 
 import copy
 

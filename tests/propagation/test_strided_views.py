@@ -58,7 +58,7 @@ def test_views_it_cannot_describe_are_left_alone():
 
 @pytest.mark.parametrize("mesh_shape,rows,refused", [
     ((2, 4), 2, True),   # one sequence per dp rank over cp=4: DTensor refuses, this module decides
-    ((1, 4), 2, True),   # the 4-rank configuration tests/distributed/test_context_parallel.py trains
+    ((1, 4), 2, True),   # the 4-rank configuration tests/cp/test_context_parallel.py trains
     ((2, 2), 2, False),  # as many cp ranks as rows: DTensor's own rule
 ])
 def test_where_dtensor_refuses_the_unflatten(mesh_shape, rows, refused):

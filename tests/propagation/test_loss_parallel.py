@@ -246,7 +246,7 @@ def test_reductions_class_weights_and_ignore_index(dist2):
 
 def mixed_precision_fsdp_tp(steps: int = 2) -> dict:
     """FSDP (bf16 parameters, fp32 reduction) x loss-parallel TP on a 2x2 mesh, against one device
-    doing the same casts (as tests/distributed/test_fsdp.py's mixed-precision test): bf16 rounds
+    doing the same casts (as tests/fsdp/test_fsdp.py's mixed-precision test): bf16 rounds
     at different points, so the tolerances are bf16's."""
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     master = build_model("llama", num_hidden_layers=2)

@@ -260,7 +260,7 @@ def test_fewer_sequences_than_cp_ranks(dist4):
     ("dp", "cp") mesh: DTensor's view rule refuses to turn the [batch * sequence] rows back into
     [batch, sequence] there, propagation/strided_views.py decides it. dp=1 keeps it on 4 ranks:
     DTensor refuses the same views as at dp=2 x cp=4 with one sequence per data-parallel rank
-    (checked in tests/unit/test_strided_views.py), and the local views are the same kernel."""
+    (checked in tests/propagation/test_strided_views.py), and the local views are the same kernel."""
     dist4.run(run_parity, "llama", _plan("ring"), (1, 4), ("dp", "cp"), batch=2, steps=2, ignore_fraction=0.3,
               model_overrides={"num_hidden_layers": 1})
 

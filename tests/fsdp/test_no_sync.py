@@ -105,7 +105,7 @@ def test_no_sync_skips_data_parallel_reductions(dist4, mixed_precision):
 
 
 # transformers' Mixtral with its router's auxiliary loss, through grouped experts (as
-# tests/distributed/test_expert_parallel.py runs it).
+# tests/moe/test_expert_parallel.py runs it).
 HF_MOE = {"experts_implementation": "batched_mm", "output_router_logits": True, "router_aux_loss_coef": 0.01}
 
 

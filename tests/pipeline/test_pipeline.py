@@ -102,7 +102,7 @@ def test_vocab_parallel_loss_in_the_last_stage(dist4):
     gradients. The loss, forward and backward, is the last stage's: its per-token max and exp-sum
     all-reduces over tp are in that stage's forward, none in the first stage's. (With FSDP on a
     third axis this split used to fail, the loss's backward placed in stage 0:
-    tests/unit/test_explain_pipeline.py checks that on 8 fake ranks.)"""
+    tests/tools/test_explain_pipeline.py checks that on 8 fake ranks.)"""
     plan = {**llama_tp_plan(sequence_parallel=True, loss_parallel=True),
             "pipeline": _pipeline(["model.layers.1"], "1F1B", 2)}
     results = dist4.run(run_pipeline_parity, plan, (2, 2), ("pp", "tp"), num_layers=2)

@@ -1,7 +1,7 @@
 """Schedule objects without processes: CustomSchedule (hand-written MetaStep lists) and its checks,
 MetaStep.from_str, BatchDimSpec and the micro-batch split along another dim.
 
-The end-to-end runs (parity with one device) are in tests/distributed/test_pipeline_custom_schedule.py.
+The end-to-end runs (parity with one device) are in tests/pipeline/test_pipeline_custom_schedule.py.
 """
 
 import itertools

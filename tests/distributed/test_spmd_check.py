@@ -3,8 +3,8 @@ four ranks on a ("dp", "tp") mesh of (2, 2): ranks (0, 1) and (2, 3) are the tp 
 (1, 3) the dp groups. What must agree is compared, and only that: each group's sequence, sizes
 included, among its members; the whole sequence without sizes among all ranks. Every mismatch
 names the node of each side and what it serves, for every collective kind. The multi-process path
-(the exchange itself) runs in tests/distributed/test_compile.py (a rank-dependent program) and
-tests/distributed/test_moe_fsdp_tp.py (sizes that differ between data-parallel groups)."""
+(the exchange itself) runs in tests/compile/test_compile.py (a rank-dependent program) and
+tests/moe/test_moe_fsdp_tp.py (sizes that differ between data-parallel groups)."""
 
 import pytest
 

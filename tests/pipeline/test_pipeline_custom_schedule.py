@@ -5,7 +5,7 @@ executor as the built-in schedules; ``PipelinePlan(batch_dims={name: BatchDimSpe
 an input's micro-batches along dim ``d``. On the example Llama with 2 stages (2 layers, the cut at
 the second), 2 pp ranks: every case trains SGD steps and checks the loss and every gradient of this
 rank's stages against one device on the whole batch. The plans' validation errors are unit tests
-(tests/unit/test_pipeline_schedule_objects.py).
+(tests/pipeline/test_pipeline_schedule_objects.py).
 """
 
 import copy

@@ -1,7 +1,7 @@
 """The progress lines' default visibility (``HYPER_PARALLEL_LOG``), in a fresh interpreter: a
 handler at INFO on the ``hyper_parallel`` logger unless the application configured logging or the
 environment asks for quiet; a bad value is refused naming the choices. (The lines themselves:
-tests/distributed/test_progress_and_recompiles.py.)"""
+tests/runtime/test_progress_and_recompiles.py.)"""
 
 import os
 import subprocess

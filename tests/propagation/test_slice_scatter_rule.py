@@ -5,7 +5,7 @@ DTensor's rule follows the input's layout only, so a buffer filled slice by slic
 labels, DeepSeek-V3's key with its shared RoPE part) gathered its source: under data parallelism an
 all-gather of activations in every layer, which the plan-boundary warning does not report on batch
 axes. Propagation runs on a fake mesh here; the models' parity is in
-tests/distributed/test_hf_models.py."""
+tests/end_to_end/test_hf_models.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Without a rule an op runs replicated: under data parallelism its operands were all-gathered over
 the batch in every layer (GPT-OSS's experts' backward: 16 all-gathers per step of the tiny model).
 Propagation here runs on a fake mesh of two; the parity of the models that need the rules is in
-tests/distributed/test_hf_models.py (GPT-OSS, Qwen3-Next, T5, DeepSeek-V3, Falcon without any op
+tests/end_to_end/test_hf_models.py (GPT-OSS, Qwen3-Next, T5, DeepSeek-V3, Falcon without any op
 running replicated)."""
 
 from __future__ import annotations

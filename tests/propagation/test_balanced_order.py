@@ -1,6 +1,6 @@
 """propagation/balanced_order.py: which rule choices would shard, on the cp axis, a dim the
 load-balanced order cannot permute (the labels' shift under FSDP x cp at many tokens per rank, run
-end to end in tests/distributed/test_context_parallel.py), and what the engine decides instead."""
+end to end in tests/cp/test_context_parallel.py), and what the engine decides instead."""
 
 import torch
 from torch.distributed.tensor import Replicate, Shard

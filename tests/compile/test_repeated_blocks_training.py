@@ -1,7 +1,7 @@
 """``repeated_blocks`` in training (issue 20): a transformers Llama whose capture traced two of its
 three blocks and copied the third trains like one device, under FSDP with bf16 parameters and fp32
 reduction and labels padded so the two ranks count different numbers of tokens.
-tests/unit/test_repeated_blocks.py checks the copied graph against the trace of every block."""
+tests/compile/test_repeated_blocks.py checks the copied graph against the trace of every block."""
 
 import contextlib
 import copy

@@ -1,6 +1,6 @@
 """``hp.fully_shard`` / ``FullyShard`` options resolved without a process group: each option is
 honoured in the resolved plan (units, storage placements, per-unit policies) or refused with the
-reason. Numerics are checked in tests/distributed/test_fully_shard_options.py."""
+reason. Numerics are checked in tests/fsdp/test_fully_shard_options.py."""
 
 import inspect
 import types
