@@ -40,34 +40,39 @@ def _compile(model_name, plan, names, forget=True):
     """Programs of rank 1 on a fake 2 x 2 mesh, and the decision table's counts of the compile."""
     if forget:
         decision_cache.forget_decisions()
+    before = decision_cache.decision_counts()
     with fake_world(4, 1):
         mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=names)  # clears DTensor's caches
         model = build_model(model_name, num_hidden_layers=2)
         batch = local_batch(global_batch(model_name, 4, 16, ignore_fraction=0.3), mesh)
         pmodel = compile_for_explain(model, plan, mesh, (), batch)
-        return [program.code for program in pmodel.compiled_programs()], decision_cache.decision_counts()
+        after = decision_cache.decision_counts()
+        return [program.code for program in pmodel.compiled_programs()], {k: after[k] - before[k] for k in after}
 
 
-def _decided_afresh(monkeypatch):
-    """Every decision searched for by DTensor: propagation's and lowering's."""
-    monkeypatch.setattr(decision_cache, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
-    monkeypatch.setattr(decision_cache, "decide", compat.fresh_sharding_decision)
+class _WriteOnly(dict):
+    """A decision table that keeps what is made but never hands it out: every decision afresh."""
+
+    def get(self, key, default=None):
+        return default
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(PLANS))
 def test_programs_are_the_same_with_the_cache_and_without(case, monkeypatch):
-    cached, counts = _compile(*PLANS[case])
-    # Propagation keeps a decision per distinct schema; its repeated layers and lowering reuse them.
-    assert counts["made"] > 0 and counts["kept"] > counts["made"], counts
-    # A second mesh of the same shape (other process groups): every decision reused, bound to it.
-    again, after = _compile(*PLANS[case], forget=False)
-    assert after["made"] == counts["made"] and after["kept"] > counts["kept"], (counts, after)
+    # Every decision DTensor's own (propagation's kept, never reused; lowering's not looked up).
     with monkeypatch.context() as m:
-        _decided_afresh(m)
+        m.setattr(decision_cache, "cached_sharding_decisions", lambda *a, **k: contextlib.nullcontext())
+        m.setattr(decision_cache, "_decisions", _WriteOnly())
         fresh, _ = _compile(*PLANS[case])
-    assert cached == fresh
+        kept = dict(decision_cache._decisions)
+    # On a second mesh of the same shape (other process groups), propagation reuses every decision
+    # made on the first, bound to this one; lowering reuses them and those it made itself.
+    monkeypatch.setattr(decision_cache, "_decisions", kept)
+    again, counts = _compile(*PLANS[case], forget=False)
+    assert counts["made"] < counts["kept"], counts
     assert again == fresh
+    assert len(kept) > counts["made"], (len(kept), counts)  # most were made on the first mesh
 
 
 def _relu_schema(mesh, rows):

@@ -160,6 +160,29 @@ def test_the_analytic_estimate_orders_as_the_costs_it_models():
     assert 1.0 < est(dp_shard=8, local_batch=2, recompute="selective") < 1.9
 
 
+def test_attention_scores_are_priced_at_the_attention_rate():
+    """The analytic estimate prices causal attention's scores and values (and their recompute) at
+    the profile's attention efficiency, everything else at its matmul efficiency: halving the
+    attention rate adds exactly the scores' time at the old rate, and selective recompute costs one
+    more forward of the scores whatever the rate."""
+    from hyper_parallel.tools import presets
+
+    _, fields = presets.load_model_config("llama3-8b")
+    h100 = get_profile("h100")
+    slow = dataclasses.replace(h100, attention_efficiency=h100.compute_efficiency(attention=True) / 2)
+    seq, layers, q_width = 8192, int(fields["num_hidden_layers"]), int(fields["num_attention_heads"]) * int(
+        fields.get("head_dim") or int(fields["hidden_size"]) // int(fields["num_attention_heads"]))
+
+    def est(profile, **kw):
+        return analytic_step_s(Candidate(dp_shard=8, local_batch=1, **kw), fields, profile, seq_len=seq, dtype="bf16")
+
+    rate = h100.flops_per_s("bf16") * h100.compute_efficiency(attention=True)
+    scores_forward = seq * layers * 2 * q_width * seq  # FLOPs of one forward of the scores, this rank
+    assert est(slow) - est(h100) == pytest.approx(3 * scores_forward / rate, rel=1e-9)
+    assert est(h100, recompute="selective") - est(h100) == pytest.approx(scores_forward / rate, rel=1e-9)
+    assert est(slow, recompute="selective") - est(slow) == pytest.approx(2 * scores_forward / rate, rel=1e-9)
+
+
 def test_include_entries_are_checked():
     for spec, error in (({"tq": 2}, "unknown keys \\['tq'\\]"), ({"tp": 3}, "multiply to 6, not the world size 8"),
                         ({"dp_shard": 8, "tp": 2}, "multiply to 16"), ({"recompute": "most"}, "recompute is one of"),

@@ -9,9 +9,9 @@ every prediction ``auto_plan`` reports, and the choice, come from the compiled p
 The estimate, per rank and step (``h`` hidden size, ``L`` layers, tokens the rank computes):
 
 * compute: the matmul FLOPs of a decoder (attention projections, MLP or the routed experts'
-  share, the LM head; causal attention's scores), 3x for forward and backward, one more forward
-  of the layers with full recompute (selective: of attention's scores), at the profile's
-  achievable peak;
+  share, the LM head), 3x for forward and backward, one more forward of the layers with full
+  recompute, at the profile's achievable matmul rate; causal attention's scores and values (and
+  their recompute under selective or full) at its attention rate;
 * pipeline bubble: 1F1B keeps ``(pp - 1) / (m + pp - 1)`` of the step idle, interleaving with
   ``v`` stages per rank ``(pp - 1) / (v m + pp - 1)``;
 * tensor parallelism: per layer and step two all-gathers and two reduce-scatters of the layer's
@@ -70,11 +70,18 @@ def analytic_step_s(candidate: Candidate, fields: Mapping[str, Any], profile: Ha
     tokens = c.local_batch * seq_len // c.cp  # what one data-parallel rank's tp group computes per step
     # Per token and layer, forward: 2 FLOPs per weight, and causal attention's scores and values
     # (2 matmuls of the sequence by itself, half of them masked) over this rank's cp share.
-    layer_forward = 2 * (attention + mlp) + 2 * q_width * seq_len / c.cp
+    # The two run different kernels: projections at the matmul rate, the fused attention kernel
+    # (scores and values) at the profile's attention rate (on the CPU about 0.6 of the matmul's).
+    dense_forward = 2 * (attention + mlp)
+    scores_forward = 2 * q_width * seq_len / c.cp
     head_forward = 2 * h * int(fields.get("vocab_size", 0))
-    recompute = {"none": 0.0, "selective": 2 * q_width * seq_len / c.cp, "full": layer_forward}[c.recompute]
-    flops = tokens * (layers * (3 * layer_forward + recompute) + 3 * head_forward) / (c.tp * c.pp)
-    compute = flops / (profile.flops_per_s(dtype) * profile.matmul_efficiency)
+    dense_again = dense_forward if c.recompute == "full" else 0.0
+    scores_again = 0.0 if c.recompute == "none" else scores_forward
+    per_rank = tokens / (c.tp * c.pp)
+    dense = per_rank * (layers * (3 * dense_forward + dense_again) + 3 * head_forward)
+    scores = per_rank * layers * (3 * scores_forward + scores_again)
+    peak = profile.flops_per_s(dtype)
+    compute = dense / (peak * profile.matmul_efficiency) + scores / (peak * profile.compute_efficiency(attention=True))
     if c.pp > 1:
         virtual = c.stages_per_rank or 1
         compute /= 1 - (c.pp - 1) / (virtual * c.micro_batches + c.pp - 1)
