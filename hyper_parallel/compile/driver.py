@@ -8,7 +8,8 @@
 dumps → codegen, which the pipeline path runs once per stage and variant) with the SPMD check and
 the summary. Every function takes a frozen ``compile.request.CompileRequest`` (what
 the module's run-time state or a planner asks for) and returns what it built: nothing here changes
-the module's run-time state or keeps state between calls. What the capture read of the module
+the module's run-time state or keeps state between calls (a caller's ``reusing_lowerings`` scope
+keeps lowerings for the compiles inside it: compile/lowering_reuse.py). What the capture read of the module
 (its attribute reads, which guard later calls) comes back in ``Lowered.reads`` /
 ``CompiledEntry.reads`` for the caller to record.
 """
@@ -33,6 +34,7 @@ from ..cp.check import check_attention_stays_sharded
 from .. import compat
 from ..ir.graph import CapturedGraph, flat_paths, module_fqn_of
 from .gc_freeze import older_objects_frozen
+from . import lowering_reuse
 from .repeated import capture_blocks_once, lower_blocks_once
 from ..analysis.debug import Dumper, collective_summary, group_axis_names, layout_table
 from .lower import lower
@@ -179,10 +181,27 @@ def capture_and_lower(
     progress: Progress | None = None,
 ) -> Lowered:
     """``wrap_forward``: a context manager factory that changes what the module's forward returns
-    while it is captured (the pipeline's loss). ``progress``: where each phase's seconds go (the
+    while it is captured (the pipeline's loss). Inside a ``lowering_reuse.reusing_lowerings``
+    scope a lowering whose inputs match an earlier one's is a copy of it (compile/lowering_reuse.py). ``progress``: where each phase's seconds go (the
     rank-0 progress lines), or None. The module runs as ``request.original_cls`` while captured,
     on fake parameters; on return it is as it was."""
     progress = progress or Progress(f"compile {request.model_name}", enabled=False)
+    # Inside the planner's reuse scope a compile whose capture, propagation and lowering would be
+    # another's (a recompute mode of the same configuration) takes a copy of that one's.
+    reuse = lowering_reuse.active_reuse() if wrap_forward is None and not dumper.dir else None
+    reuse_key = reuse.key_for(module, request, flat, pytree.tree_flatten((args, kwargs))[1]) if reuse else None
+    if reuse is not None:
+        kept = reuse.get(reuse_key)
+        if kept is not None:
+            progress.record("capture", 0.0, "lowering reused")
+            return kept
+    lowered = _capture_and_lower(module, request, args, kwargs, flat, dumper, wrap_forward, progress)
+    if reuse is not None:
+        reuse.put(reuse_key, lowered)
+    return lowered
+
+
+def _capture_and_lower(module, request, args, kwargs, flat, dumper, wrap_forward, progress) -> Lowered:
     mesh = request.mesh
     resolved_plan = request.resolved
     # DTensor's cached decisions hold the mesh they were made for and match any equal mesh.

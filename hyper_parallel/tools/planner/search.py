@@ -32,6 +32,7 @@ from ...analysis.memory import format_bytes
 from ...cost.hardware import HardwareProfile, get_profile
 from ...progress import enable_default_logging
 from .. import presets
+from ...compile.lowering_reuse import reusing_lowerings
 from .estimate import analytic_step_s, expected_peak_bytes
 from .prune import batch_problem, dims_problem, memory_problem, plan_problem
 from .result import NOT_COMPILED_BUDGET, NOT_COMPILED_RECOMPUTE, Choice, PlanContext, Ranked
@@ -193,14 +194,19 @@ def auto_plan(
 
     passed_over_set: set = set()
     ladders = list(to_compile)
-    while ladders:  # the most promising ladder by the calibrated expectations, one at a time
-        modes = min(ladders, key=ladder_key)
-        ladders.remove(modes)
-        for i, candidate in enumerate(modes):
-            try_compile(candidate, passing=i < len(modes) - 1)
-    passed_over_set.update(passed_over)
-    for candidate in sorted(passed_over, key=lambda c: (calibrated_estimate(c), c.describe())):
-        try_compile(candidate, passing=False)
+    # A configuration's recompute modes share their capture, propagation and lowering (recompute
+    # is a pass): compiled inside one reuse scope, the second and third mode run the passes only.
+    with reusing_lowerings() as reuse:
+        while ladders:  # the most promising ladder by the calibrated expectations, one at a time
+            modes = min(ladders, key=ladder_key)
+            ladders.remove(modes)
+            for i, candidate in enumerate(modes):
+                try_compile(candidate, passing=i < len(modes) - 1)
+        passed_over_set.update(passed_over)
+        for candidate in sorted(passed_over, key=lambda c: (calibrated_estimate(c), c.describe())):
+            try_compile(candidate, passing=False)
+    log.info("auto_plan: %d lowering(s) made, %d reused by another recompute mode (pipelined candidates lower "
+             "their stages apart)", reuse.lowered_count, reuse.reused)
     fitting = sorted((r for r in ranked if r.rejected is None),
                      key=lambda r: (r.predicted["step_s"], r.candidate.describe()))
     rejected = [r for r in ranked if r.rejected is not None]
