@@ -112,12 +112,12 @@ def decide(op_schema):
     if entry is not None:
         _counts["kept"] += 1
     else:
-        _counts["made"] += 1
         decision = compat.fresh_sharding_decision(op_schema)
         try:
             kept = _unbind(decision, mesh)
         except _NotKept:
             return decision
+        _counts["made"] += 1
         if len(_decisions) >= MAX_KEPT_DECISIONS:
             _decisions.clear()
         # The rules are keyed by identity (some are unhashable) and held by the entry, so no later
