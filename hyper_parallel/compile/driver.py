@@ -9,8 +9,8 @@ dumps → codegen, which the pipeline path runs once per stage and variant) with
 the summary. Every function takes a frozen ``compile.request.CompileRequest`` (what
 the module's run-time state or a planner asks for) and returns what it built: nothing here changes
 the module's run-time state or keeps state between calls (a caller's ``reusing_lowerings`` scope
-keeps lowerings for the compiles inside it: compile/lowering_reuse.py). What the capture read of the module
-(its attribute reads, which guard later calls) comes back in ``Lowered.reads`` /
+keeps lowerings for the compiles inside it: compile/lowering_reuse.py). What the capture read of
+the module (its attribute reads, which guard later calls) comes back in ``Lowered.reads`` /
 ``CompiledEntry.reads`` for the caller to record.
 """
 
@@ -182,8 +182,8 @@ def capture_and_lower(
 ) -> Lowered:
     """``wrap_forward``: a context manager factory that changes what the module's forward returns
     while it is captured (the pipeline's loss). Inside a ``lowering_reuse.reusing_lowerings``
-    scope a lowering whose inputs match an earlier one's is a copy of it (compile/lowering_reuse.py). ``progress``: where each phase's seconds go (the
-    rank-0 progress lines), or None. The module runs as ``request.original_cls`` while captured,
+    scope a lowering whose inputs match an earlier one's is a copy of it (compile/lowering_reuse.py).
+    ``progress``: where each phase's seconds go (the rank-0 progress lines), or None. The module runs as ``request.original_cls`` while captured,
     on fake parameters; on return it is as it was."""
     progress = progress or Progress(f"compile {request.model_name}", enabled=False)
     # Inside the planner's reuse scope a compile whose capture, propagation and lowering would be
